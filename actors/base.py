@@ -1,0 +1,64 @@
+"""What every actor shares: draining an inbox in batches, and posting mail without waiting.
+
+Handlers are synchronous, so one mail is one atomic state transition. Posting never
+awaits: every mailbox is sized above the most mail the daemon can have in flight (a few
+per admitted request, and admission is capped), so a full mailbox is a sizing bug and
+fails loudly instead of deadlocking a cycle of actors waiting on each other.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TypeVar
+
+import anyio
+from anyio.abc import ObjectReceiveStream, ObjectSendStream
+
+M = TypeVar("M")
+
+# Mails handled back to back before yielding to the event loop, so sockets and timers
+# still get a turn under a burst.
+BATCH = 256
+
+
+class MailboxFull(RuntimeError):
+    """A mailbox hit its bound: the sizing invariant above was broken."""
+
+
+def post(outbox: ObjectSendStream[M], mail: M) -> None:
+    try:
+        outbox.send_nowait(mail)
+    except anyio.WouldBlock:
+        raise MailboxFull(f"mailbox full while posting {type(mail).__name__}") from None
+
+
+async def drain(inbox: ObjectReceiveStream[M], handle: Callable[[M], None]) -> None:
+    """Call ``handle`` on every mail until every sender has closed.
+
+    anyio's ``receive`` yields to the loop on every call; taking what is already queued
+    with ``receive_nowait`` first costs one loop turn per batch instead of per mail.
+    """
+    while True:
+        for _ in range(BATCH):
+            try:
+                mail = inbox.receive_nowait()
+            except anyio.WouldBlock:
+                break
+            except anyio.EndOfStream:
+                return
+            handle(mail)
+        try:
+            mail = await inbox.receive()
+        except anyio.EndOfStream:
+            return
+        handle(mail)
+
+
+def reply_once(reply: ObjectSendStream[M], value: M) -> None:
+    """Answer a query on its one-slot reply stream and close it (the replier closes)."""
+    with reply:
+        reply.send_nowait(value)
+
+
+def mailbox_depth(inbox: ObjectReceiveStream[M]) -> int:
+    return inbox.statistics().current_buffer_used

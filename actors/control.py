@@ -1,0 +1,148 @@
+"""ControlActor: sole owner of the control socket; gathers ``Stats`` from the owners.
+
+No number is kept here. Each query fans out to the actors that own the numbers, each
+answering from its own fields, and the answers are merged into one typed snapshot.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import anyio
+import msgspec
+import structlog
+import zmq
+import zmq.asyncio
+from anyio.abc import ObjectSendStream
+
+from actors.admission import AdmissionStats
+from actors.frontend import FrontendStats
+from actors.mail import QueryStats
+from actors.negotiator import NegotiatorStats
+from actors.pools import PoolStats
+from actors.tracker import TrackerStats
+from transfer.protocol import (
+    CONTROL_REQUEST,
+    ControlReply,
+    Drain,
+    Draining,
+    GetStats,
+    InstanceStats,
+    ListWorkers,
+    Reason,
+    Rejected,
+    Stats,
+    Workers,
+    encode,
+)
+
+log = structlog.get_logger()
+
+QUERY_TIMEOUT_S = 5.0
+
+
+class ControlActor:
+    """Owns the control socket."""
+
+    def __init__(
+        self,
+        *,
+        ctx: zmq.asyncio.Context,
+        endpoint: str,
+        owners: dict[str, ObjectSendStream[Any]],
+        drain_requested: anyio.Event,
+    ) -> None:
+        self._ctx = ctx
+        self._endpoint = endpoint
+        self._owners = owners  # "frontend", "tracker", "admission", "negotiator", "pool.<role>"
+        self._drain_requested = drain_requested
+        self._started = time.monotonic()
+
+    async def run(self, *, task_status: anyio.abc.TaskStatus[str] = anyio.TASK_STATUS_IGNORED) -> None:
+        sock = self._ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            sock.bind(self._endpoint)
+            task_status.started(sock.getsockopt_string(zmq.LAST_ENDPOINT))
+            while True:
+                frames = await sock.recv_multipart()
+                reply = await self._answer(frames)
+                await sock.send_multipart([frames[0], b"", encode(reply)])
+        finally:
+            sock.close(linger=0)
+
+    async def _answer(self, frames: list[bytes]) -> ControlReply:
+        if len(frames) != 3 or frames[1] != b"":
+            return Rejected(request_id="", reason=Reason.INVALID, message="invalid control request: expected [empty, body]")
+        try:
+            msg = CONTROL_REQUEST.decode(frames[2])
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            return Rejected(request_id="", reason=Reason.INVALID, message=f"invalid control request: {exc}")
+        match msg:
+            case GetStats():
+                return await self.stats()
+            case ListWorkers():
+                return Workers(instances=(await self.stats()).instances)
+            case Drain():
+                stats = await self.stats()
+                self._drain_requested.set()
+                return Draining(in_flight=sum(stats.requests_by_state.values()))
+
+    async def _ask(self, owner: str) -> Any:
+        reply_tx, reply_rx = anyio.create_memory_object_stream[Any](1)
+        with reply_rx:
+            await self._owners[owner].send(QueryStats(reply=reply_tx))
+            with anyio.fail_after(QUERY_TIMEOUT_S):
+                return await reply_rx.receive()
+
+    async def stats(self) -> Stats:
+        answers: dict[str, Any] = {}
+
+        async def ask(owner: str) -> None:
+            answers[owner] = await self._ask(owner)
+
+        async with anyio.create_task_group() as tg:
+            for owner in self._owners:
+                tg.start_soon(ask, owner)
+        frontend: FrontendStats = answers["frontend"]
+        tracker: TrackerStats = answers["tracker"]
+        admission: AdmissionStats = answers["admission"]
+        negotiator: NegotiatorStats = answers["negotiator"]
+        instances: list[InstanceStats] = []
+        for owner, answer in answers.items():
+            if not owner.startswith("pool."):
+                continue
+            pool: PoolStats = answer
+            for slots in pool.instances:
+                prealloc = negotiator.prealloc.get(slots.instance)
+                instances.append(
+                    InstanceStats(
+                        instance=slots.instance,
+                        role=pool.role,
+                        name=slots.name,
+                        address=slots.address,
+                        session=slots.session,
+                        slots_free=slots.slots_free,
+                        slots_total=slots.slots_total,
+                        prealloc_free=prealloc.free if prealloc else 0,
+                        prealloc_total=prealloc.total if prealloc else 0,
+                        served=slots.served,
+                        failed=slots.failed,
+                        alive=prealloc is not None,
+                    )
+                )
+        mailboxes = {owner: answer.mailbox for owner, answer in answers.items()}
+        return Stats(
+            uptime_s=time.monotonic() - self._started,
+            draining=frontend.draining,
+            instances=instances,
+            queue_depths=admission.queue_depths,
+            handoffs_in_flight=negotiator.handoffs_in_flight,
+            fast_path=negotiator.fast_path,
+            slow_path=negotiator.slow_path,
+            requests_by_state=tracker.by_state,
+            completed=tracker.completed,
+            failed_by_reason=tracker.failed_by_reason,
+            mailboxes=mailboxes,
+        )

@@ -1,0 +1,137 @@
+"""Dispatch policies: which instance of a pool gets the next job.
+
+Each policy is told every change of an instance's free-slot count and answers ``pick``
+among instances with a free slot, in O(1) or O(log n) of the number of instances; none
+scans the pool.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import random
+from collections import deque
+from typing import Protocol
+
+
+class DispatchPolicy(Protocol):
+    def update(self, instance: str, free: int) -> None:
+        """``instance`` now has ``free`` free slots (0 makes it unpickable)."""
+
+    def remove(self, instance: str) -> None:
+        """``instance`` left the pool."""
+
+    def pick(self) -> str | None:
+        """An instance with a free slot, or None. Does not change any count."""
+
+
+class RoundRobin:
+    """Instances with free slots take turns: a ring that rotates on every pick."""
+
+    def __init__(self) -> None:
+        self._ring: deque[str] = deque()
+        self._free: dict[str, int] = {}
+
+    def update(self, instance: str, free: int) -> None:
+        had = self._free.get(instance, 0)
+        self._free[instance] = free
+        if free > 0 and had == 0:
+            self._ring.append(instance)
+
+    def remove(self, instance: str) -> None:
+        self._free.pop(instance, None)
+
+    def pick(self) -> str | None:
+        ring = self._ring
+        while ring:
+            instance = ring[0]
+            if self._free.get(instance, 0) <= 0:
+                ring.popleft()  # went full or left since it joined the ring; drop lazily
+                continue
+            ring.rotate(-1)
+            return instance
+        return None
+
+
+class LeastLoaded:
+    """The instance with the most free slots (ties: the one that has waited longest).
+
+    A heap with lazy invalidation: each update pushes a fresh entry and stale entries are
+    skipped when they reach the top, so a pick is amortised O(log n).
+    """
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[int, int, str]] = []
+        self._free: dict[str, int] = {}
+        self._order = itertools.count()
+
+    def update(self, instance: str, free: int) -> None:
+        self._free[instance] = free
+        if free > 0:
+            heapq.heappush(self._heap, (-free, next(self._order), instance))
+        self._compact()
+
+    def remove(self, instance: str) -> None:
+        self._free.pop(instance, None)
+
+    def pick(self) -> str | None:
+        heap = self._heap
+        while heap:
+            neg_free, _, instance = heap[0]
+            if self._free.get(instance, 0) == -neg_free:
+                return instance
+            heapq.heappop(heap)
+        return None
+
+    def _compact(self) -> None:
+        if len(self._heap) > 4 * len(self._free) + 64:
+            self._heap = [(-free, next(self._order), i) for i, free in self._free.items() if free > 0]
+            heapq.heapify(self._heap)
+
+
+class PowerOfTwo:
+    """Two random instances with free slots; the one with more free slots wins.
+
+    Candidates live in a list with an index map, so add, remove and sample are O(1).
+    """
+
+    def __init__(self, rng: random.Random | None = None) -> None:
+        self._rng = rng or random.Random()
+        self._free: dict[str, int] = {}
+        self._candidates: list[str] = []
+        self._index: dict[str, int] = {}
+
+    def update(self, instance: str, free: int) -> None:
+        self._free[instance] = free
+        if free > 0 and instance not in self._index:
+            self._index[instance] = len(self._candidates)
+            self._candidates.append(instance)
+        elif free <= 0 and instance in self._index:
+            self._drop(instance)
+
+    def remove(self, instance: str) -> None:
+        self._free.pop(instance, None)
+        if instance in self._index:
+            self._drop(instance)
+
+    def pick(self) -> str | None:
+        candidates = self._candidates
+        if not candidates:
+            return None
+        a = candidates[self._rng.randrange(len(candidates))]
+        b = candidates[self._rng.randrange(len(candidates))]
+        return a if self._free[a] >= self._free[b] else b
+
+    def _drop(self, instance: str) -> None:
+        position = self._index.pop(instance)
+        last = self._candidates.pop()
+        if last != instance:
+            self._candidates[position] = last
+            self._index[last] = position
+
+
+POLICIES = {"round_robin": RoundRobin, "least_loaded": LeastLoaded, "power_of_two": PowerOfTwo}
+
+
+def make_policy(name: str) -> DispatchPolicy:
+    return POLICIES[name]()

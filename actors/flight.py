@@ -1,0 +1,78 @@
+"""One request's journey through the stages, as the negotiator tracks it.
+
+    RUNNING --staged--> AWAITING --slot free--> PUSHING --pushed--> RUNNING (next role)
+                            \\--no slot--> ALLOCATING --allocated--/
+
+``role``/``instance`` name the stage that is computing (RUNNING) or sending (the rest);
+``receiver`` is the next stage's instance once one is reserved.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from actors.slots import Slot
+from transfer.protocol import GenParams, Role, TensorSpec
+
+
+class FlightState(enum.StrEnum):
+    RUNNING = "running"
+    AWAITING = "awaiting_receiver"
+    ALLOCATING = "allocating"
+    PUSHING = "pushing"
+
+
+ALLOWED: dict[FlightState, frozenset[FlightState]] = {
+    FlightState.RUNNING: frozenset({FlightState.AWAITING}),
+    FlightState.AWAITING: frozenset({FlightState.PUSHING, FlightState.ALLOCATING}),
+    FlightState.ALLOCATING: frozenset({FlightState.PUSHING}),
+    FlightState.PUSHING: frozenset({FlightState.RUNNING}),
+}
+
+
+@dataclass(slots=True, kw_only=True)
+class Flight:
+    request_id: str
+    params: GenParams
+    role: Role
+    instance: str
+    state: FlightState = FlightState.RUNNING
+    input_slot: Slot | None = None  # preallocated slot holding the running stage's input
+    nbytes: int = 0
+    manifest: list[TensorSpec] | None = None
+    compute_ms: float = 0.0
+    receiver: str | None = None
+    receiver_role: Role | None = None
+    slot: Slot | None = None  # fast path: the receiver's preallocated slot
+    address: int = 0
+    doomed: bool = False  # the request ended mid-push; freed when the push reports
+
+    def _move(self, new: FlightState) -> None:
+        if new not in ALLOWED[self.state]:
+            raise RuntimeError(f"flight {self.request_id}: {self.state} -> {new}")
+        self.state = new
+
+    def stage_output(self, nbytes: int, manifest: list[TensorSpec], compute_ms: float) -> None:
+        self._move(FlightState.AWAITING)
+        self.nbytes, self.manifest, self.compute_ms = nbytes, manifest, compute_ms
+
+    def reserve(self, receiver: str, receiver_role: Role, *, slot: Slot | None, address: int | None) -> None:
+        self.receiver, self.receiver_role, self.slot = receiver, receiver_role, slot
+        if address is None:
+            self._move(FlightState.ALLOCATING)
+        else:
+            self.address = address
+            self._move(FlightState.PUSHING)
+
+    def allocated(self, address: int) -> None:
+        self.address = address
+        self._move(FlightState.PUSHING)
+
+    def delivered(self) -> None:
+        """The receiver now runs the request; its slot holds the input until it stages."""
+        assert self.receiver is not None and self.receiver_role is not None
+        self._move(FlightState.RUNNING)
+        self.role, self.instance, self.input_slot = self.receiver_role, self.receiver, self.slot
+        self.receiver = self.receiver_role = self.slot = None
+        self.manifest = None

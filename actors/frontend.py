@@ -1,0 +1,167 @@
+"""FrontendActor: sole owner of the client ROUTER.
+
+It turns bytes into typed requests and typed replies into bytes, and nothing else reaches
+the socket. Bad input of any kind gets a ``Rejected`` naming the problem and the loop goes
+on. The decoder's output frames are relayed exactly as they arrived from the worker
+(``copy=False``): never decoded, re-encoded or copied here.
+
+It also remembers who asked for each in-flight request, which makes it the natural place to
+refuse duplicates, to shed load past ``max_in_flight`` and to refuse work while draining.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import anyio
+import msgspec
+import structlog
+import zmq
+import zmq.asyncio
+from anyio.abc import ObjectReceiveStream, ObjectSendStream
+
+from actors.base import drain, mailbox_depth, post, reply_once
+from actors.mail import Admit, CancelRequest, Deliver, FrontendMail, LimitsChanged, QueryStats, SetDraining, TrackerMail
+from orchestrator.stages.base import limits_violation
+from orchestrator.config import DaemonConfig
+from transfer.protocol import (
+    CLIENT_REQUEST,
+    PROTOCOL_VERSION,
+    Cancel,
+    Cancelled,
+    ClientReply,
+    Reason,
+    Rejected,
+    Role,
+    StageLimits,
+    Submit,
+    encode,
+)
+
+log = structlog.get_logger()
+
+FLUSH_ON_CLOSE_MS = 1000
+
+
+class FrontendStats(msgspec.Struct, frozen=True):
+    in_flight: int
+    draining: bool
+    mailbox: int
+
+
+class FrontendActor:
+    """Owns the client socket and the map from request id to the client that asked."""
+
+    def __init__(
+        self,
+        inbox: ObjectReceiveStream[FrontendMail],
+        *,
+        ctx: zmq.asyncio.Context,
+        cfg: DaemonConfig,
+        tracker: ObjectSendStream[TrackerMail],
+    ) -> None:
+        self._inbox = inbox
+        self._ctx = ctx
+        self._cfg = cfg
+        self._tracker = tracker
+        self._sock: zmq.asyncio.Socket | None = None
+        self._clients: dict[str, bytes] = {}
+        self._limits: dict[Role, StageLimits] = {}
+        self._draining = False
+        self._log = log.bind(actor="frontend")
+
+    async def run(self, *, task_status: anyio.abc.TaskStatus[str] = anyio.TASK_STATUS_IGNORED) -> None:
+        sock = self._ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, self._cfg.client_send_hwm)
+        try:
+            sock.bind(self._cfg.client_endpoint)  # a taken port fails here, loudly
+            self._sock = sock
+            async with self._inbox, anyio.create_task_group() as tg:
+                tg.start_soon(self._pump_in, sock)
+                task_status.started(sock.getsockopt_string(zmq.LAST_ENDPOINT))
+                await drain(self._inbox, self._handle)
+                tg.cancel_scope.cancel()
+        finally:
+            # Replies already handed to ZMQ get a bounded moment to leave on shutdown.
+            sock.close(linger=FLUSH_ON_CLOSE_MS)
+
+    # ------------------------------------------------------------------ inbound
+
+    async def _pump_in(self, sock: zmq.asyncio.Socket) -> None:
+        while True:
+            self._on_frames(await sock.recv_multipart())
+            for _ in range(256):  # take what already arrived before yielding again
+                try:
+                    frames = await sock.recv_multipart(flags=zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                self._on_frames(frames)
+
+    def _on_frames(self, frames: list[bytes]) -> None:
+        identity = frames[0]
+        # REQ and DEALER clients both put an empty delimiter before the body.
+        if len(frames) != 3 or frames[1] != b"":
+            self._send(identity, Rejected(request_id="", reason=Reason.INVALID,
+                                          message=f"invalid request: expected [empty, body] frames, got {len(frames) - 1}"))
+            return
+        try:
+            msg = CLIENT_REQUEST.decode(frames[2])
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            self._send(identity, Rejected(request_id="", reason=Reason.INVALID, message=f"invalid request: {exc}"))
+            return
+        if msg.protocol != PROTOCOL_VERSION:
+            self._send(identity, Rejected(request_id=msg.request_id, reason=Reason.UNSUPPORTED,
+                                          message=f"protocol {msg.protocol}; this daemon speaks {PROTOCOL_VERSION}"))
+            return
+        match msg:
+            case Submit():
+                self._submit(identity, msg)
+            case Cancel(request_id=rid):
+                found = rid in self._clients
+                if found:
+                    post(self._tracker, CancelRequest(request_id=rid))
+                self._send(identity, Cancelled(request_id=rid, found=found))
+
+    def _submit(self, identity: bytes, msg: Submit) -> None:
+        rid = msg.request_id or uuid.uuid4().hex
+        problem: tuple[Reason, str] | None = None
+        if self._draining:
+            problem = Reason.DRAINING, "the daemon is draining and takes no new work"
+        elif rid in self._clients:
+            problem = Reason.DUPLICATE, f"request {rid!r} is already in flight"
+        elif len(self._clients) >= self._cfg.max_in_flight:
+            problem = Reason.OVERLOADED, f"{len(self._clients)} requests in flight (max_in_flight)"
+        else:
+            for limits in self._limits.values():
+                violation = limits_violation(limits, msg.params)
+                if violation:
+                    problem = Reason.INVALID, violation
+                    break
+        if problem is not None:
+            self._send(identity, Rejected(request_id=rid, reason=problem[0], message=problem[1]))
+            return
+        timeout_s = min(msg.timeout_s or self._cfg.request_timeout_s, self._cfg.max_request_timeout_s)
+        self._clients[rid] = identity
+        post(self._tracker, Admit(request_id=rid, params=msg.params, timeout_s=timeout_s))
+
+    # ------------------------------------------------------------------ outbound
+
+    def _handle(self, mail: FrontendMail) -> None:
+        match mail:
+            case Deliver(request_id=rid, message=message, frames=frames):
+                identity = self._clients.pop(rid, None)
+                if identity is not None:
+                    self._send(identity, message, frames)
+            case SetDraining():
+                self._draining = True
+            case LimitsChanged(role=role, limits=limits):
+                self._limits[role] = limits
+            case QueryStats(reply=reply):
+                reply_once(reply, FrontendStats(len(self._clients), self._draining, mailbox_depth(self._inbox)))
+
+    def _send(self, identity: bytes, message: ClientReply, frames: tuple | list = ()) -> None:
+        assert self._sock is not None
+        # A ROUTER never blocks on send: a client that left or stopped reading past its
+        # high-water mark has the reply dropped, and nobody else waits for it.
+        self._sock.send_multipart([identity, b"", encode(message), *frames], copy=False)

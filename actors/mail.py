@@ -1,0 +1,214 @@
+"""In-process messages between the daemon's actors: one tagged union per inbox.
+
+Never encoded. Each actor owns its state and learns about the rest only through these.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import anyio
+import msgspec
+from anyio.abc import ObjectSendStream
+
+from transfer.protocol import ClientReply, GenParams, Reason, Role, StageLimits, TensorSpec, WorkOrder
+
+
+class Mail(msgspec.Struct, tag=True, frozen=True, kw_only=True):
+    """Base of in-process messages."""
+
+
+class Job(msgspec.Struct, frozen=True, kw_only=True):
+    """A request waiting for, or holding, capacity at one role."""
+
+    request_id: str
+    role: Role
+    params: GenParams
+
+
+class QueryStats(Mail):
+    """Answer with your own numbers on ``reply`` (one slot; the replier closes it)."""
+
+    reply: ObjectSendStream[Any]
+
+
+class Tick(Mail):
+    """Time passed: check deadlines or liveness."""
+
+
+# --------------------------------------------------------------------------- frontend
+
+
+class Deliver(Mail):
+    """Send ``message`` (then ``frames``, relayed untouched) to whoever asked ``request_id``."""
+
+    request_id: str
+    message: ClientReply
+    frames: Sequence[Any] = ()
+
+
+class SetDraining(Mail):
+    """Answer new submits with ``draining`` from now on."""
+
+
+class LimitsChanged(Mail):
+    """A worker of ``role`` registered with these model limits."""
+
+    role: Role
+    limits: StageLimits
+
+
+FrontendMail = Deliver | SetDraining | LimitsChanged | QueryStats
+
+
+# --------------------------------------------------------------------------- tracker
+
+
+class Admit(Mail):
+    """A validated submit: start tracking it and queue it for an encoder."""
+
+    request_id: str
+    params: GenParams
+    timeout_s: float
+
+
+class HandedOff(Mail):
+    """A stage's output reached the next stage's memory."""
+
+    request_id: str
+    role: Role
+    instance: str
+    compute_ms: float
+    transfer_ms: float
+    nbytes: int
+    fast_path: bool
+
+
+class Finished(Mail):
+    """The decoder answered; ``frames`` are its raw output frames."""
+
+    request_id: str
+    instance: str
+    compute_ms: float
+    outputs: list[TensorSpec]
+    frames: Sequence[Any]
+
+
+class Failed(Mail):
+    """The request cannot finish; every owner will be told to forget it."""
+
+    request_id: str
+    reason: Reason
+    message: str
+
+
+class CancelRequest(Mail):
+    request_id: str
+
+
+class StartDrain(Mail):
+    """Stop admitting; set ``drained`` once nothing is in flight."""
+
+    drained: anyio.Event
+
+
+TrackerMail = Admit | HandedOff | Finished | Failed | CancelRequest | StartDrain | Tick | QueryStats
+
+
+# --------------------------------------------------------------------------- admission
+
+
+class Enqueue(Mail):
+    """Queue ``job`` until its role has capacity; ``front`` returns a job that lost its slot."""
+
+    job: Job
+    front: bool = False
+
+
+class Credit(Mail):
+    """``role`` gained (or, negative, lost) ``delta`` free slots."""
+
+    role: Role
+    delta: int
+
+
+class Withdraw(Mail):
+    """Drop ``request_id`` from every queue."""
+
+    request_id: str
+
+
+AdmissionMail = Enqueue | Credit | Withdraw | QueryStats
+
+
+# --------------------------------------------------------------------------- pools
+
+
+class Dispatch(Mail):
+    """Admission granted ``job`` a slot of this role: pick an instance."""
+
+    job: Job
+
+
+class Join(Mail):
+    """A worker registered: add it to the pool and connect to its work socket."""
+
+    instance: str
+    name: str
+    work_address: str
+    session: str
+    key: bytes
+    capacity: int
+
+
+class Leave(Mail):
+    """A worker is gone (evicted or replaced): fail what it held, forget it."""
+
+    instance: str
+    reason: Reason
+    message: str
+
+
+class Send(Mail):
+    """Send ``order`` to ``instance``'s work socket. ``starts`` marks compute starting."""
+
+    instance: str
+    order: WorkOrder
+    starts: bool = False
+
+
+class Release(Mail):
+    """``instance`` no longer holds ``request_id``: its slot is free."""
+
+    request_id: str
+    instance: str
+    ok: bool
+
+
+class Forget(Mail):
+    """``request_id`` is over: free what it holds and abort workers still computing it."""
+
+    request_id: str
+
+
+PoolMail = Dispatch | Join | Leave | Send | Release | Forget | QueryStats
+
+
+# --------------------------------------------------------------------------- negotiator
+
+
+class Placed(Mail):
+    """A receiver pool reserved a slot at ``instance`` for ``job``'s input."""
+
+    job: Job
+    instance: str
+
+
+class Unplaceable(Mail):
+    """``job``'s role has no live instance left to take it."""
+
+    job: Job
+
+
+NegotiatorMail = Placed | Unplaceable | Forget | Tick | QueryStats

@@ -1,0 +1,422 @@
+"""TransferNegotiator: every hand-off between stages, and the link to every worker.
+
+It owns the worker ROUTER (registration, heartbeats, everything workers report), the
+preallocated receive slots of every receiver, and one ``Flight`` per request from the
+moment a stage starts it until the decoder answers. Per hop it takes the fast path (a
+free preallocated slot big enough: tell the sender to push at once) or the slow path
+(ask the receiver to allocate, then push).
+
+The tensors never come here: workers write into each other's memory with Mooncake and
+only sizes, addresses and manifests cross this actor. The decoder's output frames pass
+through untouched on their way to the frontend.
+
+A worker is identified by its ROUTER connection, which only a registration carrying the
+shared token creates; a report about a request counts only if it comes from the instance
+the request's flight names. Anything else is a late or forged message and changes nothing.
+"""
+
+from __future__ import annotations
+
+import hmac
+import itertools
+import secrets
+import time
+from dataclasses import dataclass
+
+import anyio
+import msgspec
+import structlog
+import zmq
+import zmq.asyncio
+from anyio.abc import ObjectReceiveStream, ObjectSendStream
+
+from actors.base import drain, mailbox_depth, post, reply_once
+from actors.flight import Flight, FlightState
+from actors.mail import (
+    AdmissionMail,
+    Enqueue,
+    Failed,
+    Finished,
+    Forget,
+    FrontendMail,
+    HandedOff,
+    Job,
+    Join,
+    Leave,
+    LimitsChanged,
+    NegotiatorMail,
+    Placed,
+    PoolMail,
+    QueryStats,
+    Release,
+    Send,
+    Tick,
+    TrackerMail,
+)
+from actors.slots import SlotBook
+from orchestrator.config import DaemonConfig
+from transfer.protocol import (
+    PROTOCOL_VERSION,
+    WORKER_MESSAGE,
+    Abort,
+    Alloc,
+    Allocated,
+    AllocRejected,
+    Done,
+    Heartbeat,
+    Push,
+    Pushed,
+    Ready,
+    Reason,
+    Register,
+    Registered,
+    RegisterRefused,
+    Role,
+    Staged,
+    WorkerMessage,
+    encode,
+    hop_name,
+    next_role,
+)
+
+log = structlog.get_logger()
+
+
+@dataclass(slots=True)
+class Link:
+    """A registered worker connection."""
+
+    routing_id: bytes
+    instance: str
+    role: Role
+    name: str
+    session: str
+    pool_base: int
+    pool_size: int
+    last_seen: float
+
+    def holds(self, address: int, nbytes: int) -> bool:
+        return self.pool_base <= address and address + nbytes <= self.pool_base + self.pool_size
+
+
+class PreallocCounts(msgspec.Struct, frozen=True):
+    free: int
+    total: int
+    alive: bool
+
+
+class NegotiatorStats(msgspec.Struct, frozen=True):
+    prealloc: dict[str, PreallocCounts]
+    handoffs_in_flight: int
+    fast_path: dict[str, int]
+    slow_path: dict[str, int]
+    mailbox: int
+
+
+class TransferNegotiator:
+    """Owns the worker socket, the receive slots and every request's flight."""
+
+    def __init__(
+        self,
+        inbox: ObjectReceiveStream[NegotiatorMail],
+        *,
+        ctx: zmq.asyncio.Context,
+        cfg: DaemonConfig,
+        pools: dict[Role, ObjectSendStream[PoolMail]],
+        admission: ObjectSendStream[AdmissionMail],
+        tracker: ObjectSendStream[TrackerMail],
+        frontend: ObjectSendStream[FrontendMail],
+    ) -> None:
+        self._inbox = inbox
+        self._ctx = ctx
+        self._cfg = cfg
+        self._pools = pools
+        self._admission = admission
+        self._tracker = tracker
+        self._frontend = frontend
+        self._sock: zmq.asyncio.Socket | None = None
+        self._links: dict[bytes, Link] = {}
+        self._by_instance: dict[str, Link] = {}
+        self._slots = SlotBook()
+        self._flights: dict[str, Flight] = {}
+        self._fast: dict[str, int] = {}
+        self._slow: dict[str, int] = {}
+        self._ids = itertools.count(1)
+        self._log = log.bind(actor="negotiator")
+
+    async def run(self, *, task_status: anyio.abc.TaskStatus[str] = anyio.TASK_STATUS_IGNORED) -> None:
+        sock = self._ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, self._cfg.worker_send_hwm)
+        try:
+            sock.bind(self._cfg.worker_endpoint)  # a taken port fails here, loudly
+            self._sock = sock
+            async with self._inbox, anyio.create_task_group() as tg:
+                tg.start_soon(self._pump_in, sock)
+                task_status.started(sock.getsockopt_string(zmq.LAST_ENDPOINT))
+                await drain(self._inbox, self._handle)
+                tg.cancel_scope.cancel()
+        finally:
+            sock.close(linger=0)
+
+    # ------------------------------------------------------------------ worker socket
+
+    async def _pump_in(self, sock: zmq.asyncio.Socket) -> None:
+        while True:
+            frames = await sock.recv_multipart(copy=False)
+            self._on_frames(frames)
+            # Take whatever else already arrived before yielding to the loop again.
+            for _ in range(256):
+                try:
+                    frames = await sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                self._on_frames(frames)
+
+    def _on_frames(self, frames: list[zmq.Frame]) -> None:
+        routing_id = frames[0].bytes
+        if len(frames) < 2:
+            return
+        try:
+            msg = WORKER_MESSAGE.decode(frames[1].buffer)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            self._log.warning("worker.bad_message", error=str(exc))
+            return
+        link = self._links.get(routing_id)
+        if isinstance(msg, Register):
+            self._register(routing_id, link, msg)
+            return
+        if link is None:
+            self._reply(routing_id, RegisterRefused(message="not registered (the daemon may have restarted)"))
+            return
+        link.last_seen = time.monotonic()
+        self._on_report(link, msg, frames[2:])
+
+    def _reply(self, routing_id: bytes, msg: Registered | RegisterRefused) -> None:
+        assert self._sock is not None
+        # ROUTER drops (never blocks on) a reply to a peer that is gone or not reading.
+        self._sock.send_multipart([routing_id, encode(msg)])
+
+    def _register(self, routing_id: bytes, link: Link | None, msg: Register) -> None:
+        if not hmac.compare_digest(msg.token.encode(), self._cfg.token.encode()):
+            self._log.warning("worker.refused", name=msg.name, why="bad token")
+            self._reply(routing_id, RegisterRefused(message="bad token"))
+            return
+        if msg.protocol != PROTOCOL_VERSION:
+            self._reply(routing_id, RegisterRefused(message=f"protocol {msg.protocol}, daemon speaks {PROTOCOL_VERSION}"))
+            return
+        bad = [s.slot_id for s in msg.slots if not msg.pool_base <= s.address <= msg.pool_base + msg.pool_size - s.size]
+        if bad:
+            self._reply(routing_id, RegisterRefused(message=f"slots {bad} lie outside the registered pool"))
+            return
+        if link is not None:
+            return  # a retried Register on a live connection: the first answer stands
+        stale = next((old for old in self._links.values() if old.name == msg.name), None)
+        if stale is not None:
+            # Same worker, new connection: it restarted, so its old slots and memory are gone.
+            self._evict(stale, f"{stale.instance} re-registered as a new process")
+        instance = f"{msg.role}-{next(self._ids)}"
+        link = Link(routing_id, instance, msg.role, msg.name, msg.session, msg.pool_base, msg.pool_size,
+                    time.monotonic())
+        self._links[routing_id] = link
+        self._by_instance[instance] = link
+        if msg.role != "encoder":
+            self._slots.add_instance(instance, msg.slots)
+        key = secrets.token_bytes(16)
+        post(self._pools[msg.role], Join(instance=instance, name=msg.name, work_address=msg.work_address,
+                                         session=msg.session, key=key, capacity=msg.capacity))
+        post(self._frontend, LimitsChanged(role=msg.role, limits=msg.limits))
+        self._reply(routing_id, Registered(instance=instance, key=key, heartbeat_s=self._cfg.heartbeat_s))
+        self._log.info("worker.registered", instance=instance, name=msg.name, role=msg.role,
+                       session=msg.session, slots=[s.size for s in msg.slots], capacity=msg.capacity)
+
+    # ------------------------------------------------------------------ reports
+
+    def _on_report(self, link: Link, msg: WorkerMessage, frames: list[zmq.Frame]) -> None:
+        match msg:
+            case Heartbeat():
+                pass
+            case Staged():
+                self._staged(link, msg)
+            case Allocated():
+                self._allocated(link, msg)
+            case AllocRejected(request_id=rid, message=message):
+                flight = self._flights.get(rid)
+                if flight is None or flight.state != FlightState.ALLOCATING or flight.receiver != link.instance:
+                    return
+                self._fail(flight, Reason.TRANSFER_FAILED, f"{link.instance} cannot fit {flight.nbytes} bytes: {message}")
+            case Pushed():
+                self._pushed(link, msg)
+            case Done():
+                self._done(link, msg, frames)
+            case Register():
+                pass  # handled before a link exists
+
+    def _staged(self, link: Link, msg: Staged) -> None:
+        rid = msg.request_id
+        flight = self._flights.get(rid)
+        if flight is None or flight.state != FlightState.RUNNING or flight.instance != link.instance:
+            # Late (the request ended) or not this worker's to report: have it free the block.
+            self._order(link.role, link.instance, Abort(request_id=rid))
+            return
+        following = next_role(link.role)
+        bad = [s.name for s in msg.manifest if s.offset + s.nbytes > msg.nbytes]
+        if following is None or bad:
+            self._fail(flight, Reason.STAGE_FAILED, f"{link.instance} staged an invalid output {bad}")
+            return
+        self._recycle_input(flight)
+        flight.stage_output(msg.nbytes, msg.manifest, msg.compute_ms)
+        post(self._admission, Enqueue(job=Job(request_id=rid, role=following, params=flight.params)))
+
+    def _placed(self, job: Job, instance: str) -> None:
+        rid = job.request_id
+        if job.role == "encoder":
+            self._flights[rid] = Flight(request_id=rid, params=job.params, role="encoder", instance=instance)
+            return
+        flight = self._flights.get(rid)
+        if flight is None or flight.state != FlightState.AWAITING:
+            return  # ended while queued; the pool that reserved the slot frees it on Forget
+        hop = hop_name(flight.role, job.role)
+        slot = self._slots.take(instance, flight.nbytes)
+        if slot is not None:
+            self._fast[hop] = self._fast.get(hop, 0) + 1
+            flight.reserve(instance, job.role, slot=slot, address=slot.address)
+            self._push(flight)
+        else:
+            self._slow[hop] = self._slow.get(hop, 0) + 1
+            flight.reserve(instance, job.role, slot=None, address=None)
+            self._order(job.role, instance, Alloc(request_id=rid, nbytes=flight.nbytes))
+
+    def _allocated(self, link: Link, msg: Allocated) -> None:
+        flight = self._flights.get(msg.request_id)
+        if flight is None or flight.state != FlightState.ALLOCATING or flight.receiver != link.instance:
+            # Late: the request ended while the receiver was allocating; free it there.
+            self._order(link.role, link.instance, Abort(request_id=msg.request_id))
+            return
+        if not link.holds(msg.address, flight.nbytes):
+            self._fail(flight, Reason.TRANSFER_FAILED, f"{link.instance} allocated outside its pool")
+            return
+        flight.allocated(msg.address)
+        self._push(flight)
+
+    def _push(self, flight: Flight) -> None:
+        receiver = self._by_instance[flight.receiver]
+        self._order(flight.role, flight.instance, Push(request_id=flight.request_id, session=receiver.session,
+                                                       address=flight.address, nbytes=flight.nbytes))
+
+    def _pushed(self, link: Link, msg: Pushed) -> None:
+        flight = self._flights.get(msg.request_id)
+        if flight is None or flight.state != FlightState.PUSHING or flight.instance != link.instance:
+            return
+        rid = flight.request_id
+        if flight.doomed:
+            # The request ended mid-push; only now is the receiver's memory safe to reuse.
+            self._release_receiver(flight)
+            del self._flights[rid]
+            return
+        post(self._pools[flight.role], Release(request_id=rid, instance=flight.instance, ok=msg.ok))
+        if not msg.ok:
+            self._fail(flight, Reason.TRANSFER_FAILED, f"{flight.instance} -> {flight.receiver}: {msg.error}")
+            return
+        post(self._tracker, HandedOff(request_id=rid, role=flight.role, instance=flight.instance,
+                                      compute_ms=flight.compute_ms, transfer_ms=msg.transfer_ms,
+                                      nbytes=flight.nbytes, fast_path=flight.slot is not None))
+        ready = Ready(request_id=rid, params=flight.params, address=flight.address, manifest=flight.manifest,
+                      slot_id=flight.slot.slot_id if flight.slot else None)
+        flight.delivered()
+        self._order(flight.role, flight.instance, ready, starts=True)
+
+    def _done(self, link: Link, msg: Done, frames: list[zmq.Frame]) -> None:
+        flight = self._flights.get(msg.request_id)
+        if flight is None or flight.state != FlightState.RUNNING or flight.instance != link.instance:
+            return
+        rid = flight.request_id
+        if msg.ok and (link.role != "decoder" or len(frames) != len(msg.outputs)):
+            self._fail(flight, Reason.STAGE_FAILED,
+                       f"{link.instance} reported {len(frames)} frames for {len(msg.outputs)} outputs")
+            return
+        self._recycle_input(flight)
+        del self._flights[rid]
+        post(self._pools[link.role], Release(request_id=rid, instance=link.instance, ok=msg.ok))
+        if msg.ok:
+            post(self._tracker, Finished(request_id=rid, instance=link.instance, compute_ms=msg.compute_ms,
+                                         outputs=msg.outputs, frames=frames))
+        else:
+            post(self._tracker, Failed(request_id=rid, reason=msg.reason, message=f"{link.instance}: {msg.error}"))
+
+    # ------------------------------------------------------------------ mail
+
+    def _handle(self, mail: NegotiatorMail) -> None:
+        match mail:
+            case Placed(job=job, instance=instance):
+                self._placed(job, instance)
+            case Forget(request_id=rid):
+                flight = self._flights.get(rid)
+                if flight is not None and not flight.doomed:
+                    self._abandon(flight, sender_alive=True)
+            case Tick():
+                self._check_liveness(time.monotonic())
+            case QueryStats(reply=reply):
+                prealloc = {}
+                for instance in self._by_instance:
+                    free, total = self._slots.counts(instance)
+                    prealloc[instance] = PreallocCounts(free, total, True)
+                in_flight = sum(1 for f in self._flights.values() if f.state != FlightState.RUNNING)
+                reply_once(reply, NegotiatorStats(prealloc, in_flight, dict(self._fast), dict(self._slow),
+                                                  mailbox_depth(self._inbox)))
+            case _:
+                raise AssertionError(f"unexpected mail {mail!r}")
+
+    def _abandon(self, flight: Flight, *, sender_alive: bool) -> None:
+        """Free what ``flight`` holds outside the pools' slot counts, as soon as it is safe."""
+        match flight.state:
+            case FlightState.RUNNING:
+                self._recycle_input(flight)
+            case FlightState.ALLOCATING:
+                self._order(flight.receiver_role, flight.receiver, Abort(request_id=flight.request_id))
+            case FlightState.PUSHING if sender_alive:
+                # The sender may be writing into the receiver's memory right now: keep that
+                # memory reserved until its Pushed arrives.
+                flight.doomed = True
+                return
+            case FlightState.PUSHING:
+                self._release_receiver(flight)
+            case FlightState.AWAITING:
+                pass  # the sender's pool aborts it, which frees the staged block
+        del self._flights[flight.request_id]
+
+    def _fail(self, flight: Flight, reason: Reason, message: str) -> None:
+        post(self._tracker, Failed(request_id=flight.request_id, reason=reason, message=message))
+
+    def _release_receiver(self, flight: Flight) -> None:
+        if flight.slot is not None:
+            self._slots.recycle(flight.slot)
+        else:
+            self._order(flight.receiver_role, flight.receiver, Abort(request_id=flight.request_id))
+
+    def _recycle_input(self, flight: Flight) -> None:
+        if flight.input_slot is not None:
+            self._slots.recycle(flight.input_slot)
+            flight.input_slot = None
+
+    def _order(self, role: Role, instance: str | None, order: Abort | Alloc | Push | Ready, *, starts: bool = False) -> None:
+        assert instance is not None
+        post(self._pools[role], Send(instance=instance, order=order, starts=starts))
+
+    # ------------------------------------------------------------------ liveness
+
+    def _check_liveness(self, now: float) -> None:
+        limit = self._cfg.heartbeat_s * self._cfg.heartbeat_misses
+        for link in [lk for lk in self._links.values() if now - lk.last_seen > limit]:
+            self._evict(link, f"{link.instance} missed heartbeats for {now - link.last_seen:.1f}s")
+
+    def _evict(self, link: Link, why: str) -> None:
+        del self._links[link.routing_id]
+        del self._by_instance[link.instance]
+        self._slots.remove_instance(link.instance)
+        post(self._pools[link.role], Leave(instance=link.instance, reason=Reason.WORKER_LOST, message=why))
+        # Eviction is rare, so a pass over the flights is fine here (never on the hot path).
+        for flight in [f for f in self._flights.values() if link.instance in (f.instance, f.receiver)]:
+            self._abandon(flight, sender_alive=flight.instance != link.instance)
+            self._fail(flight, Reason.WORKER_LOST, why)
+        self._log.warning("worker.evicted", instance=link.instance, why=why)

@@ -1,0 +1,218 @@
+"""PoolActor: one per role. Membership, free slots, the dispatch policy, work sockets.
+
+A slot is the unit of a worker's capacity: taken when a job is dispatched to (or a hand-off
+reserved at) an instance, given back when that instance no longer holds the request. The
+pool is the only sender on each instance's PUSH socket; every order is prefixed with the
+key the worker was given at registration, so nobody else can drive a worker.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import anyio
+import msgspec
+import structlog
+import zmq
+from anyio.abc import ObjectReceiveStream, ObjectSendStream
+
+from actors.base import drain, mailbox_depth, post, reply_once
+from actors.dispatch import make_policy
+from actors.mail import (
+    AdmissionMail,
+    Credit,
+    Dispatch,
+    Enqueue,
+    Failed,
+    Forget,
+    Join,
+    Leave,
+    NegotiatorMail,
+    Placed,
+    PoolMail,
+    QueryStats,
+    Release,
+    Send,
+    TrackerMail,
+)
+from transfer.protocol import Abort, Reason, Role, Work, WorkOrder, encode
+
+log = structlog.get_logger()
+
+
+@dataclass(slots=True)
+class Instance:
+    instance: str
+    name: str
+    address: str
+    session: str
+    key: bytes
+    capacity: int
+    socket: zmq.Socket
+    free: int = 0
+    served: int = 0
+    failed: int = 0
+    holding: set[str] = field(default_factory=set)
+
+
+class InstanceSlots(msgspec.Struct, frozen=True):
+    instance: str
+    name: str
+    address: str
+    session: str
+    slots_free: int
+    slots_total: int
+    served: int
+    failed: int
+
+
+class PoolStats(msgspec.Struct, frozen=True):
+    role: str
+    instances: list[InstanceSlots]
+    mailbox: int
+
+
+@dataclass(slots=True)
+class Hold:
+    instance: str
+    running: bool  # compute was started there (an abort is owed on forget)
+
+
+class PoolActor:
+    """Owns one role's instances, their free slots and their work sockets."""
+
+    def __init__(
+        self,
+        role: Role,
+        inbox: ObjectReceiveStream[PoolMail],
+        *,
+        ctx: zmq.Context,
+        policy: str,
+        send_hwm: int,
+        admission: ObjectSendStream[AdmissionMail],
+        tracker: ObjectSendStream[TrackerMail],
+        negotiator: ObjectSendStream[NegotiatorMail],
+    ) -> None:
+        self.role = role
+        self._inbox = inbox
+        self._ctx = ctx
+        self._policy = make_policy(policy)
+        self._send_hwm = send_hwm
+        self._admission = admission
+        self._tracker = tracker
+        self._negotiator = negotiator
+        self._instances: dict[str, Instance] = {}
+        self._holds: dict[str, Hold] = {}
+        self._log = log.bind(actor="pool", role=role)
+
+    async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        try:
+            async with self._inbox:
+                task_status.started()
+                await drain(self._inbox, self._handle)
+        finally:
+            for inst in self._instances.values():
+                inst.socket.close(linger=0)
+
+    def _handle(self, mail: PoolMail) -> None:
+        match mail:
+            case Dispatch(job=job):
+                picked = self._policy.pick()
+                if picked is None:
+                    # The credit admission spent belonged to a worker that has since left.
+                    post(self._admission, Enqueue(job=job, front=True))
+                    return
+                inst = self._instances[picked]
+                self._take(inst, job.request_id)
+                if self.role == "encoder":
+                    self._holds[job.request_id].running = True
+                    self._send(inst, Work(request_id=job.request_id, params=job.params))
+                post(self._negotiator, Placed(job=job, instance=picked))
+            case Send(instance=instance, order=order, starts=starts):
+                inst = self._instances.get(instance)
+                if inst is None:
+                    if not isinstance(order, Abort):
+                        post(self._tracker, Failed(request_id=order.request_id, reason=Reason.WORKER_LOST,
+                                                   message=f"{self.role} {instance} left before {type(order).__name__}"))
+                    return
+                hold = self._holds.get(order.request_id)
+                if starts and hold is not None:
+                    hold.running = True
+                self._send(inst, order)
+            case Release(request_id=rid, instance=instance, ok=ok):
+                hold = self._holds.get(rid)
+                if hold is None or hold.instance != instance:
+                    return
+                inst = self._instances[instance]
+                if ok:
+                    inst.served += 1
+                else:
+                    inst.failed += 1
+                self._give_back(inst, rid)
+            case Forget(request_id=rid):
+                hold = self._holds.get(rid)
+                if hold is None:
+                    return
+                inst = self._instances[hold.instance]
+                if hold.running:
+                    self._send(inst, Abort(request_id=rid))
+                self._give_back(inst, rid)
+                post(self._negotiator, mail)
+            case Join():
+                self._join(mail)
+            case Leave(instance=instance, reason=reason, message=message):
+                self._leave(instance, reason, message)
+            case QueryStats(reply=reply):
+                reply_once(reply, PoolStats(self.role, [
+                    InstanceSlots(i.instance, i.name, i.address, i.session, i.free, i.capacity, i.served, i.failed)
+                    for i in self._instances.values()
+                ], mailbox_depth(self._inbox)))
+
+    def _take(self, inst: Instance, rid: str) -> None:
+        inst.free -= 1
+        inst.holding.add(rid)
+        self._holds[rid] = Hold(inst.instance, running=False)
+        self._policy.update(inst.instance, inst.free)
+
+    def _give_back(self, inst: Instance, rid: str) -> None:
+        del self._holds[rid]
+        inst.holding.discard(rid)
+        inst.free += 1
+        self._policy.update(inst.instance, inst.free)
+        post(self._admission, Credit(role=self.role, delta=1))
+
+    def _send(self, inst: Instance, order: WorkOrder) -> None:
+        try:
+            # Never block the loop on one worker: a full queue (SNDHWM) means it is stuck.
+            inst.socket.send_multipart([inst.key, encode(order)], flags=zmq.NOBLOCK)
+        except zmq.Again:
+            self._log.error("pool.worker_stuck", instance=inst.instance, order=type(order).__name__)
+            if not isinstance(order, Abort):
+                post(self._tracker, Failed(request_id=order.request_id, reason=Reason.WORKER_LOST,
+                                           message=f"{self.role} {inst.instance} is not taking work"))
+
+    def _join(self, mail: Join) -> None:
+        sock = self._ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, self._send_hwm)
+        sock.connect(mail.work_address)
+        inst = Instance(mail.instance, mail.name, mail.work_address, mail.session, mail.key, mail.capacity, sock,
+                        free=mail.capacity)
+        self._instances[mail.instance] = inst
+        self._policy.update(mail.instance, inst.free)
+        post(self._admission, Credit(role=self.role, delta=mail.capacity))
+        self._log.info("pool.joined", instance=mail.instance, name=mail.name, address=mail.work_address,
+                       capacity=mail.capacity)
+
+    def _leave(self, instance: str, reason: Reason, message: str) -> None:
+        inst = self._instances.pop(instance, None)
+        if inst is None:
+            return
+        self._policy.remove(instance)
+        post(self._admission, Credit(role=self.role, delta=-inst.free))
+        for rid in inst.holding:
+            del self._holds[rid]
+            post(self._tracker, Failed(request_id=rid, reason=reason, message=message))
+        inst.socket.close(linger=0)
+        self._log.warning("pool.left", instance=instance, reason=str(reason), message=message,
+                          lost=len(inst.holding))

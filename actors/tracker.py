@@ -1,0 +1,200 @@
+"""TrackerActor: the table of live requests, their deadlines, and how each one ends.
+
+Every request ends here exactly once: with a ``Result``, or with a ``Rejected`` followed by
+a ``Forget`` to every owner (admission, pools, negotiator), which each free what the
+request holds. Deadlines sit in a heap checked on each ``Tick``: expiry costs
+O(log n) per request, never a scan of the table.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from dataclasses import dataclass, field
+
+import anyio
+import msgspec
+import structlog
+from anyio.abc import ObjectReceiveStream, ObjectSendStream
+
+from actors.base import drain, mailbox_depth, post, reply_once
+from actors.mail import (
+    AdmissionMail,
+    Admit,
+    CancelRequest,
+    Deliver,
+    Enqueue,
+    Failed,
+    Finished,
+    Forget,
+    HandedOff,
+    Job,
+    QueryStats,
+    StartDrain,
+    Tick,
+    TrackerMail,
+    Withdraw,
+)
+from actors.states import ACTIVE_BY_ROLE, RequestState, check_move
+from transfer.protocol import Reason, Rejected, Result, Role, StageTiming, next_role
+
+log = structlog.get_logger()
+
+
+@dataclass(slots=True)
+class Entry:
+    state: RequestState
+    deadline: float
+    admitted_at: float
+    stage_started: float
+    stages: list[StageTiming] = field(default_factory=list)
+
+
+class TrackerStats(msgspec.Struct, frozen=True):
+    by_state: dict[str, int]
+    completed: int
+    failed_by_reason: dict[str, int]
+    mailbox: int
+
+
+class TrackerActor:
+    """Owns the request table and the deadline heap."""
+
+    def __init__(
+        self,
+        inbox: ObjectReceiveStream[TrackerMail],
+        *,
+        frontend: ObjectSendStream,
+        admission: ObjectSendStream[AdmissionMail],
+        pools: dict[Role, ObjectSendStream],
+    ) -> None:
+        self._inbox = inbox
+        self._frontend = frontend
+        self._admission = admission
+        self._pools = pools
+        self._table: dict[str, Entry] = {}
+        self._deadlines: list[tuple[float, str]] = []
+        self._completed = 0
+        self._failed: dict[str, int] = {}
+        self._drained: anyio.Event | None = None
+        self._log = log.bind(actor="tracker")
+
+    async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        async with self._inbox:
+            task_status.started()
+            await drain(self._inbox, self._handle)
+
+    def _handle(self, mail: TrackerMail) -> None:
+        match mail:
+            case Admit(request_id=rid, params=params, timeout_s=timeout_s):
+                now = time.monotonic()
+                deadline = now + timeout_s
+                self._table[rid] = Entry(RequestState.ENCODING, deadline, now, now)
+                heapq.heappush(self._deadlines, (deadline, rid))
+                self._compact_deadlines()
+                post(self._admission, Enqueue(job=Job(request_id=rid, role="encoder", params=params)))
+            case HandedOff():
+                self._handed_off(mail)
+            case Finished():
+                self._finished(mail)
+            case Failed(request_id=rid, reason=reason, message=message):
+                self._fail(rid, reason, message)
+            case CancelRequest(request_id=rid):
+                self._fail(rid, Reason.CANCELLED, "cancelled by the client")
+            case Tick():
+                self._expire(time.monotonic())
+            case StartDrain(drained=drained):
+                self._drained = drained
+                self._check_drained()
+            case QueryStats(reply=reply):
+                by_state: dict[str, int] = {}
+                for entry in self._table.values():
+                    by_state[entry.state] = by_state.get(entry.state, 0) + 1
+                reply_once(reply, TrackerStats(by_state, self._completed, dict(self._failed), mailbox_depth(self._inbox)))
+
+    def _handed_off(self, mail: HandedOff) -> None:
+        entry = self._table.get(mail.request_id)
+        if entry is None or entry.state != ACTIVE_BY_ROLE[mail.role]:
+            return  # late news about a request that already ended
+        now = time.monotonic()
+        wall_ms = (now - entry.stage_started) * 1000
+        entry.stages.append(
+            StageTiming(
+                role=mail.role,
+                instance=mail.instance,
+                queued_ms=max(0.0, wall_ms - mail.compute_ms - mail.transfer_ms),
+                compute_ms=mail.compute_ms,
+                transfer_ms=mail.transfer_ms,
+                transfer_bytes=mail.nbytes,
+                fast_path=mail.fast_path,
+            )
+        )
+        following = next_role(mail.role)
+        assert following is not None, "the decoder hands nothing off"
+        self._move(entry, ACTIVE_BY_ROLE[following])
+        entry.stage_started = now
+
+    def _finished(self, mail: Finished) -> None:
+        rid = mail.request_id
+        entry = self._table.get(rid)
+        if entry is None or entry.state != RequestState.DECODING:
+            return
+        now = time.monotonic()
+        wall_ms = (now - entry.stage_started) * 1000
+        entry.stages.append(
+            StageTiming(
+                role="decoder",
+                instance=mail.instance,
+                queued_ms=max(0.0, wall_ms - mail.compute_ms),
+                compute_ms=mail.compute_ms,
+            )
+        )
+        self._move(entry, RequestState.DONE)
+        del self._table[rid]
+        self._completed += 1
+        total_ms = (now - entry.admitted_at) * 1000
+        result = Result(request_id=rid, outputs=mail.outputs, stages=entry.stages, total_ms=total_ms)
+        post(self._frontend, Deliver(request_id=rid, message=result, frames=mail.frames))
+        self._log.info("request.done", request_id=rid, total_ms=round(total_ms, 3), stages=entry.stages)
+        self._check_drained()
+
+    def _fail(self, rid: str, reason: Reason, message: str) -> None:
+        entry = self._table.pop(rid, None)
+        if entry is None:
+            return  # already ended: a second failure report changes nothing
+        check_move(entry.state, RequestState.FAILED)
+        self._failed[reason] = self._failed.get(reason, 0) + 1
+        post(self._frontend, Deliver(request_id=rid, message=Rejected(request_id=rid, reason=reason, message=message)))
+        # Every owner frees its own part; each ignores a request it holds nothing for.
+        # Pools pass the Forget on to the negotiator after their own cleanup, so it always
+        # arrives there after anything the pool said about the request before.
+        post(self._admission, Withdraw(request_id=rid))
+        for pool in self._pools.values():
+            post(pool, Forget(request_id=rid))
+        self._log.warning("request.failed", request_id=rid, reason=str(reason), message=message, state=str(entry.state))
+        self._check_drained()
+
+    def _expire(self, now: float) -> None:
+        heap = self._deadlines
+        while heap and heap[0][0] <= now:
+            deadline, rid = heapq.heappop(heap)
+            entry = self._table.get(rid)
+            # A reused request id has a later deadline of its own; only the matching one counts.
+            if entry is not None and entry.deadline == deadline:
+                self._fail(rid, Reason.TIMED_OUT, f"deadline passed while {entry.state}")
+
+    def _compact_deadlines(self) -> None:
+        # Finished requests leave their heap entries behind (deleting from a heap's middle
+        # is O(n)); rebuilding once the stale ones outnumber the live keeps memory bounded
+        # by the table at amortised O(1) per request.
+        if len(self._deadlines) > 2 * len(self._table) + 1024:
+            self._deadlines = [(entry.deadline, rid) for rid, entry in self._table.items()]
+            heapq.heapify(self._deadlines)
+
+    def _move(self, entry: Entry, new: RequestState) -> None:
+        check_move(entry.state, new)
+        entry.state = new
+
+    def _check_drained(self) -> None:
+        if self._drained is not None and not self._table:
+            self._drained.set()

@@ -1,0 +1,110 @@
+"""``triptych serve | worker | submit | stats | demo | bench``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import anyio
+import msgspec
+
+from orchestrator.config import load_config
+
+DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "local.toml"
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from orchestrator.daemon import serve
+    from orchestrator.log import configure_logging
+
+    cfg = load_config(args.config)
+    configure_logging(cfg.log.level, json=cfg.log.json, daemon="orchestrator")
+    anyio.run(serve, cfg, backend="asyncio")
+    return 0
+
+
+def _worker(args: argparse.Namespace) -> int:
+    from orchestrator.log import configure_logging
+    from orchestrator.worker import run_worker
+
+    cfg = load_config(args.config)
+    configure_logging(cfg.log.level, json=cfg.log.json, worker=args.role)
+    anyio.run(run_worker, args.role, cfg, args.name, backend="asyncio")
+    return 0
+
+
+def _submit(args: argparse.Namespace) -> int:
+    from orchestrator.client import Client, Rejection
+    from transfer.protocol import GenParams
+
+    cfg = load_config(args.config)
+    params = GenParams(prompt=args.prompt, negative_prompt=args.negative_prompt, width=args.width,
+                       height=args.height, steps=args.steps, guidance=args.guidance, seed=args.seed,
+                       num_images=args.num_images, output=args.output)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    with Client(args.endpoint or cfg.daemon.client_endpoint) as client:
+        try:
+            generation = client.submit(params, request_id=args.request_id, timeout_s=args.timeout)
+        except Rejection as exc:
+            print(f"rejected ({exc.reason}): {exc.rejected.message}", file=sys.stderr)
+            return 2
+    for name, tensor in generation.outputs.items():
+        path = out / (name if name.endswith(".png") else f"{generation.result.request_id}-{name}.bin")
+        path.write_bytes(tensor.numpy().tobytes())
+        print(path)
+    for stage in generation.result.stages:
+        print(f"  {stage.role:<9} {stage.instance:<12} queued {stage.queued_ms:8.2f} ms  compute "
+              f"{stage.compute_ms:8.2f} ms  transfer {stage.transfer_ms:7.2f} ms  {stage.transfer_bytes} B")
+    return 0
+
+
+def _stats(args: argparse.Namespace) -> int:
+    from orchestrator.client import Control
+    from orchestrator.report import stats_table
+
+    cfg = load_config(args.config)
+    stats = Control(args.endpoint or cfg.daemon.control_endpoint).stats()
+    print(json.dumps(msgspec.to_builtins(stats), indent=2) if args.json else stats_table(stats))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="triptych", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def command(name: str, func, help: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help)
+        p.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="cluster TOML (default: %(default)s)")
+        p.set_defaults(func=func)
+        return p
+
+    command("serve", _serve, "run the orchestrator daemon")
+    p = command("worker", _worker, "run one stage worker")
+    p.add_argument("--role", required=True, choices=["encoder", "denoiser", "decoder"])
+    p.add_argument("--name", default=None, help="stable name; a restart under the same name replaces the old one")
+    p = command("submit", _submit, "generate and write the outputs")
+    p.add_argument("--endpoint", default="")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--negative-prompt", default="")
+    p.add_argument("--width", type=int, default=64)
+    p.add_argument("--height", type=int, default=64)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--guidance", type=float, default=5.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num-images", type=int, default=1)
+    p.add_argument("--output", choices=["png", "raw"], default="png")
+    p.add_argument("--request-id", default="")
+    p.add_argument("--timeout", type=float, default=None)
+    p.add_argument("--out", default="out")
+    p = command("stats", _stats, "print the daemon's stats")
+    p.add_argument("--endpoint", default="")
+    p.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

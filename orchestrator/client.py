@@ -1,0 +1,252 @@
+"""Clients: ``Client`` (REQ, blocking) and ``AsyncClient`` (DEALER, many requests in flight),
+plus ``Control`` for the control socket.
+
+Every wait has a deadline. A request that fails raises ``Rejection`` carrying the typed
+``Rejected`` (reason code and message); one that gets no answer in time raises
+``TimeoutError`` naming the endpoint.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+
+import anyio
+import torch
+import zmq
+import zmq.asyncio
+
+from transfer import frames
+from transfer.protocol import (
+    CLIENT_REPLY,
+    CONTROL_REPLY,
+    PROTOCOL_VERSION,
+    Cancel,
+    Cancelled,
+    ControlReply,
+    ControlRequest,
+    Drain,
+    Draining,
+    GenParams,
+    GetStats,
+    ListWorkers,
+    Rejected,
+    Result,
+    Stats,
+    Submit,
+    Workers,
+    encode,
+)
+
+# How long past the request's own deadline a client waits for the daemon's answer.
+GRACE_S = 5.0
+DEFAULT_TIMEOUT_S = 120.0
+
+
+class Rejection(Exception):
+    """The daemon answered ``Rejected``."""
+
+    def __init__(self, rejected: Rejected) -> None:
+        super().__init__(f"{rejected.reason}: {rejected.message}")
+        self.rejected = rejected
+        self.reason = rejected.reason
+
+
+@dataclass(frozen=True, slots=True)
+class Generation:
+    """A finished request: its header and its output tensors by name."""
+
+    result: Result
+    outputs: dict[str, torch.Tensor]
+
+
+def _submit_frames(params: GenParams, request_id: str, timeout_s: float | None, priority: int) -> bytes:
+    return encode(Submit(protocol=PROTOCOL_VERSION, params=params, request_id=request_id,
+                         timeout_s=timeout_s, priority=priority))
+
+
+def _decode_reply(parts: list[bytes]) -> Generation | Rejected | Cancelled:
+    header = CLIENT_REPLY.decode(parts[0])
+    if isinstance(header, Result):
+        return Generation(header, frames.from_frames(header.outputs, parts[1:]))
+    return header
+
+
+def _wait_s(timeout_s: float | None) -> float:
+    return (timeout_s or DEFAULT_TIMEOUT_S) + GRACE_S
+
+
+class Client:
+    """Blocking client on a REQ socket: one request at a time."""
+
+    def __init__(self, endpoint: str, *, ctx: zmq.Context | None = None) -> None:
+        self.endpoint = endpoint
+        self._ctx = ctx or zmq.Context.instance()
+        self._sock = self._connect()
+
+    def _connect(self) -> zmq.Socket:
+        sock = self._ctx.socket(zmq.REQ)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.endpoint)
+        return sock
+
+    def submit(self, params: GenParams, *, request_id: str = "", timeout_s: float | None = None,
+               priority: int = 0) -> Generation:
+        reply = self._request([_submit_frames(params, request_id, timeout_s, priority)], _wait_s(timeout_s))
+        if isinstance(reply, Rejected):
+            raise Rejection(reply)
+        assert isinstance(reply, Generation)
+        return reply
+
+    def cancel(self, request_id: str, *, timeout_s: float = 10.0) -> bool:
+        reply = self._request([encode(Cancel(protocol=PROTOCOL_VERSION, request_id=request_id))], timeout_s)
+        if isinstance(reply, Rejected):
+            raise Rejection(reply)
+        assert isinstance(reply, Cancelled)
+        return reply.found
+
+    def send_raw(self, parts: list[bytes], *, timeout_s: float = 10.0) -> Generation | Rejected | Cancelled:
+        """Send arbitrary frames (for probing the daemon with bad input)."""
+        return self._request(parts, timeout_s)
+
+    def _request(self, parts: list[bytes], timeout_s: float) -> Generation | Rejected | Cancelled:
+        self._sock.send_multipart(parts)
+        if not self._sock.poll(int(timeout_s * 1000)):
+            # A REQ socket that missed its reply cannot send again: start a fresh one.
+            self._sock.close(linger=0)
+            self._sock = self._connect()
+            raise TimeoutError(f"no reply from {self.endpoint} within {timeout_s:.1f}s")
+        return _decode_reply(self._sock.recv_multipart())
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncClient:
+    """DEALER client: any number of requests in flight, answered in any order.
+
+    Use as ``async with AsyncClient(endpoint) as client: await client.submit(...)``.
+    """
+
+    def __init__(self, endpoint: str) -> None:
+        self.endpoint = endpoint
+        self._ctx = zmq.asyncio.Context()
+        self._sock: zmq.asyncio.Socket | None = None
+        self._waiting: dict[str, anyio.abc.ObjectSendStream[Generation | Rejected | Cancelled]] = {}
+        self._tg: anyio.abc.TaskGroup | None = None
+
+    async def __aenter__(self) -> AsyncClient:
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.connect(self.endpoint)
+        self._tg = anyio.create_task_group()
+        await self._tg.__aenter__()
+        self._tg.start_soon(self._read)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._tg is not None and self._sock is not None
+        self._tg.cancel_scope.cancel()
+        await self._tg.__aexit__(None, None, None)
+        self._sock.close(linger=0)
+        self._ctx.term()
+
+    async def _read(self) -> None:
+        assert self._sock is not None
+        while True:
+            parts = await self._sock.recv_multipart()
+            reply = _decode_reply(parts[1:])  # parts[0] is the empty delimiter
+            rid = reply.result.request_id if isinstance(reply, Generation) else reply.request_id
+            waiter = self._waiting.pop(rid, None)
+            if waiter is not None:
+                with waiter:
+                    waiter.send_nowait(reply)
+
+    async def _request(self, rid: str, body: bytes, wait_s: float) -> Generation | Rejected | Cancelled:
+        assert self._sock is not None
+        tx, rx = anyio.create_memory_object_stream[Generation | Rejected | Cancelled](1)
+        self._waiting[rid] = tx
+        try:
+            with rx:
+                await self._sock.send_multipart([b"", body])
+                with anyio.fail_after(wait_s):
+                    return await rx.receive()
+        except TimeoutError:
+            raise TimeoutError(f"no reply from {self.endpoint} for {rid!r} within {wait_s:.1f}s") from None
+        finally:
+            leftover = self._waiting.pop(rid, None)
+            if leftover is not None:
+                leftover.close()
+
+    async def submit(self, params: GenParams, *, request_id: str = "", timeout_s: float | None = None,
+                     priority: int = 0) -> Generation:
+        # The client picks the id so it can match the answer among many in flight.
+        rid = request_id or uuid.uuid4().hex
+        reply = await self._request(rid, _submit_frames(params, rid, timeout_s, priority), _wait_s(timeout_s))
+        if isinstance(reply, Rejected):
+            raise Rejection(reply)
+        assert isinstance(reply, Generation)
+        return reply
+
+    async def cancel(self, request_id: str, *, timeout_s: float = 10.0) -> bool:
+        # The Cancelled ack and the request's own Rejected share the id; acks go by a
+        # separate DEALER so the two answers cannot be confused.
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.endpoint)
+        try:
+            await sock.send_multipart([b"", encode(Cancel(protocol=PROTOCOL_VERSION, request_id=request_id))])
+            with anyio.fail_after(timeout_s):
+                parts = await sock.recv_multipart()
+        finally:
+            sock.close(linger=0)
+        reply = CLIENT_REPLY.decode(parts[1])
+        if isinstance(reply, Rejected):
+            raise Rejection(reply)
+        assert isinstance(reply, Cancelled)
+        return reply.found
+
+
+class Control:
+    """Blocking client for the control socket."""
+
+    def __init__(self, endpoint: str, *, timeout_s: float = 10.0, ctx: zmq.Context | None = None) -> None:
+        self.endpoint = endpoint
+        self._timeout_ms = int(timeout_s * 1000)
+        self._ctx = ctx or zmq.Context.instance()
+
+    def _ask(self, request: ControlRequest) -> ControlReply:
+        sock = self._ctx.socket(zmq.REQ)
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            sock.connect(self.endpoint)
+            sock.send(encode(request))
+            if not sock.poll(self._timeout_ms):
+                raise TimeoutError(f"no reply from control socket {self.endpoint} in {self._timeout_ms} ms")
+            reply = CONTROL_REPLY.decode(sock.recv())
+        finally:
+            sock.close(linger=0)
+        if isinstance(reply, Rejected):
+            raise Rejection(reply)
+        return reply
+
+    def stats(self) -> Stats:
+        reply = self._ask(GetStats())
+        assert isinstance(reply, Stats)
+        return reply
+
+    def workers(self) -> Workers:
+        reply = self._ask(ListWorkers())
+        assert isinstance(reply, Workers)
+        return reply
+
+    def drain(self) -> Draining:
+        reply = self._ask(Drain())
+        assert isinstance(reply, Draining)
+        return reply

@@ -1,0 +1,121 @@
+"""A local cluster of real processes: the daemon plus N workers per role, on this machine.
+
+Used by the demo, the benchmark and the end-to-end tests. Each process logs to its own
+file; every wait has a deadline and a failure names the process and its log.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from orchestrator.client import Control
+from orchestrator.config import Config, load_config
+from transfer.protocol import Role, Stats
+
+DEFAULT_LAYOUT: dict[Role, int] = {"encoder": 1, "denoiser": 2, "decoder": 1}
+
+
+class ClusterError(RuntimeError):
+    pass
+
+
+class LocalCluster:
+    """Start with ``with LocalCluster(path) as cluster:``; stops everything on exit."""
+
+    def __init__(self, config_path: Path, *, layout: dict[Role, int] | None = None, log_dir: Path,
+                 env: dict[str, str] | None = None) -> None:
+        self.config_path = Path(config_path)
+        self.config: Config = load_config(self.config_path)
+        self.layout = layout or DEFAULT_LAYOUT
+        self.log_dir = Path(log_dir)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self._env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.daemon: subprocess.Popen | None = None
+        self.workers: dict[str, subprocess.Popen] = {}
+        self.control = Control(self.config.daemon.control_endpoint)
+
+    def _spawn(self, name: str, *args: str) -> subprocess.Popen:
+        log = open(self.log_dir / f"{name}.log", "wb")  # noqa: SIM115 - lives as long as the process
+        try:
+            return subprocess.Popen([sys.executable, "-m", "orchestrator", *args, "--config", str(self.config_path)],
+                                    stdout=log, stderr=subprocess.STDOUT, env=self._env, start_new_session=True)
+        finally:
+            log.close()
+
+    def log_of(self, name: str) -> str:
+        return (self.log_dir / f"{name}.log").read_text(errors="replace")
+
+    def start(self, *, timeout_s: float = 120.0) -> None:
+        self.daemon = self._spawn("daemon", "serve")
+        for role, count in self.layout.items():
+            for i in range(count):
+                self.start_worker(role, i)
+        self.wait_registered(sum(self.layout.values()), timeout_s=timeout_s)
+
+    def start_worker(self, role: Role, index: int) -> subprocess.Popen:
+        name = f"{role}{index}"
+        proc = self._spawn(name, "worker", "--role", role, "--name", name)
+        self.workers[name] = proc
+        return proc
+
+    def wait_registered(self, count: int, *, timeout_s: float) -> Stats:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self._check_alive()
+            try:
+                stats = self.control.stats()
+                if len(stats.instances) >= count:
+                    return stats
+            except TimeoutError:
+                pass
+            if time.monotonic() > deadline:
+                raise ClusterError(f"{count} workers did not register within {timeout_s}s; logs in {self.log_dir}")
+            time.sleep(0.1)
+
+    def _check_alive(self) -> None:
+        for name, proc in [("daemon", self.daemon), *self.workers.items()]:
+            if proc is not None and proc.poll() is not None:
+                raise ClusterError(f"{name} exited with {proc.returncode}:\n{self.log_of(name)[-3000:]}")
+
+    def stop_daemon(self, *, timeout_s: float = 30.0) -> int:
+        """SIGTERM the daemon and wait for it to drain and exit; returns its exit code."""
+        assert self.daemon is not None
+        if self.daemon.poll() is None:
+            self.daemon.send_signal(signal.SIGTERM)
+        return self._reap("daemon", self.daemon, timeout_s)
+
+    def stop(self, *, timeout_s: float = 30.0) -> dict[str, int]:
+        codes: dict[str, int] = {}
+        if self.daemon is not None:
+            codes["daemon"] = self.stop_daemon(timeout_s=timeout_s)
+        for proc in self.workers.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for name, proc in self.workers.items():
+            codes[name] = self._reap(name, proc, timeout_s)
+        return codes
+
+    @staticmethod
+    def _reap(name: str, proc: subprocess.Popen, timeout_s: float) -> int:
+        try:
+            return proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+            raise ClusterError(f"{name} did not exit within {timeout_s}s of SIGTERM; killed") from None
+
+    def __enter__(self) -> LocalCluster:
+        try:
+            self.start()
+        except BaseException:
+            self.stop(timeout_s=10)
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

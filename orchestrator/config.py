@@ -1,0 +1,137 @@
+"""Configuration: frozen msgspec Structs that configs/*.toml decode into.
+
+One file configures a whole cluster: the daemon reads ``[daemon]``, a worker reads
+``[daemon]`` (to find it), ``[workers.<role>]``, ``[model]`` and ``[transfer]``. Unknown
+keys are errors that name the exact key, so a typo never silently falls back to a default.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal
+
+import msgspec
+
+from transfer.protocol import Role
+
+PositiveInt = Annotated[int, msgspec.Meta(gt=0)]
+PositiveFloat = Annotated[float, msgspec.Meta(gt=0)]
+MiB = 1 << 20
+
+
+class Section(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Base of every config section."""
+
+
+class DaemonConfig(Section):
+    """The orchestrator: its three sockets, its queues, its deadlines."""
+
+    client_endpoint: str = "tcp://127.0.0.1:5555"
+    control_endpoint: str = "tcp://127.0.0.1:5556"
+    # Workers DEALER-connect here to register, heartbeat and report.
+    worker_endpoint: str = "tcp://127.0.0.1:5557"
+    # Shared secret a worker must present to register. Set your own in production.
+    token: str = "triptych-local-dev"
+    dispatch: Literal["round_robin", "least_loaded", "power_of_two"] = "least_loaded"
+    max_queued: PositiveInt = 4096  # per role; beyond it submits get ``overloaded``
+    max_in_flight: PositiveInt = 8192  # admitted requests not yet answered
+    request_timeout_s: PositiveFloat = 600.0  # when Submit names none
+    max_request_timeout_s: PositiveFloat = 3600.0
+    heartbeat_s: PositiveFloat = 1.0
+    heartbeat_misses: PositiveInt = 5  # silence of misses * heartbeat_s evicts a worker
+    drain_timeout_s: PositiveFloat = 30.0
+    mailbox_size: PositiveInt = 1024
+    # Messages queued to one worker before it counts as stuck (ZMQ SNDHWM).
+    worker_send_hwm: PositiveInt = 1000
+    client_send_hwm: PositiveInt = 10000
+
+
+class WorkerConfig(Section):
+    """One role's worker processes."""
+
+    capacity: PositiveInt = 2  # requests a worker holds at once (running or staged)
+    compute_threads: PositiveInt = 1
+    torch_threads: PositiveInt = 1
+    pool_bytes: PositiveInt = 256 * MiB
+    prealloc_slots: Annotated[int, msgspec.Meta(ge=0)] = 2
+    prealloc_slot_bytes: PositiveInt = 16 * MiB
+    alloc_timeout_s: PositiveFloat = 10.0
+    bind_host: str = "127.0.0.1"
+    advertise_host: str = "127.0.0.1"  # what the daemon and peers dial
+    connect_timeout_s: PositiveFloat = 60.0  # retrying the daemon until it is up
+
+
+class WorkersConfig(Section):
+    encoder: WorkerConfig = WorkerConfig(capacity=4)
+    denoiser: WorkerConfig = WorkerConfig(capacity=2)
+    decoder: WorkerConfig = WorkerConfig(capacity=4)
+
+    def for_role(self, role: Role) -> WorkerConfig:
+        return getattr(self, role)
+
+
+class NullStageConfig(Section):
+    """Simulated stages: a fixed time and a deterministic output of a fixed size."""
+
+    encoder_ms: Annotated[float, msgspec.Meta(ge=0)] = 5.0
+    denoiser_ms: Annotated[float, msgspec.Meta(ge=0)] = 20.0
+    decoder_ms: Annotated[float, msgspec.Meta(ge=0)] = 5.0
+    embed_shape: tuple[int, ...] = (1, 77, 64)
+    latent_channels: PositiveInt = 4
+    fail_prompt: str = ""  # a prompt containing this makes the denoiser raise (tests, demo)
+
+
+class DiffusersConfig(Section):
+    """A diffusers pipeline split across the three roles."""
+
+    family: Literal["sd15", "pixart"] = "sd15"
+    # A local diffusers-layout directory; empty builds the embedded tiny pipeline.
+    path: str = ""
+    dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+    device: str = "cpu"  # "cuda", "cuda:1", ...
+    seed: int = 0  # seeds the tiny pipeline's random weights
+
+
+class ModelConfig(Section):
+    kind: Literal["null", "diffusers"] = "null"
+    null: NullStageConfig = NullStageConfig()
+    diffusers: DiffusersConfig = DiffusersConfig()
+
+
+# Loopback CI and laptops: TCP forced even if an RDMA device exists, sockets reused
+# (the default opens one connection per transfer), fail fast, quiet logs.
+LOCAL_MOONCAKE_ENV = {
+    "MC_FORCE_TCP": "1",
+    "MC_TCP_ENABLE_CONNECTION_POOL": "1",
+    "MC_LOG_LEVEL": "WARNING",
+    "MC_TRANSFER_TIMEOUT": "5",
+}
+
+
+class TransferConfig(Section):
+    """The Mooncake data plane."""
+
+    local_hostname: str = "127.0.0.1"
+    metadata_server: str = "P2PHANDSHAKE"
+    protocol: Literal["tcp", "rdma"] = "tcp"
+    device_name: str = ""  # RNIC allow-list, e.g. "mlx5_0,mlx5_1"
+    # Exported before the engine starts; Mooncake reads them from the environment.
+    env: dict[str, str] = msgspec.field(default_factory=lambda: dict(LOCAL_MOONCAKE_ENV))
+
+
+class LogConfig(Section):
+    level: Literal["debug", "info", "warning", "error"] = "info"
+    json: bool | None = None  # None: JSON unless stderr is a terminal
+
+
+class Config(Section):
+    daemon: DaemonConfig = DaemonConfig()
+    workers: WorkersConfig = WorkersConfig()
+    model: ModelConfig = ModelConfig()
+    transfer: TransferConfig = TransferConfig()
+    log: LogConfig = LogConfig()
+
+
+def load_config(path: str | Path) -> Config:
+    """Decode a TOML file; errors name the offending key (``- at `$.daemon.token```)."""
+    return msgspec.toml.decode(Path(path).read_bytes(), type=Config)

@@ -1,0 +1,23 @@
+"""Human-readable renderings of ``Stats`` and stage timings."""
+
+from __future__ import annotations
+
+from transfer.protocol import Stats
+
+
+def stats_table(stats: Stats) -> str:
+    lines = [
+        f"uptime {stats.uptime_s:.1f}s  draining={stats.draining}  completed={stats.completed}  "
+        f"failed={sum(stats.failed_by_reason.values())} {stats.failed_by_reason or ''}",
+        f"in flight: {stats.requests_by_state or 'none'}  hand-offs in flight: {stats.handoffs_in_flight}",
+        f"queues: {stats.queue_depths}",
+        f"fast path: {stats.fast_path}  slow path: {stats.slow_path}",
+        "",
+        f"{'instance':<12} {'role':<9} {'slots':>7} {'prealloc':>9} {'served':>7} {'failed':>7}  address",
+    ]
+    for i in sorted(stats.instances, key=lambda i: i.instance):
+        lines.append(
+            f"{i.instance:<12} {i.role:<9} {i.slots_free:>3}/{i.slots_total:<3} {i.prealloc_free:>4}/{i.prealloc_total:<4}"
+            f" {i.served:>7} {i.failed:>7}  {i.address}"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,22 @@
+"""Stages: the compute a worker runs. ``build_stage`` picks one from the config."""
+
+from __future__ import annotations
+
+from orchestrator.config import ModelConfig
+from orchestrator.stages.base import Stage, StageError, Tensors
+from transfer.protocol import Role
+
+__all__ = ["Stage", "StageError", "Tensors", "build_stage"]
+
+
+def build_stage(role: Role, model: ModelConfig, *, torch_threads: int) -> Stage:
+    """Load only what ``role`` needs of the configured model."""
+    if model.kind == "null":
+        from orchestrator.stages import null
+
+        stage_class = {"encoder": null.NullEncoder, "denoiser": null.NullDenoiser, "decoder": null.NullDecoder}[role]
+        return stage_class(model.null)
+    # Imported here so null-stage workers and the daemon never pay for diffusers' import.
+    from orchestrator.stages.diffusion import build_diffusion_stage
+
+    return build_diffusion_stage(role, model.diffusers, torch_threads, fail_marker=model.null.fail_prompt)

@@ -1,0 +1,185 @@
+"""What every diffusers family shares; a family adapter adds its encode and denoise loop.
+
+A family is one diffusers pipeline class split three ways. Each role builds a *partial*
+pipeline: the family's own pipeline class with only that role's components and ``None``
+for the rest. Building it through the class's ``__init__`` applies the same fix-ups the
+monolithic pipeline applies (SD rewrites an outdated scheduler config), and lets the
+encoder call the pipeline's own ``encode_prompt``, so its defaults are ``__call__``'s.
+
+Adding a family = subclassing ``FamilyAdapter``: name its pipeline class, the components
+each role needs, ``encode`` and ``denoise``. The denoise loop is written out, not
+delegated to ``__call__``, so it can take one scheduler per request and stop at any step.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import json
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, ClassVar
+
+import diffusers
+import torch
+import transformers
+from diffusers import DiffusionPipeline
+from diffusers.schedulers.scheduling_utils import SchedulerMixin
+from diffusers.utils.torch_utils import randn_tensor
+
+from orchestrator.config import DiffusersConfig
+from orchestrator.stages.base import Tensors
+from orchestrator.stages.diffusion import tiny
+from transfer.protocol import GenParams, Role, StageLimits
+
+StepFn = Callable[[int, int], None]  # (step index, total steps), called before each step
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def _quiet_libraries() -> None:
+    """Keep diffusers and transformers to errors, without progress bars.
+
+    Loading otherwise prints tqdm bars and advice on stderr, which in a worker carries the
+    structured log. Process-wide, which is what a worker process wants.
+    """
+    for library in (diffusers, transformers):
+        library.utils.logging.set_verbosity_error()
+        library.utils.logging.disable_progress_bar()
+
+
+class FamilyAdapter:
+    """One family's knowledge: components per role, loading, encode, denoise, decode."""
+
+    name: ClassVar[str]
+    pipeline_cls: ClassVar[type[DiffusionPipeline]]
+    denoiser_model: ClassVar[str]  # the component the denoise loop runs: "unet", "transformer"
+    components: ClassVar[dict[Role, tuple[str, ...]]]
+    # Constructor arguments that are not components (SD's safety-checker switch).
+    pipeline_kwargs: ClassVar[dict[str, Any]] = {}
+    # Tensors the denoiser needs from the encoder; negatives only when CFG is on.
+    denoiser_inputs: ClassVar[tuple[str, ...]]
+
+    def __init__(self, cfg: DiffusersConfig) -> None:
+        self.cfg = cfg
+        self.dtype = DTYPES[cfg.dtype]
+        self.device = torch.device(cfg.device)
+        self._configs: dict[str, dict[str, Any]] = {}
+
+    # ------------------------------------------------------------------ configs, limits
+
+    def config(self, name: str) -> dict[str, Any]:
+        """A component's config, read without loading its weights."""
+        if name not in self._configs:
+            if self.cfg.path:
+                filename = "scheduler_config.json" if name == "scheduler" else "config.json"
+                self._configs[name] = json.loads((Path(self.cfg.path) / name / filename).read_text())
+            else:
+                self._configs[name] = tiny.tiny_config(self.name, name)
+        return self._configs[name]
+
+    @property
+    def vae_scale_factor(self) -> int:
+        # The pipelines' own formula; without a VAE they would silently assume 8.
+        return 2 ** (len(self.config("vae")["block_out_channels"]) - 1)
+
+    def size_multiple(self) -> int:
+        # Both pipelines' check_inputs demand multiples of 8 whatever the VAE.
+        return math.lcm(8, self.vae_scale_factor)
+
+    def limits(self) -> StageLimits:
+        multiple = self.size_multiple()
+        model = f"{self.name}:{Path(self.cfg.path).name}" if self.cfg.path else f"tiny-{self.name}"
+        return StageLimits(
+            size_multiple=multiple,
+            min_size=multiple,
+            max_steps=self.config("scheduler").get("num_train_timesteps", 1000),
+            max_frames=1,
+            model=model,
+        )
+
+    def uses_cfg(self, params: GenParams) -> bool:
+        """Classifier-free guidance, decided as ``__call__`` decides it."""
+        return params.guidance > 1.0
+
+    # ------------------------------------------------------------------ loading
+
+    def load(self, role: Role) -> DiffusionPipeline:
+        """A partial pipeline holding only ``role``'s components, on the configured device."""
+        _quiet_libraries()
+        wanted = self.components[role]
+        names = [p for p in inspect.signature(self.pipeline_cls.__init__).parameters if p != "self"]
+        absent = {n: None for n in names if n not in wanted and n not in self.pipeline_kwargs}
+        if self.cfg.path:
+            pipe = self.pipeline_cls.from_pretrained(
+                self.cfg.path, **absent, **self.pipeline_kwargs, dtype=self.dtype
+            )
+        else:
+            built = {n: tiny.build_component(self.name, n, self.cfg.seed) for n in wanted}
+            for c in built.values():
+                if isinstance(c, torch.nn.Module) and c.dtype != self.dtype:
+                    c.to(dtype=self.dtype)
+            pipe = self.pipeline_cls(**built, **absent, **self.pipeline_kwargs)
+        pipe.to(self.device)
+        pipe.set_progress_bar_config(disable=True)
+        # Without a VAE, __init__ falls back to 8: latents would get the wrong size.
+        pipe.vae_scale_factor = self.vae_scale_factor
+        return pipe
+
+    # ------------------------------------------------------------------ the three stages
+
+    def encode(self, pipe: DiffusionPipeline, params: GenParams) -> Tensors:
+        """Prompt embeddings for one image; the denoiser repeats them per image."""
+        raise NotImplementedError
+
+    def denoise(self, pipe: DiffusionPipeline, params: GenParams, inputs: Tensors, on_step: StepFn) -> torch.Tensor:
+        """Latents equal to ``pipe(..., output_type="latent")`` for the same request."""
+        raise NotImplementedError
+
+    def decode(self, pipe: DiffusionPipeline, latents: torch.Tensor) -> torch.Tensor:
+        """uint8 images (N, H, W, 3), equal to ``pipe(..., output_type="pil")``'s pixels."""
+        vae = pipe.vae
+        latents = latents.to(self.device, vae.dtype)
+        image = vae.decode(latents / vae.config.scaling_factor, return_dict=False)[0]
+        array = pipe.image_processor.postprocess(image, output_type="np")
+        # VaeImageProcessor.numpy_to_pil's own rounding, so "raw" equals the PIL path.
+        return torch.from_numpy((array * 255).round().astype("uint8"))
+
+    # ------------------------------------------------------------------ shared helpers
+
+    def request_embeds(self, pipe: DiffusionPipeline, params: GenParams, inputs: Tensors, name: str) -> torch.Tensor:
+        """``inputs[name]`` on the device, repeated per image as ``encode_prompt`` does.
+
+        Embeddings take the denoiser's dtype *before* the noise is drawn: the pipeline draws
+        noise in the embeddings' dtype, and fp16 noise cast to fp32 is different noise.
+        """
+        model = getattr(pipe, self.denoiser_model)
+        t = inputs[name].to(self.device)
+        if t.is_floating_point():
+            t = t.to(model.dtype)
+        return t.repeat(params.num_images, *([1] * (t.dim() - 1)))
+
+    def start(
+        self, pipe: DiffusionPipeline, params: GenParams, dtype: torch.dtype, channels: int
+    ) -> tuple[SchedulerMixin, torch.Tensor, torch.Tensor, dict[str, Any]]:
+        """This request's own scheduler, its timesteps, its initial noise and step kwargs.
+
+        A scheduler keeps per-request state (step index, multistep history), so each
+        request gets a copy. The generator is a CPU one seeded from the request, so the
+        noise is the same on every device; it is also what ancestral ``step``s draw from.
+        """
+        scheduler = copy.deepcopy(pipe.scheduler)
+        scheduler.set_timesteps(params.steps, device=self.device)
+        generator = torch.Generator("cpu").manual_seed(params.seed)
+        shape = (
+            params.num_images,
+            channels,
+            params.height // pipe.vae_scale_factor,
+            params.width // pipe.vae_scale_factor,
+        )
+        latents = randn_tensor(shape, generator=generator, device=self.device, dtype=dtype)
+        latents = latents * scheduler.init_noise_sigma
+        accepted = inspect.signature(scheduler.step).parameters
+        step_kwargs = {k: v for k, v in (("eta", 0.0), ("generator", generator)) if k in accepted}
+        return scheduler, scheduler.timesteps, latents, step_kwargs

@@ -1,0 +1,90 @@
+"""Null stages: a configured time, then a deterministic output of a configured shape.
+
+Each output is a pure function of the request (seed, prompt) *and of the stage's input*,
+so a client can recompute the whole chain with ``expected_outputs`` and compare bytes: a
+corrupted hand-off or one request's tensors landing in another's slot changes the result.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+
+import torch
+
+from orchestrator.config import NullStageConfig
+from orchestrator.stages.base import Stage, StageError, Tensors
+from orchestrator.stages.images import image_outputs
+from transfer.protocol import GenParams, StageLimits
+
+LATENT_FACTOR = 8
+LIMITS = StageLimits(size_multiple=LATENT_FACTOR, min_size=8, max_size=4096, max_frames=1, model="null")
+
+
+def _generator(params: GenParams, stage: str) -> torch.Generator:
+    digest = hashlib.blake2b(f"{stage}\0{params.seed}\0{params.prompt}".encode(), digest_size=8).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest, "little") >> 1)
+
+
+def encode(params: GenParams, cfg: NullStageConfig) -> Tensors:
+    return {"embeds": torch.randn(cfg.embed_shape, generator=_generator(params, "encoder"))}
+
+
+def denoise(params: GenParams, inputs: Tensors, cfg: NullStageConfig) -> Tensors:
+    shape = (params.num_images, cfg.latent_channels, params.height // LATENT_FACTOR, params.width // LATENT_FACTOR)
+    # Folding the input in makes the output depend on what actually arrived.
+    return {"latents": torch.randn(shape, generator=_generator(params, "denoiser")) + inputs["embeds"].sum()}
+
+
+def decode(params: GenParams, inputs: Tensors) -> torch.Tensor:
+    latents = inputs["latents"]
+    rgb = torch.sigmoid(latents[:, :3]).repeat_interleave(LATENT_FACTOR, 2).repeat_interleave(LATENT_FACTOR, 3)
+    return (rgb * 255).to(torch.uint8).permute(0, 2, 3, 1).contiguous()
+
+
+def expected_outputs(params: GenParams, cfg: NullStageConfig) -> Tensors:
+    """What the decoder must return for ``params``: the whole chain, computed locally."""
+    return image_outputs(decode(params, denoise(params, encode(params, cfg), cfg)), params)
+
+
+class _NullStage(Stage):
+    def __init__(self, cfg: NullStageConfig) -> None:
+        self._cfg = cfg
+
+    def limits(self) -> StageLimits:
+        return LIMITS
+
+    def _wait(self, ms: float) -> None:
+        if ms > 0:
+            time.sleep(ms / 1000)
+
+
+class NullEncoder(_NullStage):
+    role = "encoder"
+
+    def run(self, params: GenParams, inputs: Tensors) -> Tensors:
+        self.check(params)
+        self._wait(self._cfg.encoder_ms)
+        return encode(params, self._cfg)
+
+
+class NullDenoiser(_NullStage):
+    role = "denoiser"
+
+    def run(self, params: GenParams, inputs: Tensors) -> Tensors:
+        self._wait(self._cfg.denoiser_ms)
+        if self._cfg.fail_prompt and self._cfg.fail_prompt in params.prompt:
+            raise StageError(f"null denoiser told to fail on prompt {params.prompt!r}")
+        if "embeds" not in inputs:
+            raise StageError(f"denoiser input lacks 'embeds' (got {sorted(inputs)})")
+        return denoise(params, inputs, self._cfg)
+
+
+class NullDecoder(_NullStage):
+    role = "decoder"
+
+    def run(self, params: GenParams, inputs: Tensors) -> Tensors:
+        self._wait(self._cfg.decoder_ms)
+        if "latents" not in inputs:
+            raise StageError(f"decoder input lacks 'latents' (got {sorted(inputs)})")
+        return image_outputs(decode(params, inputs), params)

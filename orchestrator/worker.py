@@ -1,0 +1,309 @@
+"""The worker process: register with the daemon, then run one stage for many requests.
+
+Three paths that never wait on each other:
+
+* compute: the stage's synchronous torch code, in ``compute_threads`` worker threads;
+* transfer: Mooncake writes, in one push thread of their own (a sync write busy-spins a
+  core, and one writer per engine is what Mooncake handles best);
+* control: allocations, aborts and all socket traffic, on the event loop.
+
+So an ``Alloc`` or ``Push`` is answered while a long denoising loop runs.
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+import socket
+import time
+from typing import Any
+
+import anyio
+import msgspec
+import structlog
+import torch
+import zmq
+import zmq.asyncio
+
+from orchestrator.config import Config
+from orchestrator.stages import Stage, StageError, build_stage
+from transfer import frames
+from transfer.engine import Engine, MooncakeEngine, TransferError
+from transfer.pool import Block, MemoryPool, PoolError
+from transfer.protocol import (
+    DAEMON_TO_WORKER,
+    PROTOCOL_VERSION,
+    WORK_ORDER,
+    Abort,
+    Alloc,
+    Allocated,
+    AllocRejected,
+    Done,
+    Heartbeat,
+    Push,
+    Pushed,
+    Ready,
+    Reason,
+    Register,
+    Registered,
+    RegisterRefused,
+    Role,
+    Staged,
+    Work,
+    encode,
+)
+
+log = structlog.get_logger()
+
+REGISTER_RETRY_S = 2.0
+
+
+class WorkerRefused(RuntimeError):
+    """The daemon refused this worker (bad token, protocol, or it forgot us)."""
+
+
+class WorkerRuntime:
+    """Owns one stage, one registered memory pool, one engine and two sockets."""
+
+    def __init__(self, role: Role, cfg: Config, *, name: str | None = None, engine: Engine | None = None) -> None:
+        self.role = role
+        self._cfg = cfg
+        self._wcfg = cfg.workers.for_role(role)
+        self.name = name or f"{role}@{socket.gethostname()}:{os.getpid()}"
+        self._engine = engine
+        self._stage: Stage | None = None
+        self._pool: MemoryPool | None = None
+        self._dealer: zmq.asyncio.Socket | None = None
+        self._key = b""
+        self._compute = anyio.CapacityLimiter(self._wcfg.compute_threads)
+        self._transfer = anyio.CapacityLimiter(1)
+        self._scopes: dict[str, anyio.CancelScope] = {}  # compute and alloc tasks, by request
+        self._staged: dict[str, Block] = {}
+        self._allocs: dict[str, Block] = {}
+        self._pushing: set[str] = set()
+        self._log = log.bind(role=role, worker=self.name)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def run(self, *, task_status: anyio.abc.TaskStatus[str] = anyio.TASK_STATUS_IGNORED) -> None:
+        torch.set_num_threads(self._wcfg.torch_threads)
+        self._stage = await anyio.to_thread.run_sync(
+            lambda: build_stage(self.role, self._cfg.model, torch_threads=self._wcfg.torch_threads)
+        )
+        receives = self.role != "encoder"
+        slot_sizes = [self._wcfg.prealloc_slot_bytes] * self._wcfg.prealloc_slots if receives else []
+        self._pool = pool = MemoryPool(self._wcfg.pool_bytes, slot_sizes=slot_sizes)
+        if self._engine is None:
+            self._engine = MooncakeEngine(self._cfg.transfer)
+        self._engine.register(pool.base, pool.size)
+        ctx = zmq.asyncio.Context()
+        work = ctx.socket(zmq.PULL)
+        work.setsockopt(zmq.LINGER, 0)
+        dealer = self._dealer = ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        try:
+            work.bind(f"tcp://{self._wcfg.bind_host}:0")
+            port = work.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1]
+            work_address = f"tcp://{self._wcfg.advertise_host}:{port}"
+            dealer.connect(self._cfg.daemon.worker_endpoint)
+            registered = await self._register(dealer, work_address)
+            self._key = registered.key
+            self._log = self._log.bind(instance=registered.instance)
+            self._log.info("worker.registered", work_address=work_address, session=self._engine.session)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._heartbeat, registered.heartbeat_s)
+                tg.start_soon(self._watch_daemon, dealer)
+                task_status.started(registered.instance)
+                await self._serve(work, tg)
+        finally:
+            work.close(linger=0)
+            dealer.close(linger=0)
+            ctx.term()
+            self._engine.close()
+
+    async def _register(self, dealer: zmq.asyncio.Socket, work_address: str) -> Registered:
+        assert self._pool is not None and self._stage is not None and self._engine is not None
+        hello = Register(
+            protocol=PROTOCOL_VERSION, token=self._cfg.daemon.token, role=self.role, name=self.name,
+            work_address=work_address, session=self._engine.session, pool_base=self._pool.base,
+            pool_size=self._pool.size, slots=self._pool.slots, capacity=self._wcfg.capacity,
+            limits=self._stage.limits(),
+        )
+        deadline = time.monotonic() + self._wcfg.connect_timeout_s
+        # Retried until the daemon is up; the daemon answers a repeat on a live connection
+        # with nothing, so duplicates are harmless.
+        while time.monotonic() < deadline:
+            await dealer.send(encode(hello))
+            with anyio.move_on_after(REGISTER_RETRY_S):
+                reply = DAEMON_TO_WORKER.decode(await dealer.recv())
+                if isinstance(reply, RegisterRefused):
+                    raise WorkerRefused(reply.message)
+                return reply
+        raise TimeoutError(
+            f"no answer from the daemon at {self._cfg.daemon.worker_endpoint} within "
+            f"{self._wcfg.connect_timeout_s}s (workers.{self.role}.connect_timeout_s)"
+        )
+
+    async def _heartbeat(self, period_s: float) -> None:
+        assert self._dealer is not None
+        beat = encode(Heartbeat())
+        while True:
+            await self._dealer.send(beat)
+            await anyio.sleep(period_s)
+
+    async def _watch_daemon(self, dealer: zmq.asyncio.Socket) -> None:
+        while True:
+            reply = DAEMON_TO_WORKER.decode(await dealer.recv())
+            if isinstance(reply, RegisterRefused):
+                raise WorkerRefused(f"the daemon dropped this worker: {reply.message}")
+
+    # ------------------------------------------------------------------ orders
+
+    async def _serve(self, work: zmq.asyncio.Socket, tg: anyio.abc.TaskGroup) -> None:
+        while True:
+            parts = await work.recv_multipart()
+            if len(parts) != 2 or not hmac.compare_digest(parts[0], self._key):
+                self._log.warning("worker.order_refused", why="missing or wrong key")
+                continue
+            try:
+                order = WORK_ORDER.decode(parts[1])
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                self._log.warning("worker.bad_order", error=str(exc))
+                continue
+            match order:
+                case Work() | Ready():
+                    tg.start_soon(self._guarded, order.request_id, self._run_stage, order)
+                case Alloc():
+                    tg.start_soon(self._guarded, order.request_id, self._alloc, order)
+                case Push():
+                    tg.start_soon(self._push, order)  # never cancelled: the daemon awaits Pushed
+                case Abort(request_id=rid):
+                    self._abort(rid)
+
+    async def _guarded(self, rid: str, job: Any, order: Any) -> None:
+        with anyio.CancelScope() as scope:
+            self._scopes[rid] = scope
+            try:
+                await job(order)
+            finally:
+                if self._scopes.get(rid) is scope:
+                    del self._scopes[rid]
+
+    def _abort(self, rid: str) -> None:
+        assert self._pool is not None
+        scope = self._scopes.pop(rid, None)
+        if scope is not None:
+            scope.cancel()
+        block = self._allocs.pop(rid, None)
+        if block is not None:
+            self._pool.free(block)
+        if rid not in self._pushing:  # a push in progress frees its block when it ends
+            block = self._staged.pop(rid, None)
+            if block is not None:
+                self._pool.free(block)
+
+    async def _send(self, msg: Any, buffers: list[Any] | None = None) -> None:
+        assert self._dealer is not None
+        await self._dealer.send_multipart([encode(msg), *(buffers or [])], copy=False)
+
+    # ------------------------------------------------------------------ compute path
+
+    async def _run_stage(self, order: Work | Ready) -> None:
+        rid = order.request_id
+        started = time.perf_counter()
+        compute_ms = 0.0
+        try:
+            inputs = self._take_inputs(order) if isinstance(order, Ready) else {}
+            started = time.perf_counter()
+            assert self._stage is not None
+            outputs = await anyio.to_thread.run_sync(self._stage.run, order.params, inputs, limiter=self._compute)
+            compute_ms = (time.perf_counter() - started) * 1000
+            if self.role == "decoder":
+                specs, buffers = frames.to_frames(outputs)
+                await self._send(Done(request_id=rid, ok=True, compute_ms=compute_ms, outputs=specs), buffers)
+            else:
+                await self._stage_output(rid, outputs, compute_ms)
+        except StageError as exc:
+            await self._send(Done(request_id=rid, ok=False, compute_ms=compute_ms, reason=exc.reason, error=str(exc)))
+        except (PoolError, ValueError) as exc:
+            await self._send(Done(request_id=rid, ok=False, compute_ms=compute_ms, error=str(exc)))
+        except Exception as exc:  # noqa: BLE001 - one request's failure must not kill the worker
+            self._log.exception("worker.stage_crashed", request_id=rid)
+            await self._send(Done(request_id=rid, ok=False, compute_ms=compute_ms,
+                                  error=f"{type(exc).__name__}: {exc}"))
+
+    def _take_inputs(self, ready: Ready) -> dict[str, torch.Tensor]:
+        """Copy the input out of the receive memory, then give an allocation back at once."""
+        assert self._pool is not None
+        nbytes = max((s.offset + s.nbytes for s in ready.manifest), default=0)
+        try:
+            return frames.unpack(self._pool.view_at(ready.address, nbytes), ready.manifest)
+        finally:
+            block = self._allocs.pop(ready.request_id, None)
+            if block is not None:
+                self._pool.free(block)
+
+    async def _stage_output(self, rid: str, outputs: dict[str, torch.Tensor], compute_ms: float) -> None:
+        assert self._pool is not None
+        specs, nbytes = frames.layout(outputs)
+        block = await self._pool.alloc(nbytes, timeout_s=self._wcfg.alloc_timeout_s)
+        # Recorded before Staged leaves, so the Push it leads to always finds the block.
+        self._staged[rid] = block
+        try:
+            frames.pack(self._pool.view(block), outputs, specs)
+            await self._send(Staged(request_id=rid, nbytes=nbytes, manifest=specs, compute_ms=compute_ms))
+        except BaseException:
+            if self._staged.pop(rid, None) is not None:  # unless an abort freed it already
+                self._pool.free(block)
+            raise
+
+    # ------------------------------------------------------------------ transfer path
+
+    async def _alloc(self, order: Alloc) -> None:
+        assert self._pool is not None
+        try:
+            block = await self._pool.alloc(order.nbytes, timeout_s=self._wcfg.alloc_timeout_s)
+        except PoolError as exc:
+            await self._send(AllocRejected(request_id=order.request_id, message=str(exc)))
+            return
+        self._allocs[order.request_id] = block
+        await self._send(Allocated(request_id=order.request_id, address=self._pool.address(block)))
+
+    async def _push(self, order: Push) -> None:
+        assert self._pool is not None and self._engine is not None
+        rid = order.request_id
+        block = self._staged.get(rid)
+        if block is None or order.nbytes > block.size:
+            await self._send(Pushed(request_id=rid, ok=False, transfer_ms=0.0,
+                                    error=f"nothing staged for {rid!r} of {order.nbytes} bytes"))
+            return
+        self._pushing.add(rid)
+        started = time.perf_counter()
+        error = ""
+        try:
+            await anyio.to_thread.run_sync(self._engine.write, order.session, self._pool.address(block),
+                                           order.address, order.nbytes, limiter=self._transfer)
+        except TransferError as exc:
+            error = str(exc)
+        finally:
+            self._pushing.discard(rid)
+            del self._staged[rid]
+            self._pool.free(block)
+        await self._send(Pushed(request_id=rid, ok=not error, transfer_ms=(time.perf_counter() - started) * 1000,
+                                error=error))
+
+
+async def run_worker(role: Role, cfg: Config, name: str | None = None) -> None:
+    """Run a worker until SIGTERM/SIGINT; exits cleanly, freeing its registration."""
+    import signal
+
+    async with anyio.create_task_group() as tg:
+        async def stop_on_signal() -> None:
+            with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                async for signum in signals:
+                    log.info("worker.signal", signal=signal.Signals(signum).name)
+                    tg.cancel_scope.cancel()
+
+        tg.start_soon(stop_on_signal)
+        await WorkerRuntime(role, cfg, name=name).run()
+        tg.cancel_scope.cancel()

@@ -1,0 +1,42 @@
+# Sourced by scripts/demo, scripts/test and scripts/bench: make .venv ready, idempotently.
+# Installs the project with torch 2.13.0 and the Mooncake wheel that fits this machine
+# (CUDA build where nvidia-smi sees a GPU, the -non-cuda build elsewhere).
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+
+need_libs=()
+for lib in libibverbs1 librdmacm1 libnuma1; do
+  dpkg-query -W -f='${Status}' "$lib" 2>/dev/null | grep -q "install ok installed" || need_libs+=("$lib")
+done
+if ((${#need_libs[@]})); then
+  if [ "$(id -u)" = 0 ]; then
+    echo "triptych: installing ${need_libs[*]} (Mooncake's import needs them)" >&2
+    (apt-get install -y -qq "${need_libs[@]}" >/dev/null 2>&1 ||
+      { apt-get update -qq >/dev/null && apt-get install -y -qq "${need_libs[@]}" >/dev/null; })
+  else
+    echo "triptych: Mooncake needs these libraries; run: sudo apt-get install -y ${need_libs[*]}" >&2
+    exit 1
+  fi
+fi
+
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+  MOONCAKE="mooncake-transfer-engine==0.3.13.post1"
+else
+  MOONCAKE="mooncake-transfer-engine-non-cuda==0.3.13.post1"
+fi
+
+STAMP=".venv/.triptych-installed"
+WANT="$(cat pyproject.toml; echo "$MOONCAKE")"
+if [ ! -x .venv/bin/python ]; then
+  python3 -m venv .venv
+fi
+if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
+  echo "triptych: installing into .venv (first run takes a minute or two)" >&2
+  .venv/bin/python -m pip install -q --upgrade pip >/dev/null
+  # torch first and pinned: an open range would pull a multi-GB CUDA build.
+  .venv/bin/python -m pip install -q "torch==2.13.0"
+  .venv/bin/python -m pip install -q "$MOONCAKE" -e ".[test]"
+  printf '%s' "$WANT" > "$STAMP"
+fi
+export PATH="$ROOT/.venv/bin:$PATH"

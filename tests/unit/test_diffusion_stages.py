@@ -1,0 +1,196 @@
+"""The diffusers stages, split three ways, against the monolithic pipeline: bitwise equal.
+
+Each stage object is built on its own, as its worker process would build it, and every
+hand-off goes tensor -> raw bytes -> tensor through ``transfer.frames``' staged-block layout.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here may download
+
+import msgspec
+import numpy as np
+import pytest
+import torch
+from diffusers import AutoencoderKL, UNet2DConditionModel
+from PIL import Image
+
+from orchestrator.config import DiffusersConfig
+from orchestrator.stages.base import Stage, StageError, Tensors
+from orchestrator.stages.diffusion import build_diffusion_stage, tiny
+from transfer.frames import layout, pack, unpack
+from transfer.protocol import GenParams, Reason, Role
+
+FAMILIES = ("sd15", "pixart")
+THREADS = 1  # the reference pipeline must run at the workers' thread count
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _threads():
+    before = torch.get_num_threads()
+    torch.set_num_threads(THREADS)
+    yield
+    torch.set_num_threads(before)
+
+
+_stages: dict[tuple[DiffusersConfig, Role], Stage] = {}
+
+
+def stage(cfg: DiffusersConfig, role: Role, **kwargs) -> Stage:
+    """One stage object per (config, role), shared by the tests of this module."""
+    if kwargs:
+        return build_diffusion_stage(role, cfg, THREADS, **kwargs)
+    if (cfg, role) not in _stages:
+        _stages[cfg, role] = build_diffusion_stage(role, cfg, THREADS)
+    return _stages[cfg, role]
+
+
+def round_trip(tensors: Tensors) -> Tensors:
+    """Through raw bytes, as a Mooncake write into a registered pool would carry them."""
+    specs, nbytes = layout(tensors)
+    block = torch.zeros(nbytes, dtype=torch.uint8)
+    pack(block, tensors, specs)
+    return unpack(block, specs)
+
+
+def run_split(cfg: DiffusersConfig, params: GenParams) -> tuple[Tensors, Tensors, Tensors]:
+    embeds = round_trip(stage(cfg, "encoder").run(params, {}))
+    latents = round_trip(stage(cfg, "denoiser").run(params, embeds))
+    return embeds, latents, stage(cfg, "decoder").run(params, latents)
+
+
+def run_monolithic(family: str, weights_seed: int, params: GenParams, output_type: str):
+    pipe = tiny.build_pipeline(family, weights_seed)
+    kwargs = {"use_resolution_binning": False, "clean_caption": False} if family == "pixart" else {}
+    return pipe(
+        params.prompt,
+        negative_prompt=params.negative_prompt,
+        width=params.width,
+        height=params.height,
+        num_inference_steps=params.steps,
+        guidance_scale=params.guidance,
+        num_images_per_prompt=params.num_images,
+        generator=torch.Generator("cpu").manual_seed(params.seed),
+        output_type=output_type,
+        **kwargs,
+    ).images
+
+
+CASES = {
+    # weights seed, request: CFG with a negative prompt / no CFG, 2 images / non-square
+    "cfg-64px": (0, GenParams(prompt="a red fox in snow", negative_prompt="blurry", steps=3, seed=0, output="raw")),
+    "nocfg-2img-32px": (
+        1,
+        GenParams(prompt="a cat", width=32, height=32, steps=2, guidance=1.0, seed=1, num_images=2, output="raw"),
+    ),
+    "cfg-48x32": (2, GenParams(prompt="Lighthouse, dusk!", width=48, height=32, steps=4, guidance=7.5, seed=2, output="raw")),
+    # One step: PixArt's __call__ then returns the scheduler's predicted x0, not x_{t-1}.
+    "cfg-1step": (0, GenParams(prompt="one step", width=32, height=32, steps=1, seed=3, output="raw")),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_split_equals_monolithic_bitwise(family: str, case: str) -> None:
+    weights_seed, params = CASES[case]
+    cfg = DiffusersConfig(family=family, seed=weights_seed)
+    embeds, latents, out = run_split(cfg, params)
+
+    assert ("negative_prompt_embeds" in embeds) == (params.guidance > 1)
+    assert all(t.shape[0] == 1 for t in embeds.values()), "embeddings travel once, not per image"
+    reference_latents = run_monolithic(family, weights_seed, params, "latent")
+    assert torch.equal(latents["latents"], reference_latents)
+
+    reference = np.stack([np.asarray(image) for image in run_monolithic(family, weights_seed, params, "pil")])
+    assert out["images"].dtype == torch.uint8
+    assert out["images"].shape == (params.num_images, params.height, params.width, 3)
+    assert np.array_equal(out["images"].numpy(), reference)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_png_decodes_to_raw_pixels(family: str) -> None:
+    cfg = DiffusersConfig(family=family)
+    params = GenParams(prompt="two images", width=32, height=32, steps=2, num_images=2, seed=5, output="png")
+    _, latents, png = run_split(cfg, params)
+    raw = stage(cfg, "decoder").run(msgspec.structs.replace(params, output="raw"), latents)["images"]
+
+    assert sorted(png) == ["image_0.png", "image_1.png"]
+    for i in range(2):
+        blob = png[f"image_{i}.png"]
+        assert blob.dtype == torch.uint8 and blob.dim() == 1
+        with Image.open(io.BytesIO(blob.numpy().tobytes())) as image:
+            assert image.format == "PNG"
+            assert np.array_equal(np.asarray(image.convert("RGB")), raw[i].numpy())
+
+
+@pytest.mark.parametrize("role", ["encoder", "denoiser", "decoder"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bad_size_is_invalid_before_compute(family: str, role: Role, monkeypatch: pytest.MonkeyPatch) -> None:
+    s = stage(DiffusersConfig(family=family), role)
+    assert s.limits().size_multiple == 8
+    for method in ("encode", "denoise", "decode"):
+        monkeypatch.setattr(s.adapter, method, lambda *a: pytest.fail("computed before checking"))
+    with pytest.raises(StageError) as err:
+        s.run(GenParams(prompt="x", width=60, height=64), {})
+    assert err.value.reason is Reason.INVALID
+    assert "width 60" in str(err.value)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fail_marker_fails_mid_loop(family: str) -> None:
+    cfg = DiffusersConfig(family=family)
+    denoiser = stage(cfg, "denoiser", fail_marker="@@fail@@")
+    model = denoiser.pipe.unet if family == "sd15" else denoiser.pipe.transformer
+    forwards = []
+    model.register_forward_hook(lambda *a: forwards.append(1))
+    params = GenParams(prompt="boom @@fail@@", width=32, height=32, steps=4)
+    embeds = stage(cfg, "encoder").run(params, {})
+
+    with pytest.raises(StageError) as err:
+        denoiser.run(params, embeds)
+    assert err.value.reason is Reason.STAGE_FAILED
+    assert len(forwards) == 1, "step 0 ran, step 1 failed"
+    assert denoiser.run(msgspec.structs.replace(params, prompt="fine"), embeds)["latents"].shape == (1, 4, 16, 16)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_each_stage_loads_only_its_components(family: str) -> None:
+    cfg = DiffusersConfig(family=family)
+    held = {role: stage(cfg, role).components for role in ("encoder", "denoiser", "decoder")}
+    denoiser_model = "unet" if family == "sd15" else "transformer"
+
+    assert set(held["encoder"]) == {"tokenizer", "text_encoder"}
+    assert set(held["denoiser"]) == {denoiser_model, "scheduler"}
+    assert set(held["decoder"]) == {"vae"}
+    encoder_modules = [type(m) for m in held["encoder"]["text_encoder"].modules()]
+    assert not any(issubclass(t, AutoencoderKL | UNet2DConditionModel) for t in encoder_modules)
+    # The denoiser sizes latents from the VAE's config, never from a loaded VAE.
+    assert stage(cfg, "denoiser").pipe.vae_scale_factor == 2
+
+
+def test_missing_input_tensor_is_a_stage_error() -> None:
+    with pytest.raises(StageError, match="negative_prompt_embeds"):
+        stage(DiffusersConfig(), "denoiser").run(GenParams(prompt="x"), {"prompt_embeds": torch.zeros(1, 77, 8)})
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_local_directory_loads_the_same_model(family: str, tmp_path) -> None:
+    """The real-weights path (``from_pretrained`` of each role's subfolders) on a saved tiny model."""
+    tiny.build_pipeline(family, seed=4).save_pretrained(tmp_path)
+    params = GenParams(prompt="saved and loaded", width=32, height=32, steps=2, seed=3, output="raw")
+    loaded = run_split(DiffusersConfig(family=family, path=str(tmp_path)), params)[2]["images"]
+    built = run_split(DiffusersConfig(family=family, seed=4), params)[2]["images"]
+    assert torch.equal(loaded, built)
+    limits = build_diffusion_stage("encoder", DiffusersConfig(family=family, path=str(tmp_path))).limits()
+    assert limits.model == f"{family}:{tmp_path.name}" and limits.size_multiple == 8
+
+
+def test_tiny_components_build_alone_identically() -> None:
+    """A process building only the UNet gets the UNet the whole pipeline has."""
+    alone = tiny.build_component("sd15", "unet", seed=9)
+    whole = tiny.build_pipeline("sd15", seed=9).unet
+    for (name, a), (_, b) in zip(alone.state_dict().items(), whole.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name

@@ -1,0 +1,215 @@
+"""MooncakeEngine over real loopback TCP (the TransferConfig defaults force TCP).
+
+Two engines in one process work, so the sender and the main receiver live here. Peers that
+get rejected writes or get killed run in a subprocess: rejections tear down the sender's
+lanes to that peer, and a killed process is the honest way to get a dead peer. Dropping an
+in-process engine holds the GIL for about a second, so engines are shared per module.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from orchestrator.config import TransferConfig
+from transfer.engine import Engine, MooncakeEngine, TransferError
+from transfer.pool import MemoryPool
+
+pytest.importorskip("mooncake.engine")
+
+CFG = TransferConfig()
+POOL_BYTES = 1 << 20
+SLOT_BYTES = 300_001  # odd on purpose: slots keep their true size
+
+# A foreign peer: bare Mooncake and a ctypes buffer (no torch, so it starts in ~60 ms).
+PEER = """
+import ctypes, json, sys
+from mooncake.engine import TransferEngine
+te = TransferEngine()
+assert te.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+buf = ctypes.create_string_buffer(SIZE)
+assert te.register_memory(ctypes.addressof(buf), SIZE) == 0
+print(json.dumps({"session": f"127.0.0.1:{te.get_rpc_port()}", "address": ctypes.addressof(buf)}), flush=True)
+sys.stdin.read()  # live until the test closes stdin or kills us
+"""
+
+
+@dataclass
+class Pair:
+    sender: MooncakeEngine
+    receiver: MooncakeEngine
+    out: MemoryPool  # registered with the sender
+    inbox: MemoryPool  # registered with the receiver, one prealloc slot
+
+
+@dataclass
+class Peer:
+    session: str
+    address: int
+    size: int
+    process: subprocess.Popen[str]
+
+
+@pytest.fixture(scope="module")
+def pair() -> Iterator[Pair]:
+    sender, receiver = MooncakeEngine(CFG), MooncakeEngine(CFG)
+    out = MemoryPool(POOL_BYTES)
+    inbox = MemoryPool(POOL_BYTES, slot_sizes=(SLOT_BYTES,))
+    sender.register(out.base, out.size)
+    receiver.register(inbox.base, inbox.size)
+    yield Pair(sender, receiver, out, inbox)
+    sender.close()
+    receiver.close()
+
+
+@pytest.fixture
+def peer() -> Iterator[Peer]:
+    size = 1 << 16
+    env = {**os.environ, **CFG.env}
+    with subprocess.Popen(
+        [sys.executable, "-c", PEER.replace("SIZE", str(size))],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    ) as process:
+        try:
+            assert process.stdout is not None
+            info = json.loads(process.stdout.readline())
+            yield Peer(info["session"], info["address"], size, process)
+        finally:
+            process.kill()
+
+
+class NoMooncake:
+    """Stands in for the Mooncake engine where a test proves it is never reached."""
+
+    def __getattr__(self, name: str) -> object:
+        raise AssertionError(f"mooncake was called: {name}")
+
+
+def test_mooncake_engine_satisfies_the_protocol(pair: Pair) -> None:
+    assert isinstance(pair.sender, Engine)
+    host, port = pair.sender.session.rsplit(":", 1)
+    assert host == CFG.local_hostname and int(port) > 0
+    assert pair.sender.session != pair.receiver.session
+
+
+def test_write_lands_byte_for_byte_in_a_slot(pair: Pair) -> None:
+    block = pair.out.try_alloc(SLOT_BYTES)
+    assert block is not None
+    try:
+        data = torch.randint(0, 256, (SLOT_BYTES,), dtype=torch.uint8)
+        pair.out.view(block)[:SLOT_BYTES] = data
+        slot = pair.inbox.slots[0]
+        pair.sender.write(pair.receiver.session, pair.out.address(block), slot.address, SLOT_BYTES)
+        assert torch.equal(pair.inbox.slot_view(0), data)
+    finally:
+        pair.out.free(block)
+
+
+def test_write_lands_at_an_offset_and_nowhere_else(pair: Pair) -> None:
+    target = pair.inbox.try_alloc(4096)
+    assert target is not None
+    try:
+        pair.inbox.view(target).zero_()
+        pair.out.buffer[1000:1100] = 0xAB
+        pair.sender.write(pair.receiver.session, pair.out.base + 1000, pair.inbox.address(target) + 7, 100)
+        landed = pair.inbox.view(target)
+        assert landed[7:107].eq(0xAB).all()
+        assert landed[:7].eq(0).all() and landed[107:].eq(0).all()
+    finally:
+        pair.inbox.free(target)
+
+
+def test_zero_length_write_does_nothing(pair: Pair, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(pair.sender, "_te", NoMooncake())
+    pair.sender.write("127.0.0.1:1", 0, 0, 0)
+
+
+def test_unregistered_local_source_is_refused_before_mooncake(
+    pair: Pair, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """TCP would send it happily and RDMA would not, so the wrapper refuses it everywhere."""
+    stray = torch.ones(4096, dtype=torch.uint8)
+    monkeypatch.setattr(pair.sender, "_te", NoMooncake())
+    session, remote = pair.receiver.session, pair.inbox.base
+    with pytest.raises(TransferError, match="not inside one registered range"):
+        pair.sender.write(session, stray.data_ptr(), remote, 4096)
+    with pytest.raises(TransferError, match="not inside one registered range"):  # straddles the end
+        pair.sender.write(session, pair.out.base + pair.out.size - 10, remote, 20)
+    with pytest.raises(TransferError):
+        pair.sender.write(session, pair.out.base, remote, -1)
+
+
+def test_overlapping_registration_is_reported(pair: Pair) -> None:
+    with pytest.raises(TransferError, match="overlap"):
+        pair.receiver.register(pair.inbox.base + 4096, 4096)
+
+
+def test_write_outside_the_peers_range_raises(pair: Pair, peer: Peer) -> None:
+    src = pair.out.base
+    with pytest.raises(TransferError, match=peer.session):
+        pair.sender.write(peer.session, src, peer.address + peer.size - 10, 100)
+    with pytest.raises(TransferError):
+        pair.sender.write(peer.session, src, 0x1000, 100)  # never registered there
+
+
+def test_valid_write_after_rejected_ones_succeeds(pair: Pair, peer: Peer) -> None:
+    """Each rejection tears down a lane; with all four gone the next write fails at once
+    and only the wrapper's one retry (after Mooncake's ~1 s reconnect) gets it through."""
+    src, beyond = pair.out.base, peer.address + peer.size - 10
+    # Raw calls, so the count of rejections does not depend on the wrapper's retry policy.
+    assert [pair.sender._te.transfer_sync_write(peer.session, src, beyond, 100) for _ in range(4)] == [-1] * 4
+    pair.sender.write(peer.session, src, peer.address, 100)
+
+
+def test_dead_peer_raises_promptly(pair: Pair, peer: Peer) -> None:
+    pair.sender.write(peer.session, pair.out.base, peer.address, 100)
+    peer.process.kill()
+    peer.process.wait()
+    started = time.monotonic()
+    with pytest.raises(TransferError, match=peer.session):
+        pair.sender.write(peer.session, pair.out.base, peer.address, 100)
+    assert time.monotonic() - started < 3
+
+
+def test_unknown_session_raises(pair: Pair) -> None:
+    with pytest.raises(TransferError, match="127.0.0.1:1 "):
+        pair.sender.write("127.0.0.1:1", pair.out.base, 0x1000, 100)
+
+
+def test_initialize_failure_names_the_settings() -> None:
+    cfg = TransferConfig(local_hostname="127.0.0.1:17555", metadata_server="http://127.0.0.1:1/metadata")
+    with pytest.raises(TransferError, match="metadata_server='http://127.0.0.1:1/metadata'"):
+        MooncakeEngine(cfg)
+
+
+def test_config_env_overrides_the_shell(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MC_TRANSFER_TIMEOUT", "99")
+    cfg = TransferConfig(metadata_server="http://127.0.0.1:1/metadata")  # fails fast after export
+    with pytest.raises(TransferError):
+        MooncakeEngine(cfg)
+    assert os.environ["MC_TRANSFER_TIMEOUT"] == CFG.env["MC_TRANSFER_TIMEOUT"]
+
+
+def test_close_unregisters_and_refuses_further_use() -> None:
+    engine = MooncakeEngine(CFG)
+    pool = MemoryPool(1 << 16)
+    engine.register(pool.base, pool.size)
+    te = engine._te
+    engine.close()
+    assert te.unregister_memory(pool.base) == -3  # already unregistered by close()
+    engine.close()  # idempotent
+    with pytest.raises(TransferError, match="closed"):
+        engine.write(engine.session, pool.base, pool.base, 1)
+    with pytest.raises(TransferError, match="closed"):
+        engine.register(pool.base, pool.size)

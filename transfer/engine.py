@@ -1,0 +1,159 @@
+"""The data plane: one-sided writes from our registered pool into a peer's.
+
+``Engine`` is the interface the worker runtime codes against; ``MooncakeEngine`` implements
+it over Mooncake's TransferEngine (TCP in CI, RDMA in production), and tests may supply a
+loopback fake. Facts this wrapper relies on are in MOONCAKE.md; the ones that shaped it:
+
+* Only ``transfer_sync_write`` is used. Batch and async ids are raw pointers: polling a
+  finished or bogus id segfaults the process, so we never hold one.
+* A sync write returning 0 means the bytes are in the peer's memory (TCP protocol v2 acks
+  after the last chunk lands; RDMA completion), so the caller may tell the receiver then.
+* TCP accepts an unregistered local source that RDMA would reject, so we check the source
+  range ourselves: a missing registration fails in CI, not first in production.
+* After a peer rejects a write the connection's lanes are torn down; once all are gone the
+  next write fails at once with -1 and a retry succeeds after a ~1 s reconnect. Hence one
+  retry, and no more: a dead peer fails both attempts within about a millisecond.
+
+Threads: transfer calls release the GIL and busy-spin a core until done, so ``write`` runs
+on a worker thread. Use at most one concurrent writer per engine (the worker runtime has one
+push thread): parallel sync writers on one engine were several times slower than one.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Protocol, runtime_checkable
+
+import structlog
+
+from orchestrator.config import TransferConfig
+
+log = structlog.get_logger()
+
+P2P = "P2PHANDSHAKE"
+
+# Mooncake's register_memory codes we can explain (others are reported raw).
+_REGISTER_ERRORS = {
+    -7: "overlaps a range already registered (Mooncake refuses overlapping regions)",
+}
+
+
+class TransferError(Exception):
+    """The data plane could not start, register, or complete a write."""
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """What the worker runtime needs from a data plane."""
+
+    session: str  # the segment name peers use to write to us
+
+    def register(self, base: int, size: int) -> None: ...
+
+    def write(self, session: str, local_addr: int, remote_addr: int, nbytes: int) -> None:
+        """Blocking write of local bytes to a peer's registered memory; TransferError on failure."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class MooncakeEngine:
+    """Owns one Mooncake TransferEngine and the local ranges registered with it."""
+
+    def __init__(self, cfg: TransferConfig) -> None:
+        # Mooncake reads its knobs from the environment when the engine starts, so export
+        # them first. The config overrides the shell (no setdefault): the file is the one
+        # place that decides the transport. Keys the config does not name are left alone.
+        # The environment is process-wide: every engine in this process sees these values.
+        os.environ.update(cfg.env)
+        try:
+            from mooncake.engine import TransferEngine
+        except ImportError as exc:
+            raise TransferError(
+                "the mooncake transfer engine is not installed "
+                "(mooncake-transfer-engine-non-cuda for CPU, mooncake-transfer-engine for CUDA)"
+            ) from exc
+
+        self._te = TransferEngine()
+        rc = self._te.initialize(cfg.local_hostname, cfg.metadata_server, cfg.protocol, cfg.device_name)
+        if rc != 0:
+            raise TransferError(
+                f"mooncake initialize failed (rc={rc}) with local_hostname={cfg.local_hostname!r} "
+                f"metadata_server={cfg.metadata_server!r} protocol={cfg.protocol!r} "
+                f"device_name={cfg.device_name!r}; MC_FORCE_HCA without an RNIC, an unreachable "
+                "metadata server, or a duplicate segment name all cause this"
+            )
+        if cfg.metadata_server == P2P:
+            # Peer-to-peer handshake: Mooncake ignores any port in local_hostname and picks a
+            # free RPC port; that port is part of the name peers must use.
+            host = cfg.local_hostname
+            if host.count(":") == 1:  # "ip:port" (not bare IPv6)
+                host = host.rsplit(":", 1)[0]
+            self.session = f"{host}:{self._te.get_rpc_port()}"
+        else:
+            # With a metadata server the hostname string itself is the (unique) segment name.
+            self.session = cfg.local_hostname
+        # Replaced, never mutated, so a writer thread always sees a consistent tuple.
+        self._ranges: tuple[tuple[int, int], ...] = ()
+        self._closed = False
+
+    def register(self, base: int, size: int) -> None:
+        """Register ``[base, base+size)`` as a source and a target of transfers.
+
+        Register before pushing starts; keep the memory alive until ``close()``.
+        """
+        self._check_open()
+        if size <= 0:
+            raise TransferError(f"cannot register {size} bytes at {base:#x}")
+        # location "*": Mooncake finds the memory's NUMA node (CPU) or device (CUDA) itself.
+        rc = self._te.register_memory(base, size, "*")
+        if rc != 0:
+            why = _REGISTER_ERRORS.get(rc, "see the Mooncake log")
+            raise TransferError(f"register [{base:#x}, +{size}) failed (rc={rc}): {why}")
+        self._ranges = (*self._ranges, (base, size))
+
+    def write(self, session: str, local_addr: int, remote_addr: int, nbytes: int) -> None:
+        """Copy ``nbytes`` from our registered memory to ``remote_addr`` in ``session``.
+
+        Blocks until the bytes are in the peer's memory. Call from a worker thread.
+        """
+        self._check_open()
+        if nbytes < 0:
+            raise TransferError(f"cannot write {nbytes} bytes")
+        if nbytes == 0:
+            return
+        if not any(b <= local_addr and local_addr + nbytes <= b + s for b, s in self._ranges):
+            raise TransferError(
+                f"local source [{local_addr:#x}, +{nbytes}) is not inside one registered range "
+                f"(RDMA would reject it; registered: {[(hex(b), s) for b, s in self._ranges]})"
+            )
+        rc = self._te.transfer_sync_write(session, local_addr, remote_addr, nbytes)
+        if rc != 0:
+            log.warning("transfer.retry", session=session, nbytes=nbytes, rc=rc)
+            rc = self._te.transfer_sync_write(session, local_addr, remote_addr, nbytes)
+        if rc != 0:
+            raise TransferError(
+                f"write of {nbytes} bytes from {local_addr:#x} to {session} at {remote_addr:#x} "
+                f"failed twice (rc={rc}): peer unreachable or dead, remote range not registered "
+                "there, or it timed out"
+            )
+
+    def close(self) -> None:
+        """Unregister everything and drop the engine, which stops its RPC server.
+
+        Dropping the Mooncake engine holds the GIL for about a second while its threads
+        join; this is a shutdown-only call.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        for base, size in self._ranges:
+            rc = self._te.unregister_memory(base)
+            if rc != 0:  # shutting down anyway: report and carry on
+                log.warning("transfer.unregister_failed", base=hex(base), size=size, rc=rc)
+        self._ranges = ()
+        del self._te
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TransferError(f"engine {self.session} is closed")

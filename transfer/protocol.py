@@ -1,0 +1,388 @@
+"""The wire: every message that crosses a process boundary, as msgspec tagged unions.
+
+Three families share one encoding (msgpack, tag field ``kind``):
+
+* client <-> daemon: ``Submit``/``Cancel`` in, ``Result``/``Rejected``/``Cancelled`` out;
+* control: ``GetStats``/``ListWorkers``/``Drain`` in, ``Stats``/``Workers``/``Draining`` out;
+* worker <-> daemon: registration, heartbeats, work and the tensor hand-off.
+
+Tensors never go through msgpack. A message that carries tensors is the encoded header
+followed by one raw ZMQ frame per tensor, in the order of its ``TensorSpec`` list.
+
+Schema evolution: new fields are appended with defaults; wire structs do not forbid
+unknown fields, so an older peer skips what it does not know. The protocol version is
+checked once per peer (``Submit.protocol``, ``Register.protocol``), not per message.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Annotated, Literal
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+
+Role = Literal["encoder", "denoiser", "decoder"]
+ROLES: tuple[Role, ...] = ("encoder", "denoiser", "decoder")
+
+RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
+Dim = Annotated[int, msgspec.Meta(ge=1, le=16384)]
+NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+
+
+class Reason(enum.StrEnum):
+    """Why a request did not produce a result. Clients switch on this, not on the text."""
+
+    INVALID = "invalid"
+    DUPLICATE = "duplicate"
+    OVERLOADED = "overloaded"
+    DRAINING = "draining"
+    TIMED_OUT = "timed_out"
+    STAGE_FAILED = "stage_failed"
+    TRANSFER_FAILED = "transfer_failed"
+    WORKER_LOST = "worker_lost"
+    CANCELLED = "cancelled"
+    UNSUPPORTED = "unsupported"
+
+
+class Wire(msgspec.Struct, tag=True, tag_field="kind", frozen=True, kw_only=True):
+    """Base of every wire message; the tag is the class name."""
+
+
+class Plain(msgspec.Struct, frozen=True, kw_only=True):
+    """A value nested inside wire messages (untagged)."""
+
+
+# --------------------------------------------------------------------------- tensors
+
+
+class TensorSpec(Plain):
+    """One tensor of a message: where it sits in a staged block or which frame holds it.
+
+    ``offset`` is relative to the start of the staged block (hand-offs); for frames it is 0.
+    ``dtype`` is a torch dtype name without the ``torch.`` prefix (``float32``, ``uint8``).
+    """
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: NonNegative = 0
+    nbytes: NonNegative = 0
+
+
+# --------------------------------------------------------------------------- client <-> daemon
+
+
+class GenParams(Plain):
+    """What to generate. Validated against the registered models' limits before any work."""
+
+    prompt: Annotated[str, msgspec.Meta(max_length=16384)]
+    negative_prompt: Annotated[str, msgspec.Meta(max_length=16384)] = ""
+    width: Dim = 64
+    height: Dim = 64
+    frames: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 1
+    steps: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 20
+    guidance: Annotated[float, msgspec.Meta(ge=0.0, le=100.0)] = 5.0
+    seed: Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)] = 0
+    num_images: Annotated[int, msgspec.Meta(ge=1, le=16)] = 1
+    output: Literal["png", "raw"] = "png"
+
+
+class Submit(Wire):
+    """Ask for one generation. An empty ``request_id`` lets the daemon assign one."""
+
+    protocol: int
+    params: GenParams
+    request_id: Annotated[str, msgspec.Meta(max_length=128)] = ""
+    priority: Annotated[int, msgspec.Meta(ge=-100, le=100)] = 0
+    # Seconds from receipt; None takes the daemon's default. Bounded so a typo cannot pin
+    # slots for a day.
+    timeout_s: Annotated[float, msgspec.Meta(gt=0, le=86400)] | None = None
+
+
+class Cancel(Wire):
+    """Stop a request: queued work is dropped, running workers get an abort."""
+
+    protocol: int
+    request_id: RequestId
+
+
+class StageTiming(Plain):
+    """How long one stage of one request took, and where."""
+
+    role: Role
+    instance: str
+    queued_ms: float
+    compute_ms: float
+    transfer_ms: float = 0.0  # pushing this stage's output to the next stage
+    transfer_bytes: NonNegative = 0
+    fast_path: bool | None = None  # None for the decoder, which has no outgoing hand-off
+
+
+class Result(Wire):
+    """A finished request. ``outputs[i]`` describes raw frame ``i`` after this header."""
+
+    request_id: str
+    outputs: list[TensorSpec]
+    stages: list[StageTiming]
+    total_ms: float
+
+
+class Rejected(Wire):
+    """A request that will not produce a result, with a machine-readable reason."""
+
+    request_id: str
+    reason: Reason
+    message: str
+
+
+class Cancelled(Wire):
+    """Acknowledges a ``Cancel``; the cancelled request itself gets ``Rejected(cancelled)``."""
+
+    request_id: str
+    found: bool
+
+
+ClientRequest = Submit | Cancel
+ClientReply = Result | Rejected | Cancelled
+
+
+# --------------------------------------------------------------------------- control
+
+
+class GetStats(Wire):
+    """Ask for a ``Stats`` snapshot."""
+
+
+class ListWorkers(Wire):
+    """Ask for every registered worker instance."""
+
+
+class Drain(Wire):
+    """Stop admitting, finish what is in flight, then exit (same as SIGTERM)."""
+
+
+class InstanceStats(Plain):
+    """One worker instance as its pool and the negotiator see it."""
+
+    instance: str
+    role: Role
+    name: str
+    address: str
+    session: str
+    slots_free: int
+    slots_total: int
+    prealloc_free: int
+    prealloc_total: int
+    served: int
+    failed: int
+    alive: bool
+
+
+class Stats(Wire):
+    """A snapshot gathered from the actors that own each number."""
+
+    uptime_s: float
+    draining: bool
+    instances: list[InstanceStats]
+    queue_depths: dict[str, int]
+    handoffs_in_flight: int
+    fast_path: dict[str, int]  # by hop, e.g. "encoder->denoiser"
+    slow_path: dict[str, int]
+    requests_by_state: dict[str, int]
+    completed: int
+    failed_by_reason: dict[str, int]
+    mailboxes: dict[str, int]
+
+
+class Workers(Wire):
+    """Every registered instance."""
+
+    instances: list[InstanceStats]
+
+
+class Draining(Wire):
+    """Acknowledges ``Drain``."""
+
+    in_flight: int
+
+
+ControlRequest = GetStats | ListWorkers | Drain
+ControlReply = Stats | Workers | Draining | Rejected
+
+
+# --------------------------------------------------------------------------- worker <-> daemon
+
+
+class SlotInfo(Plain):
+    """A receive slot a worker carved from its pool at start, with its true size."""
+
+    slot_id: NonNegative
+    address: NonNegative
+    size: Annotated[int, msgspec.Meta(gt=0)]
+
+
+class StageLimits(Plain):
+    """What a worker's model can honour; the daemon rejects requests outside them."""
+
+    size_multiple: Annotated[int, msgspec.Meta(ge=1)] = 1
+    min_size: Annotated[int, msgspec.Meta(ge=1)] = 8
+    max_size: Annotated[int, msgspec.Meta(ge=1)] = 4096
+    max_steps: Annotated[int, msgspec.Meta(ge=1)] = 1000
+    max_images: Annotated[int, msgspec.Meta(ge=1)] = 16
+    max_frames: Annotated[int, msgspec.Meta(ge=1)] = 1
+    model: str = ""
+
+
+class Register(Wire):
+    """Worker -> daemon, first message on its DEALER. The connection becomes its identity."""
+
+    protocol: int
+    token: str
+    role: Role
+    name: str
+    work_address: str
+    session: str  # Mooncake segment name peers write to
+    pool_base: NonNegative
+    pool_size: NonNegative
+    slots: list[SlotInfo]
+    capacity: Annotated[int, msgspec.Meta(ge=1, le=1024)]
+    limits: StageLimits = StageLimits()
+
+
+class Registered(Wire):
+    """Daemon -> worker: accepted. ``key`` must prefix every work-socket message."""
+
+    instance: str
+    key: bytes
+    heartbeat_s: float
+
+
+class RegisterRefused(Wire):
+    """Daemon -> worker: registration refused (bad token, version, role)."""
+
+    message: str
+
+
+class Heartbeat(Wire):
+    """Worker -> daemon, every ``heartbeat_s``; silence past the timeout evicts the worker."""
+
+
+class Work(Wire):
+    """Daemon -> encoder: run your stage for this request (no tensor input)."""
+
+    request_id: str
+    params: GenParams
+    part: NonNegative = 0
+    parts: Annotated[int, msgspec.Meta(ge=1)] = 1
+
+
+class Staged(Wire):
+    """Worker -> daemon: output computed and staged in the registered pool."""
+
+    request_id: str
+    nbytes: NonNegative
+    manifest: list[TensorSpec]
+    compute_ms: float
+    part: NonNegative = 0
+
+
+class Alloc(Wire):
+    """Daemon -> receiver: make room for ``nbytes`` for this request (slow path)."""
+
+    request_id: str
+    nbytes: NonNegative
+
+
+class Allocated(Wire):
+    """Receiver -> daemon: room made at ``address`` in its registered pool."""
+
+    request_id: str
+    address: NonNegative
+
+
+class AllocRejected(Wire):
+    """Receiver -> daemon: cannot make room (larger than the pool, or none freed in time)."""
+
+    request_id: str
+    message: str
+
+
+class Push(Wire):
+    """Daemon -> sender: write your staged output to this receiver's memory."""
+
+    request_id: str
+    session: str
+    address: NonNegative
+    nbytes: NonNegative
+    part: NonNegative = 0
+
+
+class Pushed(Wire):
+    """Sender -> daemon: the write finished (``ok``) or failed; the staged block is freed."""
+
+    request_id: str
+    ok: bool
+    transfer_ms: float
+    error: str = ""
+    part: NonNegative = 0
+
+
+class Ready(Wire):
+    """Daemon -> receiver: your input landed at ``address``; run your stage."""
+
+    request_id: str
+    params: GenParams
+    address: NonNegative
+    manifest: list[TensorSpec]
+    slot_id: int | None = None  # the preallocated slot used, or None for an allocation
+
+
+class Done(Wire):
+    """Worker -> daemon: stage ended without a hand-off: the decoder's result, or a failure.
+
+    On success (decoder only) the raw output frames follow this header, one per ``outputs``.
+    """
+
+    request_id: str
+    ok: bool
+    compute_ms: float
+    outputs: list[TensorSpec] = []
+    reason: Reason = Reason.STAGE_FAILED
+    error: str = ""
+
+
+class Abort(Wire):
+    """Daemon -> worker: drop this request and free everything it holds."""
+
+    request_id: str
+
+
+WorkerMessage = Register | Heartbeat | Staged | Allocated | AllocRejected | Pushed | Done
+DaemonToWorker = Registered | RegisterRefused
+WorkOrder = Work | Alloc | Push | Ready | Abort
+
+
+# --------------------------------------------------------------------------- codecs
+
+ENCODER = msgspec.msgpack.Encoder()
+CLIENT_REQUEST = msgspec.msgpack.Decoder(ClientRequest)
+CLIENT_REPLY = msgspec.msgpack.Decoder(ClientReply)
+CONTROL_REQUEST = msgspec.msgpack.Decoder(ControlRequest)
+CONTROL_REPLY = msgspec.msgpack.Decoder(ControlReply)
+WORKER_MESSAGE = msgspec.msgpack.Decoder(WorkerMessage)
+DAEMON_TO_WORKER = msgspec.msgpack.Decoder(DaemonToWorker)
+WORK_ORDER = msgspec.msgpack.Decoder(WorkOrder)
+
+encode = ENCODER.encode
+
+
+def hop_name(sender: Role, receiver: Role) -> str:
+    return f"{sender}->{receiver}"
+
+
+def next_role(role: Role) -> Role | None:
+    """The stage that consumes ``role``'s output, or None after the decoder."""
+    index = ROLES.index(role)
+    return ROLES[index + 1] if index + 1 < len(ROLES) else None
