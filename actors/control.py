@@ -144,5 +144,6 @@ class ControlActor:
             requests_by_state=tracker.by_state,
             completed=tracker.completed,
             failed_by_reason=tracker.failed_by_reason,
+            late_reports=negotiator.late_reports,
             mailboxes=mailboxes,
         )

@@ -22,8 +22,8 @@ from anyio.abc import ObjectReceiveStream, ObjectSendStream
 
 from actors.base import drain, mailbox_depth, post, reply_once
 from actors.mail import Admit, CancelRequest, Deliver, FrontendMail, LimitsChanged, QueryStats, SetDraining, TrackerMail
-from orchestrator.stages.base import limits_violation
 from orchestrator.config import DaemonConfig
+from orchestrator.limits import limits_violation
 from transfer.protocol import (
     CLIENT_REQUEST,
     PROTOCOL_VERSION,

@@ -110,6 +110,7 @@ class NegotiatorStats(msgspec.Struct, frozen=True):
     handoffs_in_flight: int
     fast_path: dict[str, int]
     slow_path: dict[str, int]
+    late_reports: int
     mailbox: int
 
 
@@ -142,6 +143,7 @@ class TransferNegotiator:
         self._fast: dict[str, int] = {}
         self._slow: dict[str, int] = {}
         self._ids = itertools.count(1)
+        self._late = 0  # reports about requests that had already ended: counted, then dropped
         self._log = log.bind(actor="negotiator")
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[str] = anyio.TASK_STATUS_IGNORED) -> None:
@@ -243,6 +245,7 @@ class TransferNegotiator:
             case AllocRejected(request_id=rid, message=message):
                 flight = self._flights.get(rid)
                 if flight is None or flight.state != FlightState.ALLOCATING or flight.receiver != link.instance:
+                    self._late += 1
                     return
                 self._fail(flight, Reason.TRANSFER_FAILED, f"{link.instance} cannot fit {flight.nbytes} bytes: {message}")
             case Pushed():
@@ -257,6 +260,7 @@ class TransferNegotiator:
         flight = self._flights.get(rid)
         if flight is None or flight.state != FlightState.RUNNING or flight.instance != link.instance:
             # Late (the request ended) or not this worker's to report: have it free the block.
+            self._late += 1
             self._order(link.role, link.instance, Abort(request_id=rid))
             return
         following = next_role(link.role)
@@ -291,6 +295,7 @@ class TransferNegotiator:
         flight = self._flights.get(msg.request_id)
         if flight is None or flight.state != FlightState.ALLOCATING or flight.receiver != link.instance:
             # Late: the request ended while the receiver was allocating; free it there.
+            self._late += 1
             self._order(link.role, link.instance, Abort(request_id=msg.request_id))
             return
         if not link.holds(msg.address, flight.nbytes):
@@ -307,6 +312,7 @@ class TransferNegotiator:
     def _pushed(self, link: Link, msg: Pushed) -> None:
         flight = self._flights.get(msg.request_id)
         if flight is None or flight.state != FlightState.PUSHING or flight.instance != link.instance:
+            self._late += 1
             return
         rid = flight.request_id
         if flight.doomed:
@@ -329,6 +335,7 @@ class TransferNegotiator:
     def _done(self, link: Link, msg: Done, frames: list[zmq.Frame]) -> None:
         flight = self._flights.get(msg.request_id)
         if flight is None or flight.state != FlightState.RUNNING or flight.instance != link.instance:
+            self._late += 1
             return
         rid = flight.request_id
         if msg.ok and (link.role != "decoder" or len(frames) != len(msg.outputs)):
@@ -363,7 +370,7 @@ class TransferNegotiator:
                     prealloc[instance] = PreallocCounts(free, total, True)
                 in_flight = sum(1 for f in self._flights.values() if f.state != FlightState.RUNNING)
                 reply_once(reply, NegotiatorStats(prealloc, in_flight, dict(self._fast), dict(self._slow),
-                                                  mailbox_depth(self._inbox)))
+                                                  self._late, mailbox_depth(self._inbox)))
             case _:
                 raise AssertionError(f"unexpected mail {mail!r}")
 

@@ -33,10 +33,12 @@ if [ ! -x .venv/bin/python ]; then
 fi
 if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
   echo "triptych: installing into .venv (first run takes a minute or two)" >&2
-  .venv/bin/python -m pip install -q --upgrade pip >/dev/null
+  # Some machines list local package folders that do not exist; pip warns once per package.
+  pip_install() { .venv/bin/python -m pip install -q --disable-pip-version-check "$@" 2> >(grep -v "is ignored: it is neither" >&2); }
   # torch first and pinned: an open range would pull a multi-GB CUDA build.
-  .venv/bin/python -m pip install -q "torch==2.13.0"
-  .venv/bin/python -m pip install -q "$MOONCAKE" -e ".[test]"
+  pip_install "torch==2.13.0"
+  pip_install "$MOONCAKE" -e ".[test]"
+  .venv/bin/python -c "import torch, mooncake.engine, diffusers" >/dev/null
   printf '%s' "$WANT" > "$STAMP"
 fi
 export PATH="$ROOT/.venv/bin:$PATH"

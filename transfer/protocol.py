@@ -193,6 +193,7 @@ class Stats(Wire):
     requests_by_state: dict[str, int]
     completed: int
     failed_by_reason: dict[str, int]
+    late_reports: int  # worker reports about requests that had already ended, dropped
     mailboxes: dict[str, int]
 
 

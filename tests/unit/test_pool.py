@@ -193,7 +193,7 @@ async def test_waiter_is_served_when_space_frees() -> None:
     got: list[Block] = []
     with anyio.fail_after(5):
         async with anyio.create_task_group() as tg:
-            tg.start_soon(lambda: _record(pool, 2 * A, got))
+            tg.start_soon(_record, pool, 2 * A, got)
             await anyio.wait_all_tasks_blocked()
             assert pool.waiters == 1
             pool.free(full)
@@ -212,9 +212,9 @@ async def test_small_waiter_never_overtakes_large_one() -> None:
     got: list[Block] = []
     with anyio.fail_after(5):
         async with anyio.create_task_group() as tg:
-            tg.start_soon(lambda: _record(pool, 4 * A, got))  # large, first
+            tg.start_soon(_record, pool, 4 * A, got)  # large, first
             await anyio.wait_all_tasks_blocked()
-            tg.start_soon(lambda: _record(pool, A, got))  # small, later
+            tg.start_soon(_record, pool, A, got)  # small, later
             await anyio.wait_all_tasks_blocked()
             pool.free(a)  # small would fit now...
             assert pool.try_alloc(A) is None  # ...and nobody may jump the queue
@@ -243,7 +243,7 @@ async def test_timed_out_head_lets_the_next_waiter_in() -> None:
         async with anyio.create_task_group() as tg:
             tg.start_soon(head)
             await anyio.wait_all_tasks_blocked()
-            tg.start_soon(lambda: _record(pool, A, got))  # fits, but queued behind the head
+            tg.start_soon(_record, pool, A, got)  # fits, but queued behind the head
             await anyio.wait_all_tasks_blocked()
             assert got == [] and pool.waiters == 2
     assert timed_out == [True] and got == [Block(6 * A, A)]
@@ -256,7 +256,7 @@ async def test_cancelled_waiter_leaves_the_queue() -> None:
     got: list[Block] = []
     with anyio.fail_after(5):
         async with anyio.create_task_group() as tg:
-            tg.start_soon(lambda: _record(pool, 4 * A, got))
+            tg.start_soon(_record, pool, 4 * A, got)
             await anyio.wait_all_tasks_blocked()
             assert pool.waiters == 1
             tg.cancel_scope.cancel()
@@ -273,7 +273,7 @@ async def test_block_granted_at_the_moment_of_cancel_is_returned() -> None:
     got: list[Block] = []
     with anyio.fail_after(5):
         async with anyio.create_task_group() as tg:
-            tg.start_soon(lambda: _record(pool, 2 * A, got))
+            tg.start_soon(_record, pool, 2 * A, got)
             await anyio.wait_all_tasks_blocked()
             # Cancel first, then free in the same tick: the waiter is still queued, so the
             # free grants it a block, but it wakes up to the cancellation.

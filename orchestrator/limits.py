@@ -1,0 +1,22 @@
+"""Whether a request fits a model: checked by the daemon at the door and by each stage."""
+
+from __future__ import annotations
+
+from transfer.protocol import GenParams, StageLimits
+
+
+def limits_violation(limits: StageLimits, params: GenParams) -> str | None:
+    """The first way ``params`` break ``limits``, as a message for the client, or None."""
+    for axis in ("width", "height"):
+        value = getattr(params, axis)
+        if value % limits.size_multiple:
+            return f"{axis} {value} is not a multiple of {limits.size_multiple} for model {limits.model!r}"
+        if not limits.min_size <= value <= limits.max_size:
+            return f"{axis} {value} is outside [{limits.min_size}, {limits.max_size}] for model {limits.model!r}"
+    if params.steps > limits.max_steps:
+        return f"steps {params.steps} exceeds {limits.max_steps} for model {limits.model!r}"
+    if params.num_images > limits.max_images:
+        return f"num_images {params.num_images} exceeds {limits.max_images} for model {limits.model!r}"
+    if params.frames > limits.max_frames:
+        return f"frames {params.frames} exceeds {limits.max_frames} for model {limits.model!r}"
+    return None

@@ -1,0 +1,75 @@
+"""Real daemon, real worker processes, real sockets, real Mooncake transfers."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from orchestrator.cluster import LocalCluster
+from orchestrator.config import Config, load_config
+from transfer.protocol import Role, Stats
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
+
+def cluster_config(tmp: Path, **sections: dict) -> tuple[Path, Config]:
+    """configs/test.toml with ipc:// endpoints under ``tmp`` and ``sections`` overriding keys."""
+    cfg = load_config(CONFIGS / "test.toml")
+    daemon = msgspec.structs.replace(cfg.daemon, client_endpoint=f"ipc://{tmp}/client",
+                                     control_endpoint=f"ipc://{tmp}/control", worker_endpoint=f"ipc://{tmp}/workers")
+    cfg = msgspec.structs.replace(cfg, daemon=daemon)
+    raw = msgspec.to_builtins(cfg)
+    for section, values in sections.items():
+        node = raw
+        for key in section.split("."):
+            node = node[key]
+        node.update(values)
+    path = tmp / "cluster.toml"
+    path.write_bytes(msgspec.toml.encode(raw))
+    return path, load_config(path)
+
+
+StartCluster = Callable[..., LocalCluster]
+
+
+@pytest.fixture
+def start_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StartCluster]:
+    started: list[LocalCluster] = []
+
+    def start(layout: dict[Role, int] | None = None, **sections: dict) -> LocalCluster:
+        tmp = tmp_path_factory.mktemp("c")  # short: ipc paths are limited to ~100 bytes
+        path, _ = cluster_config(tmp, **sections)
+        cluster = LocalCluster(path, layout=layout, log_dir=tmp / "logs")
+        started.append(cluster)
+        cluster.start(timeout_s=120)
+        return cluster
+
+    yield start
+    for cluster in started:
+        cluster.stop(timeout_s=20)
+
+
+def wait_for(cluster: LocalCluster, check: Callable[[Stats], bool], *, timeout_s: float = 10.0) -> Stats:
+    """Poll the daemon's stats until ``check`` holds; fail with the last stats otherwise."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = cluster.control.stats()
+        if check(stats):
+            return stats
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout_s}s; last stats: {stats}")
+        time.sleep(0.05)
+
+
+def all_free(stats: Stats) -> bool:
+    """Every slot and preallocated slot free, nothing in flight anywhere."""
+    return (
+        all(i.slots_free == i.slots_total and i.prealloc_free == i.prealloc_total for i in stats.instances)
+        and stats.handoffs_in_flight == 0
+        and not stats.requests_by_state
+        and not any(stats.queue_depths.values())
+    )

@@ -1,0 +1,163 @@
+"""Deadlines, duplicates, cancellation, draining, forged peers and lost workers."""
+
+from __future__ import annotations
+
+import os
+import signal
+from functools import partial
+
+import anyio
+import pytest
+import zmq
+
+from orchestrator.client import AsyncClient, Client, Rejection
+from orchestrator.cluster import LocalCluster
+from tests.e2e.conftest import StartCluster, all_free, wait_for
+from transfer.protocol import (
+    DAEMON_TO_WORKER,
+    PROTOCOL_VERSION,
+    GenParams,
+    Reason,
+    Register,
+    RegisterRefused,
+    Staged,
+    encode,
+)
+
+SLOW = {"model.null": {"denoiser_ms": 1500.0}}
+
+
+def p(i: int) -> GenParams:
+    return GenParams(prompt=f"slow {i}", seed=i, output="raw")
+
+
+def rejected_reason(client: Client, params: GenParams, **kw: object) -> Reason:
+    with pytest.raises(Rejection) as caught:
+        client.submit(params, **kw)
+    return caught.value.reason
+
+
+def test_deadline_mid_pipeline_times_out_and_frees_everything(start_cluster: StartCluster) -> None:
+    cluster = start_cluster(**SLOW)
+    endpoint = cluster.config.daemon.client_endpoint
+    with Client(endpoint) as client:
+        with pytest.raises(Rejection) as caught:
+            client.submit(p(1), timeout_s=0.5)
+    assert caught.value.reason == Reason.TIMED_OUT
+    assert "denoising" in caught.value.rejected.message
+    freed = wait_for(cluster, all_free, timeout_s=2)  # released at expiry, not when the worker finishes
+    assert freed.failed_by_reason == {"timed_out": 1}
+    # The denoiser finishes a second later and reports; that report must change nothing.
+    after = wait_for(cluster, lambda s: s.late_reports >= 1, timeout_s=10)
+    assert all_free(after) and after.completed == 0 and after.failed_by_reason == {"timed_out": 1}
+    with Client(endpoint) as client:
+        assert client.submit(p(2), timeout_s=20).result.request_id
+    final = wait_for(cluster, all_free)
+    assert final.completed == 1 and final.failed_by_reason == {"timed_out": 1}
+
+
+async def test_duplicate_in_flight_request_id_is_rejected(start_cluster: StartCluster) -> None:
+    cluster = start_cluster(**SLOW)
+    endpoint = cluster.config.daemon.client_endpoint
+    with anyio.fail_after(30):
+        async with AsyncClient(endpoint) as first, AsyncClient(endpoint) as second:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(partial(first.submit, p(1), request_id="same-id"))
+                await anyio.to_thread.run_sync(wait_for, cluster, lambda s: sum(s.requests_by_state.values()) == 1)
+                with pytest.raises(Rejection) as caught:
+                    await second.submit(p(2), request_id="same-id")
+    assert caught.value.reason == Reason.DUPLICATE
+    # The first one was not disturbed and completed.
+    assert wait_for(cluster, all_free).completed == 1
+
+
+async def test_cancel_stops_the_request_and_frees_its_slots(start_cluster: StartCluster) -> None:
+    cluster = start_cluster(**SLOW)
+    endpoint = cluster.config.daemon.client_endpoint
+    with anyio.fail_after(30):
+        async with AsyncClient(endpoint) as client, anyio.create_task_group() as tg:
+            outcome: list[Reason] = []
+
+            async def submit() -> None:
+                with pytest.raises(Rejection) as caught:
+                    await client.submit(p(1), request_id="to-cancel")
+                outcome.append(caught.value.reason)
+
+            tg.start_soon(submit)
+            await anyio.to_thread.run_sync(wait_for, cluster, lambda s: s.requests_by_state.get("denoising") == 1)
+            assert await client.cancel("to-cancel") is True
+            assert await client.cancel("never-existed") is False
+    assert outcome == [Reason.CANCELLED]
+    assert wait_for(cluster, all_free).failed_by_reason == {"cancelled": 1}
+
+
+async def test_sigterm_drains_in_flight_work_and_refuses_new(start_cluster: StartCluster) -> None:
+    cluster = start_cluster(**SLOW)
+    endpoint = cluster.config.daemon.client_endpoint
+    results = []
+    with anyio.fail_after(60):
+        async with AsyncClient(endpoint) as client, anyio.create_task_group() as tg:
+            for i in range(3):
+                tg.start_soon(_append, results, client.submit(p(i), timeout_s=30))
+            await anyio.to_thread.run_sync(wait_for, cluster, lambda s: sum(s.requests_by_state.values()) == 3)
+            assert cluster.daemon is not None
+            cluster.daemon.send_signal(signal.SIGTERM)
+            await anyio.to_thread.run_sync(wait_for, cluster, lambda s: s.draining)
+            with pytest.raises(Rejection) as caught:
+                await client.submit(p(9), timeout_s=5)
+            assert caught.value.reason == Reason.DRAINING
+        code = await anyio.to_thread.run_sync(partial(cluster.daemon.wait, timeout=30))  # exits by itself
+    assert len(results) == 3
+    assert code == 0
+    assert '"event":"daemon.signal"' in cluster.log_of("daemon")
+    assert '"event":"daemon.drained"' in cluster.log_of("daemon")
+
+
+async def _append(results: list, awaitable) -> None:
+    results.append(await awaitable)
+
+
+def _dealer(endpoint: str) -> zmq.Socket:
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    return sock
+
+
+def test_forged_registration_and_reports_are_refused(start_cluster: StartCluster) -> None:
+    cluster = start_cluster()
+    before = cluster.control.stats()
+    sock = _dealer(cluster.config.daemon.worker_endpoint)
+    try:
+        forged = Register(protocol=PROTOCOL_VERSION, token="guess", role="decoder", name="intruder",
+                          work_address="tcp://127.0.0.1:1", session="127.0.0.1:1", pool_base=0, pool_size=0,
+                          slots=[], capacity=1)
+        sock.send(encode(forged))
+        assert sock.poll(5000)
+        reply = DAEMON_TO_WORKER.decode(sock.recv())
+        assert isinstance(reply, RegisterRefused) and "token" in reply.message
+        sock.send(encode(Staged(request_id="x", nbytes=1, manifest=[], compute_ms=0)))
+        assert sock.poll(5000)
+        assert isinstance(DAEMON_TO_WORKER.decode(sock.recv()), RegisterRefused)
+    finally:
+        sock.close()
+    after = cluster.control.stats()
+    assert [i.instance for i in after.instances] == [i.instance for i in before.instances]
+    with Client(cluster.config.daemon.client_endpoint) as client:
+        client.submit(p(1), timeout_s=10)
+
+
+def test_a_dead_worker_is_evicted_and_a_restart_replaces_it(start_cluster: StartCluster) -> None:
+    cluster = start_cluster()
+    victim = cluster.workers["denoiser0"]
+    os.kill(victim.pid, signal.SIGKILL)
+    victim.wait(timeout=10)
+    stats = wait_for(cluster, lambda s: sum(i.role == "denoiser" for i in s.instances) == 1, timeout_s=15)
+    assert all(i.name != "denoiser0" for i in stats.instances)
+    with Client(cluster.config.daemon.client_endpoint) as client:
+        client.submit(p(1), timeout_s=10)  # the surviving denoiser serves
+    cluster.start_worker("denoiser", 0)
+    stats = wait_for(cluster, lambda s: sum(i.role == "denoiser" for i in s.instances) == 2, timeout_s=60)
+    names = sorted(i.name for i in stats.instances if i.role == "denoiser")
+    assert names == ["denoiser0", "denoiser1"]
+    assert wait_for(cluster, all_free)

@@ -1,0 +1,123 @@
+"""The whole path under normal and bad conditions, with null stages."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+import torch
+
+from orchestrator.client import AsyncClient, Client, Rejection
+from orchestrator.cluster import LocalCluster
+from orchestrator.stages.null import expected_outputs
+from tests.e2e.conftest import all_free, wait_for
+from transfer.protocol import PROTOCOL_VERSION, GenParams, GetStats, Reason, Rejected, Submit, encode
+
+HOPS = ("encoder->denoiser", "denoiser->decoder")
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory):
+    from tests.e2e.conftest import cluster_config
+
+    tmp = tmp_path_factory.mktemp("p")
+    path, _ = cluster_config(tmp)
+    with LocalCluster(path, log_dir=tmp / "logs") as running:
+        yield running
+
+
+def endpoint(cluster: LocalCluster) -> str:
+    return cluster.config.daemon.client_endpoint
+
+
+def params(i: int, **kw: object) -> GenParams:
+    return GenParams(prompt=f"prompt {i}", seed=i, width=64, height=48, output="raw", **kw)
+
+
+async def test_fifty_concurrent_requests_return_correct_bytes(cluster: LocalCluster) -> None:
+    """50 requests through 1/2/1 workers: every output is exactly what its request should give."""
+    null_cfg = cluster.config.model.null
+    failures: list[str] = []
+    served_by: set[str] = set()
+
+    async def one(client: AsyncClient, i: int) -> None:
+        generation = await client.submit(params(i), timeout_s=30)
+        expected = expected_outputs(params(i), null_cfg)
+        if not torch.equal(generation.outputs["images"], expected["images"]):
+            failures.append(f"request {i}: wrong bytes")
+        served_by.update(s.instance for s in generation.result.stages if s.role == "denoiser")
+
+    with anyio.fail_after(60):
+        async with AsyncClient(endpoint(cluster)) as client, anyio.create_task_group() as tg:
+            for i in range(50):
+                tg.start_soon(one, client, i)
+    assert not failures
+    assert len(served_by) == 2, "both denoisers served"
+    stats = wait_for(cluster, all_free)
+    for hop in HOPS:
+        assert stats.fast_path.get(hop, 0) > 0, f"fast path unused on {hop}: {stats}"
+        assert stats.slow_path.get(hop, 0) > 0, f"slow path unused on {hop}: {stats}"
+
+
+def test_everything_is_free_after_the_work_ends(cluster: LocalCluster) -> None:
+    with Client(endpoint(cluster)) as client:
+        for i in range(3):
+            client.submit(params(100 + i), timeout_s=10)
+    stats = wait_for(cluster, all_free)
+    assert stats.handoffs_in_flight == 0
+    assert {i.role for i in stats.instances} == {"encoder", "denoiser", "decoder"}
+
+
+async def test_a_failing_stage_fails_only_that_request(cluster: LocalCluster) -> None:
+    failing = GenParams(prompt="please fail now", seed=7, output="raw")
+    outcomes: dict[str, object] = {}
+
+    async def one(client: AsyncClient, name: str, p: GenParams) -> None:
+        try:
+            outcomes[name] = await client.submit(p, timeout_s=20)
+        except Rejection as exc:
+            outcomes[name] = exc.rejected
+
+    with anyio.fail_after(30):
+        async with AsyncClient(endpoint(cluster)) as client, anyio.create_task_group() as tg:
+            tg.start_soon(one, client, "bad", failing)
+            for i in range(6):
+                tg.start_soon(one, client, f"good{i}", params(200 + i))
+    bad = outcomes.pop("bad")
+    assert isinstance(bad, Rejected) and bad.reason == Reason.STAGE_FAILED
+    assert "told to fail" in bad.message and "denoiser" in bad.message
+    assert all(not isinstance(o, Rejected) for o in outcomes.values())
+    wait_for(cluster, all_free)
+
+
+def test_garbage_wrong_type_and_bad_field_get_typed_rejections(cluster: LocalCluster) -> None:
+    with Client(endpoint(cluster)) as client:
+        garbage = client.send_raw([b"\xff\x00 definitely not msgpack"])
+        assert isinstance(garbage, Rejected) and garbage.reason == Reason.INVALID
+        assert "invalid request" in garbage.message
+
+        wrong_type = client.send_raw([encode(GetStats())])
+        assert isinstance(wrong_type, Rejected) and wrong_type.reason == Reason.INVALID
+        assert "GetStats" in wrong_type.message
+
+        bad_field = client.send_raw([encode(Submit(protocol=PROTOCOL_VERSION, params=params(1)))
+                                     .replace(b"\xa5width@", b"\xa5width\xd0\xfb")])  # width = -5
+        assert isinstance(bad_field, Rejected) and bad_field.reason == Reason.INVALID
+        assert "$.params.width" in bad_field.message
+
+        too_many_frames = client.send_raw([b"a", b"b"])
+        assert isinstance(too_many_frames, Rejected) and too_many_frames.reason == Reason.INVALID
+
+        unhonourable = client.send_raw([encode(Submit(protocol=PROTOCOL_VERSION,
+                                                      params=GenParams(prompt="x", width=60, height=64)))])
+        assert isinstance(unhonourable, Rejected) and unhonourable.reason == Reason.INVALID
+        assert "multiple of 8" in unhonourable.message
+
+        # And the daemon keeps serving.
+        generation = client.submit(params(5), timeout_s=10)
+    assert torch.equal(generation.outputs["images"], expected_outputs(params(5), cluster.config.model.null)["images"])
+
+
+def test_wrong_protocol_version_is_unsupported(cluster: LocalCluster) -> None:
+    with Client(endpoint(cluster)) as client:
+        reply = client.send_raw([encode(Submit(protocol=PROTOCOL_VERSION + 1, params=params(1)))])
+    assert isinstance(reply, Rejected) and reply.reason == Reason.UNSUPPORTED
