@@ -33,8 +33,11 @@ if [ ! -x .venv/bin/python ]; then
 fi
 if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
   echo "triptych: installing into .venv (first run takes a minute or two)" >&2
-  # Some machines list local package folders that do not exist; pip warns once per package.
-  pip_install() { .venv/bin/python -m pip install -q --disable-pip-version-check "$@" 2> >(grep -v "is ignored: it is neither" >&2); }
+  # pip's output goes to a log, shown only if the install fails.
+  pip_install() {
+    .venv/bin/python -m pip install -q --disable-pip-version-check "$@" >.venv/install.log 2>&1 ||
+      { cat .venv/install.log >&2; echo "triptych: pip install $* failed" >&2; exit 1; }
+  }
   # torch first and pinned: an open range would pull a multi-GB CUDA build.
   pip_install "torch==2.13.0"
   pip_install "$MOONCAKE" -e ".[test]"

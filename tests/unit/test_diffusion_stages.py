@@ -21,6 +21,7 @@ from PIL import Image
 from orchestrator.config import DiffusersConfig
 from orchestrator.stages.base import Stage, StageError, Tensors
 from orchestrator.stages.diffusion import build_diffusion_stage, tiny
+from orchestrator.stages.diffusion.reference import monolithic
 from transfer.frames import layout, pack, unpack
 from transfer.protocol import GenParams, Reason, Role
 
@@ -63,20 +64,7 @@ def run_split(cfg: DiffusersConfig, params: GenParams) -> tuple[Tensors, Tensors
 
 
 def run_monolithic(family: str, weights_seed: int, params: GenParams, output_type: str):
-    pipe = tiny.build_pipeline(family, weights_seed)
-    kwargs = {"use_resolution_binning": False, "clean_caption": False} if family == "pixart" else {}
-    return pipe(
-        params.prompt,
-        negative_prompt=params.negative_prompt,
-        width=params.width,
-        height=params.height,
-        num_inference_steps=params.steps,
-        guidance_scale=params.guidance,
-        num_images_per_prompt=params.num_images,
-        generator=torch.Generator("cpu").manual_seed(params.seed),
-        output_type=output_type,
-        **kwargs,
-    ).images
+    return monolithic(DiffusersConfig(family=family, seed=weights_seed), params, output_type)
 
 
 CASES = {

@@ -12,7 +12,7 @@ from transfer.protocol import SlotInfo
 
 
 def infos(*sizes: int) -> list[SlotInfo]:
-    return [SlotInfo(slot_id=i, address=1 << 20 + i, size=size) for i, size in enumerate(sizes)]
+    return [SlotInfo(slot_id=i, address=(1 << 20) + i * 4096, size=size) for i, size in enumerate(sizes)]
 
 
 def book(*sizes: int, instance: str = "denoiser-1") -> SlotBook:

@@ -12,14 +12,13 @@ Hand-offs are flat ``dict[str, Tensor]``:
 
 from __future__ import annotations
 
-import io
 import threading
 from typing import Any, ClassVar
 
 import torch
-from PIL import Image
 
 from orchestrator.stages.base import Stage, StageError, Tensors
+from orchestrator.stages.images import image_outputs
 from orchestrator.stages.diffusion.families import FamilyAdapter
 from transfer.protocol import GenParams, Role, StageLimits
 
@@ -117,13 +116,4 @@ class DiffusionDecoder(DiffusionStage):
         expected = (params.num_images, params.height // factor, params.width // factor)
         if latents.dim() != 4 or (latents.shape[0], *latents.shape[2:]) != expected:
             raise StageError(f"latents {tuple(latents.shape)} do not fit {expected} (images, height, width)")
-        images = self.adapter.decode(self.pipe, latents)
-        if params.output == "raw":
-            return {"images": images}
-        return {f"image_{i}.png": _png(image) for i, image in enumerate(images)}
-
-
-def _png(image: torch.Tensor) -> torch.Tensor:
-    buf = io.BytesIO()
-    Image.fromarray(image.numpy()).save(buf, format="PNG")
-    return torch.frombuffer(bytearray(buf.getbuffer()), dtype=torch.uint8)
+        return image_outputs(self.adapter.decode(self.pipe, latents), params)

@@ -1,0 +1,77 @@
+"""Config: the shipped TOML files load, and every mistake names its exact key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from orchestrator.config import Config, load_config
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "cfg.toml"
+    path.write_text(text)
+    return path
+
+
+def test_local_config_loads() -> None:
+    cfg = load_config(CONFIGS / "local.toml")
+    assert cfg.model.kind == "diffusers"
+    assert cfg.daemon.dispatch == "least_loaded"
+    assert cfg.workers.denoiser.prealloc_slot_bytes == 1 << 20
+
+
+def test_test_config_loads() -> None:
+    cfg = load_config(CONFIGS / "test.toml")
+    assert cfg.daemon.token == "triptych-test"
+    assert cfg.model.kind == "null"
+    assert cfg.model.null.embed_shape == (1, 77, 64)
+    assert cfg.model.null.fail_prompt == "please fail"
+
+
+def test_empty_file_gives_the_defaults(tmp_path: Path) -> None:
+    assert load_config(write(tmp_path, "")) == Config()
+
+
+def test_for_role_returns_that_roles_section() -> None:
+    cfg = load_config(CONFIGS / "test.toml")
+    assert cfg.workers.for_role("denoiser") is cfg.workers.denoiser
+
+
+@pytest.mark.parametrize(
+    ("text", "where"),
+    [
+        ("[daemon]\nworkerz = 1\n", "unknown field `workerz` - at `$.daemon`"),
+        ("[workerz]\n", "unknown field `workerz`"),  # at the root, msgspec names no path
+        ("[model.null]\nencoder_mss = 1.0\n", "unknown field `encoder_mss` - at `$.model.null`"),
+    ],
+)
+def test_unknown_key_names_its_path(tmp_path: Path, text: str, where: str) -> None:
+    with pytest.raises(msgspec.ValidationError) as info:
+        load_config(write(tmp_path, text))
+    assert where in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("text", "path"),
+    [
+        ("[workers.denoiser]\ncapacity = 0\n", "$.workers.denoiser.capacity"),
+        ('[daemon]\ndispatch = "fastest"\n', "$.daemon.dispatch"),
+        ("[daemon]\nheartbeat_s = -1.0\n", "$.daemon.heartbeat_s"),
+        ("[model.null]\nencoder_ms = -1.0\n", "$.model.null.encoder_ms"),
+        ('[daemon]\nmax_queued = "lots"\n', "$.daemon.max_queued"),
+        ('[log]\nlevel = "loud"\n', "$.log.level"),
+    ],
+)
+def test_bad_value_names_its_path(tmp_path: Path, text: str, path: str) -> None:
+    with pytest.raises(msgspec.ValidationError, match=f"- at `{path.replace('$', '[$]')}`$"):
+        load_config(write(tmp_path, text))
+
+
+def test_malformed_toml_is_a_decode_error(tmp_path: Path) -> None:
+    with pytest.raises(msgspec.DecodeError):
+        load_config(write(tmp_path, "[daemon\n"))

@@ -1,0 +1,176 @@
+"""Null stages: deterministic, input-sensitive outputs; and the limits every stage checks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from orchestrator.config import NullStageConfig
+from orchestrator.stages.base import StageError, limits_violation
+from orchestrator.stages.images import decode_png
+from orchestrator.stages.null import (
+    LIMITS,
+    NullDecoder,
+    NullDenoiser,
+    NullEncoder,
+    decode,
+    denoise,
+    encode,
+    expected_outputs,
+)
+from transfer.protocol import GenParams, Reason, StageLimits
+
+# No simulated time, and small tensors: these tests are about values, not timing.
+CFG = NullStageConfig(encoder_ms=0, denoiser_ms=0, decoder_ms=0, embed_shape=(1, 4, 8), fail_prompt="please fail")
+
+
+def params(**overrides: object) -> GenParams:
+    return GenParams(**({"prompt": "a cat", "width": 16, "height": 24, "seed": 7} | overrides))
+
+
+def chain(p: GenParams) -> dict[str, torch.Tensor]:
+    return NullDecoder(CFG).run(p, NullDenoiser(CFG).run(p, NullEncoder(CFG).run(p, {})))
+
+
+def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+# --------------------------------------------------------------------------- determinism
+
+
+def test_encoder_is_deterministic() -> None:
+    assert same(encode(params(), CFG), encode(params(), CFG))
+
+
+def test_whole_chain_is_deterministic() -> None:
+    assert same(chain(params()), chain(params()))
+
+
+def test_different_seeds_differ() -> None:
+    assert not same(encode(params(seed=1), CFG), encode(params(seed=2), CFG))
+
+
+def test_different_prompts_differ() -> None:
+    assert not same(encode(params(prompt="a cat"), CFG), encode(params(prompt="a dog"), CFG))
+
+
+def test_prompt_and_seed_do_not_blur_together() -> None:
+    """("1", seed 23) and ("12", seed 3) must not share a generator."""
+    assert not same(encode(params(prompt="1", seed=23), CFG), encode(params(prompt="12", seed=3), CFG))
+
+
+def test_encoder_output_has_the_configured_shape() -> None:
+    assert encode(params(), CFG)["embeds"].shape == (1, 4, 8)
+
+
+def test_denoiser_output_shape_follows_the_request() -> None:
+    p = params(num_images=2, width=32, height=16)
+    latents = denoise(p, encode(p, CFG), CFG)["latents"]
+    assert latents.shape == (2, CFG.latent_channels, 2, 4)
+
+
+# --------------------------------------------------------------------------- hand-off mix-ups
+
+
+def test_denoiser_output_changes_with_its_input() -> None:
+    """Another request's embeds landing in this request's slot changes the result."""
+    p = params()
+    mine = denoise(p, encode(p, CFG), CFG)
+    theirs = denoise(p, encode(params(seed=99), CFG), CFG)
+    assert not same(mine, theirs)
+
+
+def test_denoiser_output_changes_when_its_input_is_scrambled() -> None:
+    """A hand-off that delivers the right values in the wrong order is a corruption too."""
+    p = params()
+    embeds = torch.arange(32, dtype=torch.float32).reshape(CFG.embed_shape)  # exact sums: no rounding luck
+    scrambled = embeds.flatten().flip(0).reshape(CFG.embed_shape)
+    assert not same(denoise(p, {"embeds": embeds}, CFG), denoise(p, {"embeds": scrambled}, CFG))
+
+
+def test_decoder_output_changes_with_its_input() -> None:
+    p = params(output="raw")
+    latents = denoise(p, encode(p, CFG), CFG)["latents"]
+    assert not torch.equal(decode(p, {"latents": latents}), decode(p, {"latents": -latents}))
+
+
+# --------------------------------------------------------------------------- expected outputs
+
+
+@pytest.mark.parametrize("output", ["png", "raw"])
+def test_expected_outputs_match_the_stage_chain(output: str) -> None:
+    p = params(output=output, num_images=2)
+    assert same(expected_outputs(p, CFG), chain(p))
+
+
+def test_png_outputs_decode_to_the_raw_images() -> None:
+    raw = expected_outputs(params(output="raw", num_images=2), CFG)["images"]
+    png = expected_outputs(params(output="png", num_images=2), CFG)
+    assert sorted(png) == ["image_0.png", "image_1.png"]
+    for i in range(2):
+        assert (decode_png(png[f"image_{i}.png"]) == raw[i].numpy()).all()
+
+
+def test_raw_output_is_uint8_nhwc() -> None:
+    images = expected_outputs(params(output="raw", width=16, height=24), CFG)["images"]
+    assert images.dtype == torch.uint8
+    assert images.shape == (1, 24, 16, 3)
+
+
+# --------------------------------------------------------------------------- failures
+
+
+def test_fail_prompt_raises_stage_error() -> None:
+    p = params(prompt="oh please fail now")
+    with pytest.raises(StageError, match="told to fail") as info:
+        NullDenoiser(CFG).run(p, encode(p, CFG))
+    assert info.value.reason == Reason.STAGE_FAILED
+
+
+def test_denoiser_without_embeds_raises_stage_error() -> None:
+    with pytest.raises(StageError, match="embeds"):
+        NullDenoiser(CFG).run(params(), {"latents": torch.zeros(1)})
+
+
+def test_decoder_without_latents_raises_stage_error() -> None:
+    with pytest.raises(StageError, match="latents"):
+        NullDecoder(CFG).run(params(), {"embeds": torch.zeros(1)})
+
+
+def test_encoder_refuses_params_outside_its_limits() -> None:
+    with pytest.raises(StageError, match="width 12 is not a multiple of 8") as info:
+        NullEncoder(CFG).run(params(width=12), {})
+    assert info.value.reason == Reason.INVALID
+
+
+def test_null_stages_report_the_null_limits() -> None:
+    assert NullEncoder(CFG).limits() == LIMITS
+    assert LIMITS.model == "null"
+
+
+# --------------------------------------------------------------------------- limits
+
+
+LIMITS_UNDER_TEST = StageLimits(size_multiple=8, min_size=16, max_size=64, max_steps=50, max_images=4,
+                                max_frames=2, model="m")
+
+
+def test_params_inside_the_limits_pass() -> None:
+    assert limits_violation(LIMITS_UNDER_TEST, params(width=64, height=16, steps=50, num_images=4, frames=2)) is None
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"width": 20}, "width 20 is not a multiple of 8 for model 'm'"),
+        ({"height": 36}, "height 36 is not a multiple of 8 for model 'm'"),
+        ({"width": 8}, "width 8 is outside [16, 64] for model 'm'"),
+        ({"height": 72}, "height 72 is outside [16, 64] for model 'm'"),
+        ({"steps": 51}, "steps 51 exceeds 50 for model 'm'"),
+        ({"num_images": 5}, "num_images 5 exceeds 4 for model 'm'"),
+        ({"frames": 3}, "frames 3 exceeds 2 for model 'm'"),
+    ],
+)
+def test_limits_violation_names_the_problem(overrides: dict[str, int], message: str) -> None:
+    assert limits_violation(LIMITS_UNDER_TEST, params(**({"width": 16, "height": 16} | overrides))) == message
