@@ -89,6 +89,18 @@ def test_denoiser_output_changes_when_its_input_is_scrambled() -> None:
     assert not same(denoise(p, {"embeds": embeds}, CFG), denoise(p, {"embeds": scrambled}, CFG))
 
 
+def test_final_images_differ_across_requests() -> None:
+    """With the default config, eight seeds give eight different images.
+
+    Otherwise a mix-up between two requests on the denoiser -> decoder hop returns bytes
+    that still match ``expected_outputs`` and the end-to-end check cannot see it.
+    """
+    cfg = NullStageConfig()
+    images = [expected_outputs(params(seed=seed, output="raw"), cfg)["images"] for seed in range(8)]
+    clashes = [(i, j) for i in range(8) for j in range(i + 1, 8) if torch.equal(images[i], images[j])]
+    assert clashes == []
+
+
 def test_decoder_output_changes_with_its_input() -> None:
     p = params(output="raw")
     latents = denoise(p, encode(p, CFG), CFG)["latents"]
