@@ -73,7 +73,9 @@ from transfer.protocol import (
     RegisterRefused,
     Role,
     Staged,
+    Work,
     WorkerMessage,
+    WorkOrder,
     encode,
     hop_name,
     next_role,
@@ -276,6 +278,7 @@ class TransferNegotiator:
         rid = job.request_id
         if job.role == "encoder":
             self._flights[rid] = Flight(request_id=rid, params=job.params, role="encoder", instance=instance)
+            self._order("encoder", instance, Work(request_id=rid, params=job.params), starts=True)
             return
         flight = self._flights.get(rid)
         if flight is None or flight.state != FlightState.AWAITING:
@@ -406,7 +409,7 @@ class TransferNegotiator:
             self._slots.recycle(flight.input_slot)
             flight.input_slot = None
 
-    def _order(self, role: Role, instance: str | None, order: Abort | Alloc | Push | Ready, *, starts: bool = False) -> None:
+    def _order(self, role: Role, instance: str | None, order: WorkOrder, *, starts: bool = False) -> None:
         assert instance is not None
         post(self._pools[role], Send(instance=instance, order=order, starts=starts))
 

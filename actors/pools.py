@@ -35,7 +35,7 @@ from actors.mail import (
     Send,
     TrackerMail,
 )
-from transfer.protocol import Abort, Reason, Role, Work, WorkOrder, encode
+from transfer.protocol import Abort, Reason, Role, WorkOrder, encode
 
 log = structlog.get_logger()
 
@@ -122,11 +122,9 @@ class PoolActor:
                     # The credit admission spent belonged to a worker that has since left.
                     post(self._admission, Enqueue(job=job, front=True))
                     return
-                inst = self._instances[picked]
-                self._take(inst, job.request_id)
-                if self.role == "encoder":
-                    self._holds[job.request_id].running = True
-                    self._send(inst, Work(request_id=job.request_id, params=job.params))
+                self._take(self._instances[picked], job.request_id)
+                # The negotiator records the request's flight before any order goes out,
+                # so even an instant worker's first report finds it.
                 post(self._negotiator, Placed(job=job, instance=picked))
             case Send(instance=instance, order=order, starts=starts):
                 inst = self._instances.get(instance)

@@ -3,8 +3,8 @@ handles signals and drains.
 
 Mail flow for one request (fast path on both hops)::
 
-    client -> frontend -> tracker -> admission -> pool[encoder] --Work--> encoder
-    encoder --Staged--> negotiator -> admission -> pool[denoiser] -> negotiator
+    client -> frontend -> tracker -> admission -> pool[encoder] -> negotiator
+    negotiator -> pool[encoder] --Work--> encoder --Staged--> negotiator -> admission -> pool[denoiser] -> negotiator
     negotiator -> pool[encoder] --Push--> encoder --Pushed--> negotiator
     negotiator -> pool[denoiser] --Ready--> denoiser ... (same hop to the decoder)
     decoder --Done+frames--> negotiator -> tracker -> frontend -> client

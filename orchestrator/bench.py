@@ -1,0 +1,178 @@
+"""Control-plane benchmark: how much the daemon costs per request, and how that scales.
+
+Zero-work null stages, 1 encoder / 2 denoisers / 1 decoder as real processes, real
+Mooncake hand-offs. Closed-loop clients at concurrency 1, 16 and 64, then a backlog of
+2,048 requests submitted at once. For each: requests per second, p50/p99 latency, the
+daemon's CPU time per request read from /proc (user + system, so a noisy machine still
+compares), and at the backlog the daemon's resident memory at its peak.
+
+"Added p50" is the p50 at concurrency 1 minus the p50 of a do-nothing ROUTER answered
+through the same client in the same run, as the reference head was measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import anyio
+import msgspec
+import zmq
+
+from orchestrator.client import AsyncClient
+from orchestrator.cluster import LocalCluster
+from orchestrator.config import load_config
+from transfer.protocol import GenParams
+
+ROOT = Path(__file__).resolve().parent.parent
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+# The reference head on a 2-core machine with zero-work workers (shared/REFERENCE.md §3).
+REFERENCE_CPU_MS = {"1": 0.685, "16": 0.50, "64": 0.51, "backlog 2048": 0.92}
+REFERENCE_ADDED_P50_MS = 1.0
+BUDGET_CPU_MS = 0.15
+BUDGET_ADDED_P50_MS = 0.3
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK  # utime + stime
+
+
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmRSS")
+
+
+def params(i: int) -> GenParams:
+    return GenParams(prompt="bench", seed=i, width=8, height=8, steps=1, output="raw")
+
+
+async def closed_loop(endpoint: str, concurrency: int, total: int) -> list[float]:
+    latencies: list[float] = []
+    counter = iter(range(total))
+
+    async def loop(client: AsyncClient) -> None:
+        for i in counter:
+            t0 = time.perf_counter()
+            await client.submit(params(i), timeout_s=120)
+            latencies.append(time.perf_counter() - t0)
+
+    async with AsyncClient(endpoint) as client, anyio.create_task_group() as tg:
+        for _ in range(concurrency):
+            tg.start_soon(loop, client)
+    return latencies
+
+
+def echo_router(endpoint: str, stop: threading.Event) -> None:
+    """A do-nothing ROUTER answering every request at once: the floor for latency."""
+    sock = zmq.Context.instance().socket(zmq.ROUTER)
+    sock.bind(endpoint)
+    try:
+        while not stop.is_set():
+            if sock.poll(50):
+                identity, empty, _ = sock.recv_multipart()
+                sock.send_multipart([identity, empty, b"\x00"])
+    finally:
+        sock.close(linger=0)
+
+
+def echo_p50(endpoint: str, n: int) -> float:
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.connect(endpoint)
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        sock.send_multipart([b"", b"ping"])
+        sock.recv_multipart()
+        times.append(time.perf_counter() - t0)
+    sock.close(linger=0)
+    return statistics.median(times[n // 10:])
+
+
+class RssPeak(threading.Thread):
+    def __init__(self, pid: int) -> None:
+        super().__init__(daemon=True)
+        self.pid, self.peak, self.stop = pid, 0.0, threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.wait(0.01):
+            self.peak = max(self.peak, rss_mib(self.pid))
+
+
+def measure(cluster: LocalCluster, name: str, concurrency: int, total: int) -> dict[str, float]:
+    assert cluster.daemon is not None
+    pid = cluster.daemon.pid
+    endpoint = cluster.config.daemon.client_endpoint
+    anyio.run(closed_loop, endpoint, concurrency, min(total, 200), backend="asyncio")  # warm up
+    peak = RssPeak(pid)
+    peak.start()
+    cpu0, t0 = cpu_seconds(pid), time.perf_counter()
+    latencies = anyio.run(closed_loop, endpoint, concurrency, total, backend="asyncio")
+    wall, cpu = time.perf_counter() - t0, cpu_seconds(pid) - cpu0
+    peak.stop.set()
+    peak.join()
+    latencies.sort()
+    return {
+        "name": name, "requests": total, "req_s": total / wall,
+        "p50_ms": latencies[len(latencies) // 2] * 1000,
+        "p99_ms": latencies[int(len(latencies) * 0.99) - 1] * 1000,
+        "cpu_ms": cpu / total * 1000, "rss_mib": peak.peak,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--requests", type=int, default=3000, help="per closed-loop level")
+    parser.add_argument("--log-level", default="info", help="the daemon's log level (info logs one line per request)")
+    args = parser.parse_args(argv)
+    tmp = Path(tempfile.mkdtemp(prefix="triptych-bench-"))
+    cfg = load_config(ROOT / "configs" / "bench.toml")
+    raw = msgspec.to_builtins(cfg)
+    raw["daemon"].update(client_endpoint=f"ipc://{tmp}/client", control_endpoint=f"ipc://{tmp}/control",
+                         worker_endpoint=f"ipc://{tmp}/workers")
+    raw["log"]["level"] = args.log_level
+    path = tmp / "bench.toml"
+    path.write_bytes(msgspec.toml.encode(raw))
+
+    stop = threading.Event()
+    echo_endpoint = f"ipc://{tmp}/echo"
+    threading.Thread(target=echo_router, args=(echo_endpoint, stop), daemon=True).start()
+    time.sleep(0.1)
+    floor_ms = echo_p50(echo_endpoint, 2000) * 1000
+    stop.set()
+
+    rows = []
+    with LocalCluster(path, log_dir=tmp / "logs") as cluster:
+        for concurrency in (1, 16, 64):
+            total = args.requests // 3 if concurrency == 1 else args.requests
+            rows.append(measure(cluster, str(concurrency), concurrency, total))
+        rows.append(measure(cluster, "backlog 2048", 2048, 2048))
+        stats = cluster.control.stats()
+    print(f"\ndaemon log level {args.log_level}; do-nothing ROUTER p50 {floor_ms:.3f} ms; "
+          f"completed {stats.completed}, failed {stats.failed_by_reason or 0}")
+    print(f"{'concurrency':<13} {'requests':>8} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'daemon CPU ms/req':>18} "
+          f"{'vs reference':>13} {'daemon RSS MiB':>15}")
+    for row in rows:
+        ratio = REFERENCE_CPU_MS[row["name"]] / row["cpu_ms"]
+        print(f"{row['name']:<13} {row['requests']:>8} {row['req_s']:>8.0f} {row['p50_ms']:>8.2f} {row['p99_ms']:>8.2f} "
+              f"{row['cpu_ms']:>18.3f} {ratio:>12.1f}x {row['rss_mib']:>15.1f}")
+    added = rows[0]["p50_ms"] - floor_ms
+    worst_cpu = max(row["cpu_ms"] for row in rows)
+    print(f"\nadded p50 at concurrency 1: {added:.3f} ms (reference {REFERENCE_ADDED_P50_MS} ms, budget "
+          f"{BUDGET_ADDED_P50_MS} ms)")
+    print(f"daemon CPU per request: worst {worst_cpu:.3f} ms (budget {BUDGET_CPU_MS} ms); backlog / concurrency-64 "
+          f"ratio {rows[3]['cpu_ms'] / rows[2]['cpu_ms']:.2f} (1.0 = no growth with the backlog)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,148 @@
+"""AdmissionActor with fake pools: jobs wait for credit, then go out oldest first."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from actors.admission import AdmissionActor, AdmissionStats
+from actors.mail import AdmissionMail, Credit, Dispatch, Enqueue, Job, QueryStats, Withdraw
+from transfer.protocol import ROLES, GenParams, Role
+
+PARAMS = GenParams(prompt="p")
+
+
+@dataclass
+class Admission:
+    inbox: MemoryObjectSendStream[AdmissionMail]
+    pools: dict[Role, MemoryObjectReceiveStream[Any]]
+
+    async def stats(self) -> AdmissionStats:
+        """Ask for stats; the answer also proves every earlier mail was handled."""
+        reply_tx, reply_rx = anyio.create_memory_object_stream[Any](1)
+        with reply_rx:
+            await self.inbox.send(QueryStats(reply=reply_tx))
+            return await reply_rx.receive()
+
+    async def enqueue(self, *rids: str, role: Role = "encoder", front: bool = False) -> None:
+        for rid in rids:
+            await self.inbox.send(Enqueue(job=job(rid, role), front=front))
+
+    async def dispatched(self, role: Role = "encoder") -> list[str]:
+        """Request ids dispatched to ``role``'s pool so far, in order."""
+        await self.stats()
+        out = []
+        while True:
+            try:
+                mail = self.pools[role].receive_nowait()
+            except anyio.WouldBlock:
+                return out
+            assert isinstance(mail, Dispatch) and mail.job.role == role
+            out.append(mail.job.request_id)
+
+
+def job(rid: str, role: Role = "encoder") -> Job:
+    return Job(request_id=rid, role=role, params=PARAMS)
+
+
+@asynccontextmanager
+async def running_admission() -> AsyncIterator[Admission]:
+    async with AsyncExitStack() as stack:
+        inbox_tx, inbox_rx = anyio.create_memory_object_stream[AdmissionMail](32)
+        pools = {role: anyio.create_memory_object_stream[Any](32) for role in ROLES}
+        for stream in (inbox_tx, inbox_rx, *(s for pair in pools.values() for s in pair)):
+            stack.enter_context(stream)
+        actor = AdmissionActor(inbox_rx, {role: tx for role, (tx, _) in pools.items()})
+        async with anyio.create_task_group() as tg:
+            await tg.start(actor.run)
+            yield Admission(inbox_tx, {role: rx for role, (_, rx) in pools.items()})
+            inbox_tx.close()
+
+
+async def test_jobs_wait_without_credit() -> None:
+    with anyio.fail_after(5):
+        async with running_admission() as a:
+            await a.enqueue("r1", "r2")
+            assert await a.dispatched() == []
+            assert (await a.stats()).queue_depths["encoder"] == 2
+
+
+async def test_credit_dispatches_that_many_jobs_oldest_first() -> None:
+    with anyio.fail_after(5):
+        async with running_admission() as a:
+            await a.enqueue("r1", "r2", "r3")
+            await a.inbox.send(Credit(role="encoder", delta=2))
+            assert await a.dispatched() == ["r1", "r2"]
+            stats = await a.stats()
+            assert (stats.queue_depths["encoder"], stats.credits["encoder"]) == (1, 0)
+
+
+async def test_spare_credit_dispatches_a_later_job_at_once() -> None:
+    with anyio.fail_after(5):
+        async with running_admission() as a:
+            await a.inbox.send(Credit(role="encoder", delta=1))
+            await a.enqueue("r1")
+            assert await a.dispatched() == ["r1"]
+
+
+async def test_credit_is_per_role() -> None:
+    with anyio.fail_after(5):
+        async with running_admission() as a:
+            await a.enqueue("e1", role="encoder")
+            await a.enqueue("d1", role="denoiser")
+            await a.inbox.send(Credit(role="denoiser", delta=5))
+            assert await a.dispatched("denoiser") == ["d1"]
+            assert await a.dispatched("encoder") == []
+
+
+async def test_withdraw_removes_a_queued_job() -> None:
+    with anyio.fail_after(5):
+        async with running_admission() as a:
+            await a.enqueue("r1", "r2", "r3")
+            await a.inbox.send(Withdraw(request_id="r2"))
+            await a.inbox.send(Credit(role="encoder", delta=3))
+            assert await a.dispatched() == ["r1", "r3"]
+            assert (await a.stats()).credits["encoder"] == 1
+
+
+async def test_withdraw_of_an_unknown_request_does_nothing() -> None:
+    with anyio.fail_after(5):
+        async with running_admission() as a:
+            await a.enqueue("r1")
+            await a.inbox.send(Withdraw(request_id="nobody"))
+            assert (await a.stats()).queue_depths["encoder"] == 1
+
+
+async def test_enqueue_front_goes_first() -> None:
+    with anyio.fail_after(5):
+        async with running_admission() as a:
+            await a.enqueue("r1", "r2")
+            await a.enqueue("lost", front=True)
+            await a.inbox.send(Credit(role="encoder", delta=3))
+            assert await a.dispatched() == ["lost", "r1", "r2"]
+
+
+async def test_negative_credit_holds_dispatch() -> None:
+    """Credit lost with a departed worker must be paid back before anything else goes out."""
+    with anyio.fail_after(5):
+        async with running_admission() as a:
+            await a.enqueue("r1", "r2")
+            await a.inbox.send(Credit(role="encoder", delta=-2))
+            await a.inbox.send(Credit(role="encoder", delta=1))
+            assert await a.dispatched() == []
+            await a.inbox.send(Credit(role="encoder", delta=2))
+            assert await a.dispatched() == ["r1"]
+            assert (await a.stats()).credits["encoder"] == 0
+
+
+async def test_stats_report_every_role() -> None:
+    with anyio.fail_after(5):
+        async with running_admission() as a:
+            stats = await a.stats()
+            assert stats.queue_depths == {role: 0 for role in ROLES}
+            assert stats.credits == {role: 0 for role in ROLES}

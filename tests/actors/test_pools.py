@@ -1,0 +1,362 @@
+"""PoolActor with fake peers and a fake worker (a PULL socket on ipc:// in tmp_path)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+import zmq
+import zmq.asyncio
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from actors.mail import (
+    Credit,
+    Dispatch,
+    Enqueue,
+    Failed,
+    Forget,
+    Job,
+    Join,
+    Leave,
+    Placed,
+    PoolMail,
+    QueryStats,
+    Release,
+    Send,
+)
+from actors.pools import PoolActor, PoolStats
+from transfer.protocol import WORK_ORDER, Abort, Alloc, GenParams, Reason, Ready, Role, Work, WorkOrder
+
+PARAMS = GenParams(prompt="p")
+KEY = b"k" * 16
+
+
+@pytest.fixture
+def ctx() -> Iterator[zmq.asyncio.Context]:
+    """The kind of context the daemon hands its pools (orchestrator/daemon.py)."""
+    ctx = zmq.asyncio.Context()
+    yield ctx
+    ctx.destroy(linger=0)
+
+
+@dataclass
+class Pool:
+    role: Role
+    inbox: MemoryObjectSendStream[PoolMail]
+    admission: MemoryObjectReceiveStream[Any]
+    tracker: MemoryObjectReceiveStream[Any]
+    negotiator: MemoryObjectReceiveStream[Any]
+
+    async def stats(self) -> PoolStats:
+        """Ask for stats; the answer also proves every earlier mail was handled."""
+        reply_tx, reply_rx = anyio.create_memory_object_stream[Any](1)
+        with reply_rx:
+            await self.inbox.send(QueryStats(reply=reply_tx))
+            return await reply_rx.receive()
+
+    async def join(self, address: str, instance: str | None = None, capacity: int = 2) -> str:
+        instance = instance or f"{self.role}-1"
+        await self.inbox.send(Join(instance=instance, name=f"w-{instance}", work_address=address, session="sess",
+                                   key=KEY, capacity=capacity))
+        assert await self.admission.receive() == Credit(role=self.role, delta=capacity)
+        return instance
+
+    async def dispatch(self, rid: str) -> str:
+        """Dispatch ``rid`` and return the instance the negotiator is told it was placed at."""
+        await self.inbox.send(Dispatch(job=job(rid, self.role)))
+        placed = await self.negotiator.receive()
+        assert isinstance(placed, Placed) and placed.job == job(rid, self.role)
+        return placed.instance
+
+
+def job(rid: str, role: Role = "encoder") -> Job:
+    return Job(request_id=rid, role=role, params=PARAMS)
+
+
+def assert_empty(outbox: MemoryObjectReceiveStream[Any]) -> None:
+    with pytest.raises(anyio.WouldBlock):
+        outbox.receive_nowait()
+
+
+@asynccontextmanager
+async def running_pool(role: Role, ctx: zmq.Context, *, policy: str = "round_robin",
+                       send_hwm: int = 100) -> AsyncIterator[Pool]:
+    async with AsyncExitStack() as stack:
+
+        def stream() -> tuple[MemoryObjectSendStream[Any], MemoryObjectReceiveStream[Any]]:
+            tx, rx = anyio.create_memory_object_stream[Any](32)
+            stack.enter_context(tx)
+            stack.enter_context(rx)
+            return tx, rx
+
+        (inbox_tx, inbox_rx), (ad_tx, ad_rx), (tr_tx, tr_rx), (ng_tx, ng_rx) = stream(), stream(), stream(), stream()
+        actor = PoolActor(role, inbox_rx, ctx=ctx, policy=policy, send_hwm=send_hwm, admission=ad_tx,
+                          tracker=tr_tx, negotiator=ng_tx)
+        async with anyio.create_task_group() as tg:
+            await tg.start(actor.run)
+            yield Pool(role, inbox_tx, ad_rx, tr_rx, ng_rx)
+            inbox_tx.close()  # run returns and closes the work sockets
+
+
+@asynccontextmanager
+async def fake_worker(ctx: zmq.asyncio.Context, tmp_path: Path, name: str = "w") -> AsyncIterator[tuple[str, Any]]:
+    """A worker's work socket: PULL, bound before the pool connects its PUSH."""
+    address = f"ipc://{tmp_path}/{name}"
+    sock = ctx.socket(zmq.PULL)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.bind(address)
+    try:
+        yield address, sock
+    finally:
+        sock.close(linger=0)
+
+
+async def next_order(sock: Any) -> WorkOrder:
+    key, body = await sock.recv_multipart()
+    assert key == KEY
+    return WORK_ORDER.decode(body)
+
+
+# --------------------------------------------------------------------------- membership
+
+
+async def test_join_credits_admission_with_capacity(ctx: zmq.asyncio.Context, tmp_path: Path) -> None:
+    with anyio.fail_after(5):
+        async with fake_worker(ctx, tmp_path) as (address, _), running_pool("encoder", ctx) as pool:
+            await pool.inbox.send(Join(instance="encoder-1", name="w", work_address=address, session="s",
+                                       key=KEY, capacity=3))
+            assert await pool.admission.receive() == Credit(role="encoder", delta=3)
+            [inst] = (await pool.stats()).instances
+            assert (inst.instance, inst.slots_free, inst.slots_total) == ("encoder-1", 3, 3)
+
+
+async def test_leave_fails_held_requests_with_worker_lost(ctx: zmq.asyncio.Context, tmp_path: Path) -> None:
+    with anyio.fail_after(5):
+        async with fake_worker(ctx, tmp_path) as (address, _), running_pool("encoder", ctx) as pool:
+            await pool.join(address, capacity=3)
+            await pool.dispatch("r1")
+            await pool.dispatch("r2")
+            await pool.inbox.send(Leave(instance="encoder-1", reason=Reason.WORKER_LOST, message="missed heartbeats"))
+            failed = [await pool.tracker.receive(), await pool.tracker.receive()]
+            assert sorted(failed, key=lambda f: f.request_id) == [
+                Failed(request_id=rid, reason=Reason.WORKER_LOST, message="missed heartbeats") for rid in ("r1", "r2")
+            ]
+            assert await pool.admission.receive() == Credit(role="encoder", delta=-1)  # its one free slot
+            assert (await pool.stats()).instances == []
+
+
+async def test_leave_of_an_unknown_instance_does_nothing(ctx: zmq.asyncio.Context) -> None:
+    with anyio.fail_after(5):
+        async with running_pool("encoder", ctx) as pool:
+            await pool.inbox.send(Leave(instance="encoder-9", reason=Reason.WORKER_LOST, message="?"))
+            await pool.stats()
+            assert_empty(pool.admission)
+            assert_empty(pool.tracker)
+
+
+# --------------------------------------------------------------------------- dispatch
+
+
+async def test_encoder_dispatch_sends_work_and_tells_the_negotiator(ctx: zmq.asyncio.Context, tmp_path: Path) -> None:
+    with anyio.fail_after(5):
+        async with fake_worker(ctx, tmp_path) as (address, worker), running_pool("encoder", ctx) as pool:
+            await pool.join(address)
+            await pool.inbox.send(Dispatch(job=job("r1")))
+            assert await next_order(worker) == Work(request_id="r1", params=PARAMS)
+            assert await pool.negotiator.receive() == Placed(job=job("r1"), instance="encoder-1")
+            [inst] = (await pool.stats()).instances
+            assert inst.slots_free == 1
+
+
+async def test_receiver_dispatch_reserves_without_sending(ctx: zmq.asyncio.Context, tmp_path: Path) -> None:
+    """A denoiser slot is only reserved at dispatch; the negotiator orders the work later."""
+    with anyio.fail_after(5):
+        async with fake_worker(ctx, tmp_path) as (address, worker), running_pool("denoiser", ctx) as pool:
+            await pool.join(address)
+            assert await pool.dispatch("r1") == "denoiser-1"
+            await pool.inbox.send(Send(instance="denoiser-1", order=Abort(request_id="marker")))
+            assert await next_order(worker) == Abort(request_id="marker")  # nothing came before it
+
+
+async def test_dispatch_with_no_instance_requeues_at_the_front(ctx: zmq.asyncio.Context) -> None:
+    with anyio.fail_after(5):
+        async with running_pool("encoder", ctx) as pool:
+            await pool.inbox.send(Dispatch(job=job("r1")))
+            assert await pool.admission.receive() == Enqueue(job=job("r1"), front=True)
+            assert_empty(pool.negotiator)
+
+
+async def test_dispatch_after_the_only_instance_left_requeues(ctx: zmq.asyncio.Context, tmp_path: Path) -> None:
+    with anyio.fail_after(5):
+        async with fake_worker(ctx, tmp_path) as (address, _), running_pool("encoder", ctx) as pool:
+            await pool.join(address)
+            await pool.inbox.send(Leave(instance="encoder-1", reason=Reason.WORKER_LOST, message="gone"))
+            assert await pool.admission.receive() == Credit(role="encoder", delta=-2)
+            await pool.inbox.send(Dispatch(job=job("r1")))
+            assert await pool.admission.receive() == Enqueue(job=job("r1"), front=True)
+
+
+async def test_bounced_dispatch_gives_its_credit_back(ctx: zmq.asyncio.Context, tmp_path: Path) -> None:
+    """Credits the pool posts, less the dispatches it got, must equal its free slots.
+
+    Admission spent a credit on the dispatch, and Leave already took that same slot's
+    credit back; unless the bounce refunds one, a replacement worker starts a slot short
+    (with capacity-1 workers, a queued job then waits for good).
+    """
+    with anyio.fail_after(5):
+        async with fake_worker(ctx, tmp_path) as (address, _), running_pool("encoder", ctx) as pool:
+            await pool.join(address, capacity=1)  # credit +1, which admission spends on r1:
+            await pool.inbox.send(Leave(instance="encoder-1", reason=Reason.WORKER_LOST, message="gone"))
+            await pool.inbox.send(Dispatch(job=job("r1")))  # ...but the worker left first
+            await pool.stats()
+            credited = 1
+            while True:
+                try:
+                    mail = pool.admission.receive_nowait()
+                except anyio.WouldBlock:
+                    break
+                if isinstance(mail, Credit):
+                    credited += mail.delta
+            free = sum(i.slots_free for i in (await pool.stats()).instances)
+            assert credited - 1 == free
+
+
+async def test_dispatches_alternate_between_instances(ctx: zmq.asyncio.Context, tmp_path: Path) -> None:
+    with anyio.fail_after(5):
+        async with (
+            fake_worker(ctx, tmp_path, "a") as (address_a, _),
+            fake_worker(ctx, tmp_path, "b") as (address_b, _),
+            running_pool("decoder", ctx) as pool,
+        ):
+            await pool.join(address_a, "decoder-1")
+            await pool.join(address_b, "decoder-2")
+            assert [await pool.dispatch(f"r{i}") for i in range(4)] == ["decoder-1", "decoder-2"] * 2
+
+
+# --------------------------------------------------------------------------- release and forget
+
+
+async def test_release_gives_the_slot_back_and_credits_admission(ctx: zmq.asyncio.Context, tmp_path: Path) -> None:
+    with anyio.fail_after(5):
+        async with fake_worker(ctx, tmp_path) as (address, _), running_pool("denoiser", ctx) as pool:
+            await pool.join(address)
+            await pool.dispatch("r1")
+            await pool.inbox.send(Release(request_id="r1", instance="denoiser-1", ok=True))
+            assert await pool.admission.receive() == Credit(role="denoiser", delta=1)
+            [inst] = (await pool.stats()).instances
+            assert (inst.slots_free, inst.served, inst.failed) == (2, 1, 0)
+
+
+async def test_failed_release_is_counted_as_failed(ctx: zmq.asyncio.Context, tmp_path: Path) -> None:
+    with anyio.fail_after(5):
+        async with fake_worker(ctx, tmp_path) as (address, _), running_pool("denoiser", ctx) as pool:
+            await pool.join(address)
+            await pool.dispatch("r1")
+            await pool.inbox.send(Release(request_id="r1", instance="denoiser-1", ok=False))
+            assert await pool.admission.receive() == Credit(role="denoiser", delta=1)
+            [inst] = (await pool.stats()).instances
+            assert (inst.served, inst.failed) == (0, 1)
+
+
+async def test_release_from_another_instance_is_ignored(ctx: zmq.asyncio.Context, tmp_path: Path) -> None:
+    with anyio.fail_after(5):
+        async with fake_worker(ctx, tmp_path) as (address, _), running_pool("denoiser", ctx) as pool:
+            await pool.join(address)
+            await pool.dispatch("r1")
+            await pool.inbox.send(Release(request_id="r1", instance="denoiser-7", ok=True))
+            [inst] = (await pool.stats()).instances
+            assert inst.slots_free == 1
+            assert_empty(pool.admission)
+
+
+async def test_forget_of_a_running_request_aborts_and_tells_the_negotiator(
+    ctx: zmq.asyncio.Context, tmp_path: Path
+) -> None:
+    with anyio.fail_after(5):
+        async with fake_worker(ctx, tmp_path) as (address, worker), running_pool("encoder", ctx) as pool:
+            await pool.join(address)
+            await pool.dispatch("r1")
+            await pool.inbox.send(Forget(request_id="r1"))
+            assert await next_order(worker) == Work(request_id="r1", params=PARAMS)
+            assert await next_order(worker) == Abort(request_id="r1")
+            assert await pool.negotiator.receive() == Forget(request_id="r1")
+            assert await pool.admission.receive() == Credit(role="encoder", delta=1)
+
+
+async def test_forget_of_a_reserved_slot_frees_it_without_an_abort(ctx: zmq.asyncio.Context, tmp_path: Path) -> None:
+    with anyio.fail_after(5):
+        async with fake_worker(ctx, tmp_path) as (address, worker), running_pool("denoiser", ctx) as pool:
+            await pool.join(address)
+            await pool.dispatch("r1")
+            await pool.inbox.send(Forget(request_id="r1"))
+            assert await pool.negotiator.receive() == Forget(request_id="r1")
+            assert await pool.admission.receive() == Credit(role="denoiser", delta=1)
+            await pool.inbox.send(Send(instance="denoiser-1", order=Abort(request_id="marker")))
+            assert await next_order(worker) == Abort(request_id="marker")
+
+
+async def test_send_that_starts_compute_makes_forget_abort(ctx: zmq.asyncio.Context, tmp_path: Path) -> None:
+    with anyio.fail_after(5):
+        async with fake_worker(ctx, tmp_path) as (address, worker), running_pool("denoiser", ctx) as pool:
+            await pool.join(address)
+            await pool.dispatch("r1")
+            ready = Ready(request_id="r1", params=PARAMS, address=4096, manifest=[])
+            await pool.inbox.send(Send(instance="denoiser-1", order=ready, starts=True))
+            await pool.inbox.send(Forget(request_id="r1"))
+            assert await next_order(worker) == ready
+            assert await next_order(worker) == Abort(request_id="r1")
+
+
+async def test_forget_of_an_unheld_request_is_not_forwarded(ctx: zmq.asyncio.Context) -> None:
+    with anyio.fail_after(5):
+        async with running_pool("encoder", ctx) as pool:
+            await pool.inbox.send(Forget(request_id="nobody"))
+            await pool.stats()
+            assert_empty(pool.negotiator)
+            assert_empty(pool.admission)
+
+
+# --------------------------------------------------------------------------- sends
+
+
+async def test_send_to_a_departed_instance_fails_the_request(ctx: zmq.asyncio.Context) -> None:
+    with anyio.fail_after(5):
+        async with running_pool("decoder", ctx) as pool:
+            await pool.inbox.send(Send(instance="decoder-3", order=Alloc(request_id="r1", nbytes=10)))
+            failed = await pool.tracker.receive()
+            assert (failed.request_id, failed.reason) == ("r1", Reason.WORKER_LOST)
+
+
+async def test_abort_to_a_departed_instance_is_dropped(ctx: zmq.asyncio.Context) -> None:
+    with anyio.fail_after(5):
+        async with running_pool("decoder", ctx) as pool:
+            await pool.inbox.send(Send(instance="decoder-3", order=Abort(request_id="r1")))
+            await pool.stats()
+            assert_empty(pool.tracker)
+
+
+@pytest.mark.parametrize("kind", ["sync", "asyncio"])
+async def test_stuck_worker_fails_the_request(kind: str, tmp_path: Path) -> None:
+    """A worker whose queue is full (SNDHWM) is stuck: the order's request fails, the loop never blocks.
+
+    The daemon hands pools a ``zmq.asyncio.Context``: its sockets report a full queue on the
+    returned Future instead of raising ``zmq.Again``, so the check must hold for both kinds.
+    """
+    ctx = zmq.Context() if kind == "sync" else zmq.asyncio.Context()
+    try:
+        with anyio.fail_after(5):
+            async with running_pool("encoder", ctx, send_hwm=1) as pool:
+                # Nobody listens at this address, so the first order fills the queue.
+                await pool.join(f"ipc://{tmp_path}/nobody", capacity=3)
+                for rid in ("r1", "r2"):
+                    await pool.dispatch(rid)
+                await pool.stats()  # a send fails inside the dispatch's handler, so Failed is posted by now
+                failed = pool.tracker.receive_nowait()
+                assert (failed.request_id, failed.reason) == ("r2", Reason.WORKER_LOST)
+    finally:
+        ctx.destroy(linger=0)

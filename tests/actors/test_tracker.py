@@ -1,0 +1,299 @@
+"""TrackerActor with fake peers: every request ends exactly once, and late news changes nothing."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from actors.mail import (
+    Admit,
+    CancelRequest,
+    Deliver,
+    Enqueue,
+    Failed,
+    Finished,
+    Forget,
+    HandedOff,
+    Job,
+    QueryStats,
+    StartDrain,
+    Tick,
+    TrackerMail,
+    Withdraw,
+)
+from actors.tracker import TrackerActor, TrackerStats
+from transfer.protocol import ROLES, GenParams, Reason, Rejected, Result, Role, TensorSpec
+
+PARAMS = GenParams(prompt="a cat")
+OUTPUTS = [TensorSpec(name="image_0.png", dtype="uint8", shape=(3,), nbytes=3)]
+TINY_TIMEOUT_S = 0.01
+
+
+@dataclass
+class Tracker:
+    """The actor's inbox, and the receive ends of everything it posts to."""
+
+    inbox: MemoryObjectSendStream[TrackerMail]
+    frontend: MemoryObjectReceiveStream[Any]
+    admission: MemoryObjectReceiveStream[Any]
+    pools: dict[Role, MemoryObjectReceiveStream[Any]]
+
+    async def stats(self) -> TrackerStats:
+        """Ask for stats; the answer also proves every earlier mail was handled."""
+        reply_tx, reply_rx = anyio.create_memory_object_stream[Any](1)
+        with reply_rx:
+            await self.inbox.send(QueryStats(reply=reply_tx))
+            return await reply_rx.receive()
+
+    def assert_silent(self) -> None:
+        for outbox in (self.frontend, self.admission, *self.pools.values()):
+            try:
+                mail = outbox.receive_nowait()
+            except anyio.WouldBlock:
+                continue
+            raise AssertionError(f"unexpected mail {mail!r}")
+
+
+@asynccontextmanager
+async def running_tracker() -> AsyncIterator[Tracker]:
+    async with AsyncExitStack() as stack:
+
+        def stream(size: int = 32) -> tuple[MemoryObjectSendStream[Any], MemoryObjectReceiveStream[Any]]:
+            tx, rx = anyio.create_memory_object_stream[Any](size)
+            stack.enter_context(tx)
+            stack.enter_context(rx)
+            return tx, rx
+
+        inbox_tx, inbox_rx = stream()
+        fe_tx, fe_rx = stream()
+        ad_tx, ad_rx = stream()
+        pools = {role: stream() for role in ROLES}
+        actor = TrackerActor(inbox_rx, frontend=fe_tx, admission=ad_tx, pools={r: tx for r, (tx, _) in pools.items()})
+        async with anyio.create_task_group() as tg:
+            await tg.start(actor.run)
+            yield Tracker(inbox_tx, fe_rx, ad_rx, {r: rx for r, (_, rx) in pools.items()})
+            inbox_tx.close()  # the actor's inbox ends; run returns
+
+
+async def admit(t: Tracker, rid: str = "r1", timeout_s: float = 60.0) -> None:
+    await t.inbox.send(Admit(request_id=rid, params=PARAMS, timeout_s=timeout_s))
+    assert await t.admission.receive() == Enqueue(job=Job(request_id=rid, role="encoder", params=PARAMS))
+
+
+def handed_off(rid: str, role: Role, **overrides: Any) -> HandedOff:
+    fields = {"request_id": rid, "role": role, "instance": f"{role}-1", "compute_ms": 1.0, "transfer_ms": 0.5,
+              "nbytes": 1024, "fast_path": True}
+    return HandedOff(**(fields | overrides))
+
+
+def finished(rid: str) -> Finished:
+    return Finished(request_id=rid, instance="decoder-1", compute_ms=2.0, outputs=OUTPUTS, frames=[b"abc"])
+
+
+async def run_to_decoding(t: Tracker, rid: str = "r1") -> None:
+    await admit(t, rid)
+    await t.inbox.send(handed_off(rid, "encoder", fast_path=True))
+    await t.inbox.send(handed_off(rid, "denoiser", fast_path=False, nbytes=4096))
+
+
+async def tick_until_delivered(t: Tracker) -> Deliver:
+    """Tick until a deadline passes. Deadlines are wall-clock, so this polls (bounded by fail_after)."""
+    while True:
+        await t.inbox.send(Tick())
+        await t.stats()
+        try:
+            return t.frontend.receive_nowait()
+        except anyio.WouldBlock:
+            await anyio.sleep(TINY_TIMEOUT_S / 2)
+
+
+async def assert_forgotten_everywhere(t: Tracker, rid: str) -> None:
+    assert await t.admission.receive() == Withdraw(request_id=rid)
+    for role in ROLES:
+        assert await t.pools[role].receive() == Forget(request_id=rid)
+
+
+# --------------------------------------------------------------------------- the happy path
+
+
+async def test_admit_queues_the_request_for_an_encoder() -> None:
+    with anyio.fail_after(5):
+        async with running_tracker() as t:
+            await t.inbox.send(Admit(request_id="r1", params=PARAMS, timeout_s=60.0))
+            assert await t.admission.receive() == Enqueue(job=Job(request_id="r1", role="encoder", params=PARAMS))
+
+
+async def test_full_journey_delivers_a_result_with_three_stage_timings() -> None:
+    with anyio.fail_after(5):
+        async with running_tracker() as t:
+            await run_to_decoding(t)
+            await t.inbox.send(finished("r1"))
+            deliver = await t.frontend.receive()
+            assert isinstance(deliver, Deliver) and deliver.request_id == "r1"
+            assert list(deliver.frames) == [b"abc"]
+            result = deliver.message
+            assert isinstance(result, Result)
+            assert result.outputs == OUTPUTS
+            assert [(s.role, s.instance, s.fast_path) for s in result.stages] == [
+                ("encoder", "encoder-1", True),
+                ("denoiser", "denoiser-1", False),
+                ("decoder", "decoder-1", None),
+            ]
+            assert [s.transfer_bytes for s in result.stages] == [1024, 4096, 0]
+            assert all(s.queued_ms >= 0 for s in result.stages)
+            assert result.total_ms >= 0
+
+
+async def test_completed_request_is_counted_and_leaves_the_table() -> None:
+    with anyio.fail_after(5):
+        async with running_tracker() as t:
+            await run_to_decoding(t)
+            assert (await t.stats()).by_state == {"decoding": 1}
+            await t.inbox.send(finished("r1"))
+            await t.frontend.receive()
+            stats = await t.stats()
+            assert (stats.completed, stats.by_state, stats.failed_by_reason) == (1, {}, {})
+
+
+async def test_request_done_is_logged_once_with_its_stages(logs: list[dict[str, Any]]) -> None:
+    with anyio.fail_after(5):
+        async with running_tracker() as t:
+            await run_to_decoding(t)
+            await t.inbox.send(finished("r1"))
+            await t.frontend.receive()
+        done = [entry for entry in logs if entry["event"] == "request.done"]
+        assert len(done) == 1
+        assert done[0]["request_id"] == "r1" and len(done[0]["stages"]) == 3
+
+
+async def test_failure_is_logged_with_its_reason(logs: list[dict[str, Any]]) -> None:
+    with anyio.fail_after(5):
+        async with running_tracker() as t:
+            await admit(t)
+            await t.inbox.send(CancelRequest(request_id="r1"))
+            await t.frontend.receive()
+        assert {"event": "request.failed", "request_id": "r1", "reason": "cancelled", "actor": "tracker",
+                "message": "cancelled by the client", "state": "encoding", "log_level": "warning"} in logs
+
+
+async def test_hand_off_from_the_wrong_stage_is_ignored() -> None:
+    """A denoiser hand-off for a request still encoding is stale news, not a transition."""
+    with anyio.fail_after(5):
+        async with running_tracker() as t:
+            await admit(t)
+            await t.inbox.send(handed_off("r1", "denoiser"))
+            assert (await t.stats()).by_state == {"encoding": 1}
+            await t.inbox.send(finished("r1"))
+            assert (await t.stats()).by_state == {"encoding": 1}
+            t.assert_silent()
+
+
+# --------------------------------------------------------------------------- deadlines
+
+
+async def test_deadline_rejects_with_timed_out() -> None:
+    with anyio.fail_after(5):
+        async with running_tracker() as t:
+            await admit(t, timeout_s=TINY_TIMEOUT_S)
+            deliver = await tick_until_delivered(t)
+            assert deliver.request_id == "r1"
+            assert isinstance(deliver.message, Rejected)
+            assert deliver.message.reason == Reason.TIMED_OUT
+
+
+async def test_deadline_withdraws_and_forgets_everywhere() -> None:
+    with anyio.fail_after(5):
+        async with running_tracker() as t:
+            await admit(t, timeout_s=TINY_TIMEOUT_S)
+            await tick_until_delivered(t)
+            await assert_forgotten_everywhere(t, "r1")
+            assert (await t.stats()).failed_by_reason == {"timed_out": 1}
+
+
+async def test_news_after_the_deadline_changes_nothing() -> None:
+    with anyio.fail_after(5):
+        async with running_tracker() as t:
+            await admit(t, timeout_s=TINY_TIMEOUT_S)
+            await tick_until_delivered(t)
+            await assert_forgotten_everywhere(t, "r1")
+            await t.inbox.send(handed_off("r1", "encoder"))
+            await t.inbox.send(finished("r1"))
+            await t.inbox.send(Failed(request_id="r1", reason=Reason.STAGE_FAILED, message="late"))
+            stats = await t.stats()
+            t.assert_silent()
+            assert (stats.completed, stats.by_state, stats.failed_by_reason) == (0, {}, {"timed_out": 1})
+
+
+async def test_tick_expires_only_requests_past_their_deadline() -> None:
+    with anyio.fail_after(5):
+        async with running_tracker() as t:
+            await admit(t, "patient", timeout_s=60.0)
+            await admit(t, "hasty", timeout_s=TINY_TIMEOUT_S)
+            deliver = await tick_until_delivered(t)
+            assert deliver.request_id == "hasty"
+            assert (await t.stats()).by_state == {"encoding": 1}
+
+
+# --------------------------------------------------------------------------- failures and cancels
+
+
+async def test_failure_reported_twice_rejects_once() -> None:
+    with anyio.fail_after(5):
+        async with running_tracker() as t:
+            await admit(t)
+            await t.inbox.send(Failed(request_id="r1", reason=Reason.WORKER_LOST, message="gone"))
+            await t.inbox.send(Failed(request_id="r1", reason=Reason.STAGE_FAILED, message="also"))
+            deliver = await t.frontend.receive()
+            assert deliver.message == Rejected(request_id="r1", reason=Reason.WORKER_LOST, message="gone")
+            await assert_forgotten_everywhere(t, "r1")
+            assert (await t.stats()).failed_by_reason == {"worker_lost": 1}
+            t.assert_silent()
+
+
+async def test_cancel_rejects_with_cancelled() -> None:
+    with anyio.fail_after(5):
+        async with running_tracker() as t:
+            await run_to_decoding(t)
+            await t.inbox.send(CancelRequest(request_id="r1"))
+            deliver = await t.frontend.receive()
+            assert isinstance(deliver.message, Rejected)
+            assert deliver.message.reason == Reason.CANCELLED
+            await assert_forgotten_everywhere(t, "r1")
+
+
+async def test_cancel_of_an_unknown_request_does_nothing() -> None:
+    with anyio.fail_after(5):
+        async with running_tracker() as t:
+            await t.inbox.send(CancelRequest(request_id="nobody"))
+            await t.stats()
+            t.assert_silent()
+
+
+# --------------------------------------------------------------------------- drain
+
+
+async def test_drain_with_nothing_in_flight_is_immediate() -> None:
+    with anyio.fail_after(5):
+        async with running_tracker() as t:
+            drained = anyio.Event()
+            await t.inbox.send(StartDrain(drained=drained))
+            await drained.wait()
+
+
+async def test_drain_waits_for_the_table_to_empty() -> None:
+    with anyio.fail_after(5):
+        async with running_tracker() as t:
+            await run_to_decoding(t, "done")
+            await admit(t, "cancelled")
+            drained = anyio.Event()
+            await t.inbox.send(StartDrain(drained=drained))
+            await t.inbox.send(finished("done"))
+            await t.stats()
+            assert not drained.is_set()
+            await t.inbox.send(CancelRequest(request_id="cancelled"))
+            await drained.wait()
