@@ -13,7 +13,7 @@ import structlog
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
 
 from actors.base import drain, mailbox_depth, post, reply_once
-from actors.mail import AdmissionMail, Credit, Dispatch, Enqueue, Job, PoolMail, QueryStats, Withdraw
+from actors.mail import AdmissionMail, Credit, Dispatch, Enqueue, Forget, Job, PoolMail, QueryStats
 from transfer.protocol import ROLES, Role
 
 log = structlog.get_logger()
@@ -75,10 +75,12 @@ class AdmissionActor:
             case Credit(role=role, delta=delta):
                 self._credits[role] += delta
                 self._dispatch(role)
-            case Withdraw(request_id=rid):
+            case Forget(request_id=rid):
                 for queue in self._queues.values():
                     if queue.remove(rid):
                         break
+                for pool in self._pools.values():
+                    post(pool, mail)
             case QueryStats(reply=reply):
                 reply_once(
                     reply,

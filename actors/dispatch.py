@@ -30,12 +30,13 @@ class RoundRobin:
 
     def __init__(self) -> None:
         self._ring: deque[str] = deque()
+        self._in_ring: set[str] = set()
         self._free: dict[str, int] = {}
 
     def update(self, instance: str, free: int) -> None:
-        had = self._free.get(instance, 0)
         self._free[instance] = free
-        if free > 0 and had == 0:
+        if free > 0 and instance not in self._in_ring:
+            self._in_ring.add(instance)
             self._ring.append(instance)
 
     def remove(self, instance: str) -> None:
@@ -47,6 +48,7 @@ class RoundRobin:
             instance = ring[0]
             if self._free.get(instance, 0) <= 0:
                 ring.popleft()  # went full or left since it joined the ring; drop lazily
+                self._in_ring.discard(instance)
                 continue
             ring.rotate(-1)
             return instance
@@ -63,29 +65,32 @@ class LeastLoaded:
     def __init__(self) -> None:
         self._heap: list[tuple[int, int, str]] = []
         self._free: dict[str, int] = {}
+        self._latest: dict[str, int] = {}
         self._order = itertools.count()
 
     def update(self, instance: str, free: int) -> None:
         self._free[instance] = free
+        self._latest[instance] = order = next(self._order)
         if free > 0:
-            heapq.heappush(self._heap, (-free, next(self._order), instance))
+            heapq.heappush(self._heap, (-free, order, instance))
         self._compact()
 
     def remove(self, instance: str) -> None:
         self._free.pop(instance, None)
+        self._latest.pop(instance, None)
 
     def pick(self) -> str | None:
         heap = self._heap
         while heap:
-            neg_free, _, instance = heap[0]
-            if self._free.get(instance, 0) == -neg_free:
+            _, order, instance = heap[0]
+            if self._latest.get(instance) == order:
                 return instance
             heapq.heappop(heap)
         return None
 
     def _compact(self) -> None:
         if len(self._heap) > 4 * len(self._free) + 64:
-            self._heap = [(-free, next(self._order), i) for i, free in self._free.items() if free > 0]
+            self._heap = [(-free, self._latest[i], i) for i, free in self._free.items() if free > 0]
             heapq.heapify(self._heap)
 
 

@@ -66,6 +66,8 @@ class Flight:
             self._move(FlightState.PUSHING)
 
     def allocated(self, address: int) -> None:
+        if self.state != FlightState.ALLOCATING:
+            raise RuntimeError(f"flight {self.request_id}: allocated while {self.state}")
         self.address = address
         self._move(FlightState.PUSHING)
 

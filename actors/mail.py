@@ -33,6 +33,13 @@ class QueryStats(Mail):
     reply: ObjectSendStream[Any]
 
 
+class Forget(Mail):
+    """``request_id`` is over: each owner frees what it holds, then passes this on
+    (tracker -> admission -> pools -> negotiator)."""
+
+    request_id: str
+
+
 class Tick(Mail):
     """Time passed: check deadlines or liveness."""
 
@@ -133,13 +140,7 @@ class Credit(Mail):
     delta: int
 
 
-class Withdraw(Mail):
-    """Drop ``request_id`` from every queue."""
-
-    request_id: str
-
-
-AdmissionMail = Enqueue | Credit | Withdraw | QueryStats
+AdmissionMail = Enqueue | Credit | Forget | QueryStats
 
 
 # --------------------------------------------------------------------------- pools
@@ -179,17 +180,15 @@ class Send(Mail):
 
 
 class Release(Mail):
-    """``instance`` no longer holds ``request_id``: its slot is free."""
+    """``instance`` no longer holds ``request_id``: its slot is free.
+
+    ``ok`` counts the stage as served (True) or failed (False); None returns a reservation
+    that was never used.
+    """
 
     request_id: str
     instance: str
-    ok: bool
-
-
-class Forget(Mail):
-    """``request_id`` is over: free what it holds and abort workers still computing it."""
-
-    request_id: str
+    ok: bool | None
 
 
 PoolMail = Dispatch | Join | Leave | Send | Release | Forget | QueryStats

@@ -282,7 +282,11 @@ class TransferNegotiator:
             return
         flight = self._flights.get(rid)
         if flight is None or flight.state != FlightState.AWAITING:
-            return  # ended while queued; the pool that reserved the slot frees it on Forget
+            # Ended while queued: its Forget may have reached the pool before this dispatch
+            # did, so the slot just reserved would never be freed: hand it back here. (Not a
+            # Forget: the pool would forward it and kill a newer request reusing the id.)
+            post(self._pools[job.role], Release(request_id=rid, instance=instance, ok=None))
+            return
         hop = hop_name(flight.role, job.role)
         slot = self._slots.take(instance, flight.nbytes)
         if slot is not None:
@@ -325,6 +329,9 @@ class TransferNegotiator:
             return
         post(self._pools[flight.role], Release(request_id=rid, instance=flight.instance, ok=msg.ok))
         if not msg.ok:
+            # Nothing is writing into the receiver's memory any more: free it now.
+            self._release_receiver(flight)
+            del self._flights[rid]
             self._fail(flight, Reason.TRANSFER_FAILED, f"{flight.instance} -> {flight.receiver}: {msg.error}")
             return
         post(self._tracker, HandedOff(request_id=rid, role=flight.role, instance=flight.instance,

@@ -119,8 +119,10 @@ class PoolActor:
             case Dispatch(job=job):
                 picked = self._policy.pick()
                 if picked is None:
-                    # The credit admission spent belonged to a worker that has since left.
+                    # The slot admission counted on left with its worker: requeue the job
+                    # first in line and give back the credit spent on it.
                     post(self._admission, Enqueue(job=job, front=True))
+                    post(self._admission, Credit(role=self.role, delta=1))
                     return
                 self._take(self._instances[picked], job.request_id)
                 # The negotiator records the request's flight before any order goes out,
@@ -134,7 +136,9 @@ class PoolActor:
                                                    message=f"{self.role} {instance} left before {type(order).__name__}"))
                     return
                 hold = self._holds.get(order.request_id)
-                if starts and hold is not None:
+                if starts:
+                    if hold is None:
+                        return  # the request ended before its work went out: start nothing
                     hold.running = True
                 self._send(inst, order)
             case Release(request_id=rid, instance=instance, ok=ok):
@@ -142,9 +146,9 @@ class PoolActor:
                 if hold is None or hold.instance != instance:
                     return
                 inst = self._instances[instance]
-                if ok:
+                if ok is True:
                     inst.served += 1
-                else:
+                elif ok is False:
                     inst.failed += 1
                 self._give_back(inst, rid)
             case Forget(request_id=rid):
@@ -190,7 +194,9 @@ class PoolActor:
                                            message=f"{self.role} {inst.instance} is not taking work"))
 
     def _join(self, mail: Join) -> None:
-        sock = self._ctx.socket(zmq.PUSH)
+        # A plain socket even under an asyncio context: sends are NOBLOCK and never
+        # awaited, and only a plain socket raises zmq.Again instead of hiding it in a Future.
+        sock = zmq.Socket(self._ctx, zmq.PUSH)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, self._send_hwm)
         sock.connect(mail.work_address)

@@ -33,7 +33,6 @@ from actors.mail import (
     StartDrain,
     Tick,
     TrackerMail,
-    Withdraw,
 )
 from actors.states import ACTIVE_BY_ROLE, RequestState, check_move
 from transfer.protocol import Reason, Rejected, Result, Role, StageTiming, next_role
@@ -66,12 +65,10 @@ class TrackerActor:
         *,
         frontend: ObjectSendStream,
         admission: ObjectSendStream[AdmissionMail],
-        pools: dict[Role, ObjectSendStream],
     ) -> None:
         self._inbox = inbox
         self._frontend = frontend
         self._admission = admission
-        self._pools = pools
         self._table: dict[str, Entry] = {}
         self._deadlines: list[tuple[float, str]] = []
         self._completed = 0
@@ -165,12 +162,10 @@ class TrackerActor:
         check_move(entry.state, RequestState.FAILED)
         self._failed[reason] = self._failed.get(reason, 0) + 1
         post(self._frontend, Deliver(request_id=rid, message=Rejected(request_id=rid, reason=reason, message=message)))
-        # Every owner frees its own part; each ignores a request it holds nothing for.
-        # Pools pass the Forget on to the negotiator after their own cleanup, so it always
-        # arrives there after anything the pool said about the request before.
-        post(self._admission, Withdraw(request_id=rid))
-        for pool in self._pools.values():
-            post(pool, Forget(request_id=rid))
+        # Every owner frees its own part. The Forget travels admission -> pools ->
+        # negotiator, so at each hop it arrives after anything the previous owner said
+        # about the request (a dispatch, a reservation): nothing can restart it.
+        post(self._admission, Forget(request_id=rid))
         self._log.warning("request.failed", request_id=rid, reason=str(reason), message=message, state=str(entry.state))
         self._check_drained()
 

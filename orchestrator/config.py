@@ -33,8 +33,7 @@ class DaemonConfig(Section):
     # Shared secret a worker must present to register. Set your own in production.
     token: str = "triptych-local-dev"
     dispatch: Literal["round_robin", "least_loaded", "power_of_two"] = "least_loaded"
-    max_queued: PositiveInt = 4096  # per role; beyond it submits get ``overloaded``
-    max_in_flight: PositiveInt = 8192  # admitted requests not yet answered
+    max_in_flight: PositiveInt = 8192  # admitted, unanswered requests; beyond it submits get ``overloaded``
     request_timeout_s: PositiveFloat = 600.0  # when Submit names none
     max_request_timeout_s: PositiveFloat = 3600.0
     heartbeat_s: PositiveFloat = 1.0

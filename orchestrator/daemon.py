@@ -74,8 +74,7 @@ async def serve(cfg: Config, *, task_status: anyio.abc.TaskStatus[dict[str, str]
                                      admission=ad_tx.clone(), tracker=tr_tx.clone(), negotiator=ng_tx.clone())
                     await tg.start(pool.run)
                 await tg.start(AdmissionActor(ad_rx, _clones(pools_tx)).run)
-                await tg.start(TrackerActor(tr_rx, frontend=fe_tx.clone(), admission=ad_tx.clone(),
-                                            pools=_clones(pools_tx)).run)
+                await tg.start(TrackerActor(tr_rx, frontend=fe_tx.clone(), admission=ad_tx.clone()).run)
                 owners = {"frontend": fe_tx.clone(), "tracker": tr_tx.clone(), "admission": ad_tx.clone(),
                           "negotiator": ng_tx.clone(), **{f"pool.{r}": tx.clone() for r, tx in pools_tx.items()}}
                 control = ControlActor(ctx=ctx, endpoint=d.control_endpoint, owners=owners,

@@ -72,7 +72,11 @@ def expected_nbytes(spec: TensorSpec) -> int:
         if dim < 0:
             raise ValueError(f"tensor {spec.name!r}: negative dimension in {spec.shape}")
         count *= dim
-    return count * torch.empty((), dtype=torch_dtype(spec.dtype)).element_size()
+    try:
+        dtype = torch_dtype(spec.dtype)
+    except ValueError as exc:
+        raise ValueError(f"tensor {spec.name!r}: {exc}") from None
+    return count * torch.empty((), dtype=dtype).element_size()
 
 
 # --------------------------------------------------------------------------- staged blocks

@@ -1,4 +1,5 @@
-"""AdmissionActor with fake pools: jobs wait for credit, then go out oldest first."""
+"""AdmissionActor with fake pools: jobs wait for credit, then go out oldest first; a Forget
+drops the request from the queues and passes on to every pool."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from actors.admission import AdmissionActor, AdmissionStats
-from actors.mail import AdmissionMail, Credit, Dispatch, Enqueue, Job, QueryStats, Withdraw
+from actors.mail import AdmissionMail, Credit, Dispatch, Enqueue, Forget, Job, QueryStats
 from transfer.protocol import ROLES, GenParams, Role
 
 PARAMS = GenParams(prompt="p")
@@ -33,17 +34,23 @@ class Admission:
         for rid in rids:
             await self.inbox.send(Enqueue(job=job(rid, role), front=front))
 
-    async def dispatched(self, role: Role = "encoder") -> list[str]:
-        """Request ids dispatched to ``role``'s pool so far, in order."""
+    async def posted(self, role: Role = "encoder") -> list[Any]:
+        """Every mail posted to ``role``'s pool so far, in order."""
         await self.stats()
         out = []
         while True:
             try:
-                mail = self.pools[role].receive_nowait()
+                out.append(self.pools[role].receive_nowait())
             except anyio.WouldBlock:
                 return out
-            assert isinstance(mail, Dispatch) and mail.job.role == role
+
+    async def dispatched(self, role: Role = "encoder") -> list[str]:
+        """Request ids dispatched to ``role``'s pool so far, in order (and nothing else posted)."""
+        out = []
+        for mail in await self.posted(role):
+            assert isinstance(mail, Dispatch) and mail.job.role == role, mail
             out.append(mail.job.request_id)
+        return out
 
 
 def job(rid: str, role: Role = "encoder") -> Job:
@@ -100,22 +107,60 @@ async def test_credit_is_per_role() -> None:
             assert await a.dispatched("encoder") == []
 
 
-async def test_withdraw_removes_a_queued_job() -> None:
+async def test_forget_removes_a_queued_job() -> None:
     with anyio.fail_after(5):
         async with running_admission() as a:
             await a.enqueue("r1", "r2", "r3")
-            await a.inbox.send(Withdraw(request_id="r2"))
+            await a.inbox.send(Forget(request_id="r2"))
+            assert (await a.stats()).queue_depths["encoder"] == 2
             await a.inbox.send(Credit(role="encoder", delta=3))
-            assert await a.dispatched() == ["r1", "r3"]
+            assert await a.posted() == [Forget(request_id="r2"), Dispatch(job=job("r1")), Dispatch(job=job("r3"))]
             assert (await a.stats()).credits["encoder"] == 1
 
 
-async def test_withdraw_of_an_unknown_request_does_nothing() -> None:
+async def test_forget_removes_the_job_from_whichever_role_queues_it() -> None:
+    with anyio.fail_after(5):
+        async with running_admission() as a:
+            await a.enqueue("e1", role="encoder")
+            await a.enqueue("d1", "d2", role="denoiser")
+            await a.inbox.send(Forget(request_id="d1"))
+            assert (await a.stats()).queue_depths == {"encoder": 1, "denoiser": 1, "decoder": 0}
+
+
+async def test_forget_is_forwarded_to_every_pool_after_removing_the_job() -> None:
+    """Admission only knows queues: a dispatched request may be held by any pool, so each is told."""
+    with anyio.fail_after(5):
+        async with running_admission() as a:
+            await a.enqueue("r1", role="denoiser")
+            await a.inbox.send(Forget(request_id="r1"))
+            for role in ROLES:
+                assert await a.posted(role) == [Forget(request_id="r1")]
+            # Removed before it was passed on: credit arriving now finds nothing to dispatch.
+            await a.inbox.send(Credit(role="denoiser", delta=1))
+            assert await a.dispatched("denoiser") == []
+            assert (await a.stats()).queue_depths["denoiser"] == 0
+
+
+async def test_forget_of_a_dispatched_request_follows_its_dispatch() -> None:
+    """The pool sees the Dispatch before the Forget, so it can free the slot it reserved."""
+    with anyio.fail_after(5):
+        async with running_admission() as a:
+            await a.inbox.send(Credit(role="encoder", delta=1))
+            await a.enqueue("r1")
+            await a.inbox.send(Forget(request_id="r1"))
+            assert await a.posted("encoder") == [Dispatch(job=job("r1")), Forget(request_id="r1")]
+            assert await a.posted("denoiser") == [Forget(request_id="r1")]
+            assert await a.posted("decoder") == [Forget(request_id="r1")]
+
+
+async def test_forget_of_an_unqueued_request_is_still_forwarded() -> None:
     with anyio.fail_after(5):
         async with running_admission() as a:
             await a.enqueue("r1")
-            await a.inbox.send(Withdraw(request_id="nobody"))
+            await a.inbox.send(Forget(request_id="nobody"))
             assert (await a.stats()).queue_depths["encoder"] == 1
+            for role in ROLES:
+                assert await a.posted(role) == [Forget(request_id="nobody")]
 
 
 async def test_enqueue_front_goes_first() -> None:

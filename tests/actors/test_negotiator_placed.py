@@ -1,11 +1,13 @@
 """TransferNegotiator: a slot reserved for a request that has already ended goes back to its pool.
 
-The race: the tracker's ``Forget`` reaches the denoiser pool while the request holds nothing
-there, and only afterwards does admission dispatch the request's (now stale) denoiser job,
-because the worker's ``Staged`` reached the negotiator before the forwarded ``Forget`` did,
-or a ``Credit`` was handled before the ``Withdraw``. The pool reserves a slot and reports
-``Placed``; the negotiator, finding no flight, is the only actor that can see the slot is
-orphaned.
+The race: the worker's ``Staged`` reaches the negotiator (which enqueues the denoiser job)
+just as the request fails. Admission handles the ``Forget`` first and passes it to every
+pool, so it reaches the denoiser pool while the request holds nothing there and is not
+forwarded; then admission dispatches the (now stale) denoiser job. The pool reserves a slot
+and reports ``Placed``; the negotiator, whose flight the encoder pool's ``Forget`` already
+ended, is the only actor that can see the slot is orphaned. It hands the slot back with
+``Release(ok=None)`` (unused: counted neither served nor failed), never with a ``Forget``,
+which the pool would pass on and which could end a newer request reusing the id.
 """
 
 from __future__ import annotations
@@ -14,10 +16,11 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import pytest
 import zmq.asyncio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from actors.mail import Forget, Job, Placed, QueryStats, Release
+from actors.mail import Job, Placed, QueryStats, Release
 from actors.negotiator import TransferNegotiator
 from orchestrator.config import DaemonConfig
 from transfer.protocol import ROLES, GenParams
@@ -51,9 +54,12 @@ async def test_placed_for_an_ended_request_frees_the_reserved_slot(tmp_path: Pat
                         await inbox.send(QueryStats(reply=reply_tx))
                         await reply_rx.receive()  # the Placed was handled
                     inbox.close()
-                freed = streams["denoiser"][1].receive_nowait()
-                assert freed in (Forget(request_id="ended"),
-                                 Release(request_id="ended", instance="denoiser-1", ok=False))
+                assert streams["denoiser"][1].receive_nowait() == Release(request_id="ended", instance="denoiser-1",
+                                                                          ok=None)
+                for name in ("admission", "tracker", "frontend", *ROLES):
+                    with pytest.raises(anyio.WouldBlock):
+                        mail = streams[name][1].receive_nowait()
+                        raise AssertionError(f"unexpected mail to {name}: {mail!r}")
             finally:
                 for tx, rx in streams.values():
                     tx.close()

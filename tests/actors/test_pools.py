@@ -162,32 +162,40 @@ async def test_leave_of_an_unknown_instance_does_nothing(ctx: zmq.asyncio.Contex
 # --------------------------------------------------------------------------- dispatch
 
 
-async def test_encoder_dispatch_sends_work_and_tells_the_negotiator(ctx: zmq.asyncio.Context, tmp_path: Path) -> None:
+@pytest.mark.parametrize("role", ["encoder", "denoiser", "decoder"])
+async def test_dispatch_reserves_a_slot_and_tells_the_negotiator_without_sending(
+    role: Role, ctx: zmq.asyncio.Context, tmp_path: Path
+) -> None:
+    """Every role alike: the pool only reserves; the negotiator records the flight, then orders the work."""
+    with anyio.fail_after(5):
+        async with fake_worker(ctx, tmp_path) as (address, worker), running_pool(role, ctx) as pool:
+            await pool.join(address)
+            await pool.inbox.send(Dispatch(job=job("r1", role)))
+            assert await pool.negotiator.receive() == Placed(job=job("r1", role), instance=f"{role}-1")
+            [inst] = (await pool.stats()).instances
+            assert inst.slots_free == 1
+            await pool.inbox.send(Send(instance=f"{role}-1", order=Abort(request_id="marker")))
+            assert await next_order(worker) == Abort(request_id="marker")  # nothing came before it
+            assert_empty(pool.admission)
+
+
+async def test_negotiator_ordered_work_reaches_the_worker(ctx: zmq.asyncio.Context, tmp_path: Path) -> None:
     with anyio.fail_after(5):
         async with fake_worker(ctx, tmp_path) as (address, worker), running_pool("encoder", ctx) as pool:
             await pool.join(address)
-            await pool.inbox.send(Dispatch(job=job("r1")))
+            instance = await pool.dispatch("r1")
+            await pool.inbox.send(Send(instance=instance, order=Work(request_id="r1", params=PARAMS), starts=True))
             assert await next_order(worker) == Work(request_id="r1", params=PARAMS)
-            assert await pool.negotiator.receive() == Placed(job=job("r1"), instance="encoder-1")
-            [inst] = (await pool.stats()).instances
-            assert inst.slots_free == 1
 
 
-async def test_receiver_dispatch_reserves_without_sending(ctx: zmq.asyncio.Context, tmp_path: Path) -> None:
-    """A denoiser slot is only reserved at dispatch; the negotiator orders the work later."""
-    with anyio.fail_after(5):
-        async with fake_worker(ctx, tmp_path) as (address, worker), running_pool("denoiser", ctx) as pool:
-            await pool.join(address)
-            assert await pool.dispatch("r1") == "denoiser-1"
-            await pool.inbox.send(Send(instance="denoiser-1", order=Abort(request_id="marker")))
-            assert await next_order(worker) == Abort(request_id="marker")  # nothing came before it
-
-
-async def test_dispatch_with_no_instance_requeues_at_the_front(ctx: zmq.asyncio.Context) -> None:
+async def test_dispatch_with_no_instance_requeues_at_the_front_and_refunds(ctx: zmq.asyncio.Context) -> None:
     with anyio.fail_after(5):
         async with running_pool("encoder", ctx) as pool:
             await pool.inbox.send(Dispatch(job=job("r1")))
             assert await pool.admission.receive() == Enqueue(job=job("r1"), front=True)
+            assert await pool.admission.receive() == Credit(role="encoder", delta=1)
+            await pool.stats()
+            assert_empty(pool.admission)
             assert_empty(pool.negotiator)
 
 
@@ -199,6 +207,7 @@ async def test_dispatch_after_the_only_instance_left_requeues(ctx: zmq.asyncio.C
             assert await pool.admission.receive() == Credit(role="encoder", delta=-2)
             await pool.inbox.send(Dispatch(job=job("r1")))
             assert await pool.admission.receive() == Enqueue(job=job("r1"), front=True)
+            assert await pool.admission.receive() == Credit(role="encoder", delta=1)
 
 
 async def test_bounced_dispatch_gives_its_credit_back(ctx: zmq.asyncio.Context, tmp_path: Path) -> None:
@@ -263,6 +272,22 @@ async def test_failed_release_is_counted_as_failed(ctx: zmq.asyncio.Context, tmp
             assert (inst.served, inst.failed) == (0, 1)
 
 
+async def test_unused_release_frees_the_slot_without_counting(ctx: zmq.asyncio.Context, tmp_path: Path) -> None:
+    """ok=None: a reservation handed back unused (its request ended before it was placed)."""
+    with anyio.fail_after(5):
+        async with fake_worker(ctx, tmp_path) as (address, _), running_pool("denoiser", ctx) as pool:
+            await pool.join(address)
+            await pool.dispatch("r1")
+            await pool.inbox.send(Release(request_id="r1", instance="denoiser-1", ok=None))
+            assert await pool.admission.receive() == Credit(role="denoiser", delta=1)
+            [inst] = (await pool.stats()).instances
+            assert (inst.slots_free, inst.served, inst.failed) == (2, 0, 0)
+            await pool.inbox.send(Forget(request_id="r1"))  # no longer held: nothing to pass on
+            await pool.stats()
+            assert_empty(pool.negotiator)
+            assert_empty(pool.admission)
+
+
 async def test_release_from_another_instance_is_ignored(ctx: zmq.asyncio.Context, tmp_path: Path) -> None:
     with anyio.fail_after(5):
         async with fake_worker(ctx, tmp_path) as (address, _), running_pool("denoiser", ctx) as pool:
@@ -281,11 +306,14 @@ async def test_forget_of_a_running_request_aborts_and_tells_the_negotiator(
         async with fake_worker(ctx, tmp_path) as (address, worker), running_pool("encoder", ctx) as pool:
             await pool.join(address)
             await pool.dispatch("r1")
+            await pool.inbox.send(Send(instance="encoder-1", order=Work(request_id="r1", params=PARAMS), starts=True))
             await pool.inbox.send(Forget(request_id="r1"))
             assert await next_order(worker) == Work(request_id="r1", params=PARAMS)
             assert await next_order(worker) == Abort(request_id="r1")
             assert await pool.negotiator.receive() == Forget(request_id="r1")
             assert await pool.admission.receive() == Credit(role="encoder", delta=1)
+            [inst] = (await pool.stats()).instances
+            assert (inst.slots_free, inst.served, inst.failed) == (2, 0, 0)
 
 
 async def test_forget_of_a_reserved_slot_frees_it_without_an_abort(ctx: zmq.asyncio.Context, tmp_path: Path) -> None:
@@ -321,6 +349,68 @@ async def test_forget_of_an_unheld_request_is_not_forwarded(ctx: zmq.asyncio.Con
             assert_empty(pool.admission)
 
 
+async def test_forget_is_forwarded_only_by_a_pool_holding_the_request(
+    ctx: zmq.asyncio.Context, tmp_path: Path
+) -> None:
+    """Admission tells every pool; only the one holding the request passes it on, after its Placed."""
+    with anyio.fail_after(5):
+        async with fake_worker(ctx, tmp_path) as (address, _), running_pool("denoiser", ctx) as pool:
+            await pool.join(address, capacity=3)
+            await pool.inbox.send(Dispatch(job=job("held", "denoiser")))
+            await pool.inbox.send(Dispatch(job=job("released", "denoiser")))
+            for rid in ("released", "elsewhere", "held"):
+                if rid == "released":
+                    await pool.inbox.send(Release(request_id=rid, instance="denoiser-1", ok=True))
+                await pool.inbox.send(Forget(request_id=rid))
+            await pool.stats()
+            forwarded = []
+            while True:
+                try:
+                    forwarded.append(pool.negotiator.receive_nowait())
+                except anyio.WouldBlock:
+                    break
+            assert forwarded == [
+                Placed(job=job("held", "denoiser"), instance="denoiser-1"),
+                Placed(job=job("released", "denoiser"), instance="denoiser-1"),
+                Forget(request_id="held"),
+            ]
+            [inst] = (await pool.stats()).instances
+            assert (inst.slots_free, inst.served) == (3, 1)
+
+
+async def test_work_for_an_unheld_request_is_not_sent(ctx: zmq.asyncio.Context, tmp_path: Path) -> None:
+    """A starts=True Send after the request was forgotten here: it ended before its work went out."""
+    with anyio.fail_after(5):
+        async with fake_worker(ctx, tmp_path) as (address, worker), running_pool("encoder", ctx) as pool:
+            await pool.join(address)
+            await pool.dispatch("r1")
+            await pool.inbox.send(Forget(request_id="r1"))
+            assert await pool.negotiator.receive() == Forget(request_id="r1")
+            assert await pool.admission.receive() == Credit(role="encoder", delta=1)
+            await pool.inbox.send(Send(instance="encoder-1", order=Work(request_id="r1", params=PARAMS), starts=True))
+            await pool.inbox.send(Send(instance="encoder-1", order=Work(request_id="never", params=PARAMS),
+                                       starts=True))
+            await pool.inbox.send(Send(instance="encoder-1", order=Abort(request_id="marker")))
+            assert await next_order(worker) == Abort(request_id="marker")  # neither Work went out
+            [inst] = (await pool.stats()).instances
+            assert inst.slots_free == 2
+            assert_empty(pool.tracker)
+            assert_empty(pool.admission)
+            assert_empty(pool.negotiator)
+            await pool.inbox.send(Forget(request_id="r1"))  # the dropped Work left no hold behind
+            await pool.stats()
+            assert_empty(pool.negotiator)
+
+
+async def test_plain_send_for_an_unheld_request_still_goes_out(ctx: zmq.asyncio.Context, tmp_path: Path) -> None:
+    """Only starting sends are dropped: the negotiator's Aborts for late reports must reach the worker."""
+    with anyio.fail_after(5):
+        async with fake_worker(ctx, tmp_path) as (address, worker), running_pool("encoder", ctx) as pool:
+            await pool.join(address)
+            await pool.inbox.send(Send(instance="encoder-1", order=Abort(request_id="late")))
+            assert await next_order(worker) == Abort(request_id="late")
+
+
 # --------------------------------------------------------------------------- sends
 
 
@@ -344,8 +434,9 @@ async def test_abort_to_a_departed_instance_is_dropped(ctx: zmq.asyncio.Context)
 async def test_stuck_worker_fails_the_request(kind: str, tmp_path: Path) -> None:
     """A worker whose queue is full (SNDHWM) is stuck: the order's request fails, the loop never blocks.
 
-    The daemon hands pools a ``zmq.asyncio.Context``: its sockets report a full queue on the
-    returned Future instead of raising ``zmq.Again``, so the check must hold for both kinds.
+    The daemon hands pools a ``zmq.asyncio.Context``, whose own sockets would report a full
+    queue on the returned Future instead of raising ``zmq.Again``, so the check must hold
+    for both kinds.
     """
     ctx = zmq.Context() if kind == "sync" else zmq.asyncio.Context()
     try:
@@ -354,9 +445,12 @@ async def test_stuck_worker_fails_the_request(kind: str, tmp_path: Path) -> None
                 # Nobody listens at this address, so the first order fills the queue.
                 await pool.join(f"ipc://{tmp_path}/nobody", capacity=3)
                 for rid in ("r1", "r2"):
-                    await pool.dispatch(rid)
-                await pool.stats()  # a send fails inside the dispatch's handler, so Failed is posted by now
+                    instance = await pool.dispatch(rid)
+                    await pool.inbox.send(Send(instance=instance, order=Work(request_id=rid, params=PARAMS),
+                                               starts=True))
+                await pool.stats()  # a send fails inside the Send's handler, so Failed is posted by now
                 failed = pool.tracker.receive_nowait()
                 assert (failed.request_id, failed.reason) == ("r2", Reason.WORKER_LOST)
+                assert_empty(pool.tracker)
     finally:
         ctx.destroy(linger=0)

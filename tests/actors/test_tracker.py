@@ -24,10 +24,9 @@ from actors.mail import (
     StartDrain,
     Tick,
     TrackerMail,
-    Withdraw,
 )
 from actors.tracker import TrackerActor, TrackerStats
-from transfer.protocol import ROLES, GenParams, Reason, Rejected, Result, Role, TensorSpec
+from transfer.protocol import GenParams, Reason, Rejected, Result, Role, TensorSpec
 
 PARAMS = GenParams(prompt="a cat")
 OUTPUTS = [TensorSpec(name="image_0.png", dtype="uint8", shape=(3,), nbytes=3)]
@@ -36,12 +35,11 @@ TINY_TIMEOUT_S = 0.01
 
 @dataclass
 class Tracker:
-    """The actor's inbox, and the receive ends of everything it posts to."""
+    """The actor's inbox, and the receive ends of everything it posts to (it knows no pools)."""
 
     inbox: MemoryObjectSendStream[TrackerMail]
     frontend: MemoryObjectReceiveStream[Any]
     admission: MemoryObjectReceiveStream[Any]
-    pools: dict[Role, MemoryObjectReceiveStream[Any]]
 
     async def stats(self) -> TrackerStats:
         """Ask for stats; the answer also proves every earlier mail was handled."""
@@ -51,7 +49,7 @@ class Tracker:
             return await reply_rx.receive()
 
     def assert_silent(self) -> None:
-        for outbox in (self.frontend, self.admission, *self.pools.values()):
+        for outbox in (self.frontend, self.admission):
             try:
                 mail = outbox.receive_nowait()
             except anyio.WouldBlock:
@@ -72,11 +70,10 @@ async def running_tracker() -> AsyncIterator[Tracker]:
         inbox_tx, inbox_rx = stream()
         fe_tx, fe_rx = stream()
         ad_tx, ad_rx = stream()
-        pools = {role: stream() for role in ROLES}
-        actor = TrackerActor(inbox_rx, frontend=fe_tx, admission=ad_tx, pools={r: tx for r, (tx, _) in pools.items()})
+        actor = TrackerActor(inbox_rx, frontend=fe_tx, admission=ad_tx)
         async with anyio.create_task_group() as tg:
             await tg.start(actor.run)
-            yield Tracker(inbox_tx, fe_rx, ad_rx, {r: rx for r, (_, rx) in pools.items()})
+            yield Tracker(inbox_tx, fe_rx, ad_rx)
             inbox_tx.close()  # the actor's inbox ends; run returns
 
 
@@ -112,10 +109,11 @@ async def tick_until_delivered(t: Tracker) -> Deliver:
             await anyio.sleep(TINY_TIMEOUT_S / 2)
 
 
-async def assert_forgotten_everywhere(t: Tracker, rid: str) -> None:
-    assert await t.admission.receive() == Withdraw(request_id=rid)
-    for role in ROLES:
-        assert await t.pools[role].receive() == Forget(request_id=rid)
+async def assert_forgotten(t: Tracker, rid: str) -> None:
+    """One Forget, to admission only: admission passes it on to the pools, they to the negotiator."""
+    assert await t.admission.receive() == Forget(request_id=rid)
+    await t.stats()
+    t.assert_silent()
 
 
 # --------------------------------------------------------------------------- the happy path
@@ -206,12 +204,12 @@ async def test_deadline_rejects_with_timed_out() -> None:
             assert deliver.message.reason == Reason.TIMED_OUT
 
 
-async def test_deadline_withdraws_and_forgets_everywhere() -> None:
+async def test_deadline_sends_one_forget_to_admission() -> None:
     with anyio.fail_after(5):
         async with running_tracker() as t:
             await admit(t, timeout_s=TINY_TIMEOUT_S)
             await tick_until_delivered(t)
-            await assert_forgotten_everywhere(t, "r1")
+            await assert_forgotten(t, "r1")
             assert (await t.stats()).failed_by_reason == {"timed_out": 1}
 
 
@@ -220,7 +218,7 @@ async def test_news_after_the_deadline_changes_nothing() -> None:
         async with running_tracker() as t:
             await admit(t, timeout_s=TINY_TIMEOUT_S)
             await tick_until_delivered(t)
-            await assert_forgotten_everywhere(t, "r1")
+            await assert_forgotten(t, "r1")
             await t.inbox.send(handed_off("r1", "encoder"))
             await t.inbox.send(finished("r1"))
             await t.inbox.send(Failed(request_id="r1", reason=Reason.STAGE_FAILED, message="late"))
@@ -250,7 +248,7 @@ async def test_failure_reported_twice_rejects_once() -> None:
             await t.inbox.send(Failed(request_id="r1", reason=Reason.STAGE_FAILED, message="also"))
             deliver = await t.frontend.receive()
             assert deliver.message == Rejected(request_id="r1", reason=Reason.WORKER_LOST, message="gone")
-            await assert_forgotten_everywhere(t, "r1")
+            await assert_forgotten(t, "r1")
             assert (await t.stats()).failed_by_reason == {"worker_lost": 1}
             t.assert_silent()
 
@@ -263,7 +261,7 @@ async def test_cancel_rejects_with_cancelled() -> None:
             deliver = await t.frontend.receive()
             assert isinstance(deliver.message, Rejected)
             assert deliver.message.reason == Reason.CANCELLED
-            await assert_forgotten_everywhere(t, "r1")
+            await assert_forgotten(t, "r1")
 
 
 async def test_cancel_of_an_unknown_request_does_nothing() -> None:

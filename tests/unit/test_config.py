@@ -63,7 +63,7 @@ def test_unknown_key_names_its_path(tmp_path: Path, text: str, where: str) -> No
         ('[daemon]\ndispatch = "fastest"\n', "$.daemon.dispatch"),
         ("[daemon]\nheartbeat_s = -1.0\n", "$.daemon.heartbeat_s"),
         ("[model.null]\nencoder_ms = -1.0\n", "$.model.null.encoder_ms"),
-        ('[daemon]\nmax_queued = "lots"\n', "$.daemon.max_queued"),
+        ('[daemon]\nmax_in_flight = "lots"\n', "$.daemon.max_in_flight"),
         ('[log]\nlevel = "loud"\n', "$.log.level"),
     ],
 )
