@@ -11,6 +11,7 @@ refuse duplicates, to shed load past ``max_in_flight`` and to refuse work while 
 
 from __future__ import annotations
 
+import itertools
 import uuid
 
 import anyio
@@ -65,7 +66,11 @@ class FrontendActor:
         self._cfg = cfg
         self._tracker = tracker
         self._sock: zmq.asyncio.Socket | None = None
-        self._clients: dict[str, bytes] = {}
+        # Each admission gets its own internal key, never reused, so news about an ended
+        # request can never be mistaken for a later one that reuses the client's id.
+        self._keys = itertools.count()
+        self._clients: dict[str, tuple[bytes, str]] = {}  # internal key -> (identity, client's id)
+        self._in_flight: dict[str, str] = {}  # client's id -> internal key
         self._limits: dict[Role, StageLimits] = {}
         self._draining = False
         self._log = log.bind(actor="frontend")
@@ -118,17 +123,17 @@ class FrontendActor:
             case Submit():
                 self._submit(identity, msg)
             case Cancel(request_id=rid):
-                found = rid in self._clients
-                if found:
-                    post(self._tracker, CancelRequest(request_id=rid))
-                self._send(identity, Cancelled(request_id=rid, found=found))
+                key = self._in_flight.get(rid)
+                if key is not None:
+                    post(self._tracker, CancelRequest(request_id=key))
+                self._send(identity, Cancelled(request_id=rid, found=key is not None))
 
     def _submit(self, identity: bytes, msg: Submit) -> None:
         rid = msg.request_id or uuid.uuid4().hex
         problem: tuple[Reason, str] | None = None
         if self._draining:
             problem = Reason.DRAINING, "the daemon is draining and takes no new work"
-        elif rid in self._clients:
+        elif rid in self._in_flight:
             problem = Reason.DUPLICATE, f"request {rid!r} is already in flight"
         elif len(self._clients) >= self._cfg.max_in_flight:
             problem = Reason.OVERLOADED, f"{len(self._clients)} requests in flight (max_in_flight)"
@@ -142,17 +147,21 @@ class FrontendActor:
             self._send(identity, Rejected(request_id=rid, reason=problem[0], message=problem[1]))
             return
         timeout_s = min(msg.timeout_s or self._cfg.request_timeout_s, self._cfg.max_request_timeout_s)
-        self._clients[rid] = identity
-        post(self._tracker, Admit(request_id=rid, params=msg.params, timeout_s=timeout_s))
+        key = f"{rid}#{next(self._keys)}"
+        self._clients[key] = (identity, rid)
+        self._in_flight[rid] = key
+        post(self._tracker, Admit(request_id=key, params=msg.params, timeout_s=timeout_s))
 
     # ------------------------------------------------------------------ outbound
 
     def _handle(self, mail: FrontendMail) -> None:
         match mail:
-            case Deliver(request_id=rid, message=message, frames=frames):
-                identity = self._clients.pop(rid, None)
-                if identity is not None:
-                    self._send(identity, message, frames)
+            case Deliver(request_id=key, message=message, frames=frames):
+                client = self._clients.pop(key, None)
+                if client is not None:
+                    identity, rid = client
+                    del self._in_flight[rid]
+                    self._send(identity, msgspec.structs.replace(message, request_id=rid), frames)
             case SetDraining():
                 self._draining = True
             case LimitsChanged(role=role, limits=limits):

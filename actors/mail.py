@@ -172,11 +172,10 @@ class Leave(Mail):
 
 
 class Send(Mail):
-    """Send ``order`` to ``instance``'s work socket. ``starts`` marks compute starting."""
+    """Send ``order`` to ``instance``'s work socket."""
 
     instance: str
     order: WorkOrder
-    starts: bool = False
 
 
 class Release(Mail):

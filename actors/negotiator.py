@@ -268,7 +268,7 @@ class TransferNegotiator:
         following = next_role(link.role)
         bad = [s.name for s in msg.manifest if s.offset + s.nbytes > msg.nbytes]
         if following is None or bad:
-            self._fail(flight, Reason.STAGE_FAILED, f"{link.instance} staged an invalid output {bad}")
+            self._fail(flight, Reason.STAGE_FAILED, f"{link.instance} staged an invalid output {bad}", outcome=False)
             return
         self._recycle_input(flight)
         flight.stage_output(msg.nbytes, msg.manifest, msg.compute_ms)
@@ -278,7 +278,7 @@ class TransferNegotiator:
         rid = job.request_id
         if job.role == "encoder":
             self._flights[rid] = Flight(request_id=rid, params=job.params, role="encoder", instance=instance)
-            self._order("encoder", instance, Work(request_id=rid, params=job.params), starts=True)
+            self._order("encoder", instance, Work(request_id=rid, params=job.params))
             return
         flight = self._flights.get(rid)
         if flight is None or flight.state != FlightState.AWAITING:
@@ -327,20 +327,19 @@ class TransferNegotiator:
             self._release_receiver(flight)
             del self._flights[rid]
             return
-        post(self._pools[flight.role], Release(request_id=rid, instance=flight.instance, ok=msg.ok))
         if not msg.ok:
-            # Nothing is writing into the receiver's memory any more: free it now.
-            self._release_receiver(flight)
-            del self._flights[rid]
-            self._fail(flight, Reason.TRANSFER_FAILED, f"{flight.instance} -> {flight.receiver}: {msg.error}")
+            # The push is over (failed), so the receiver's memory is free to reuse at once.
+            self._fail(flight, Reason.TRANSFER_FAILED, f"{flight.instance} -> {flight.receiver}: {msg.error}",
+                       outcome=False)
             return
+        post(self._pools[flight.role], Release(request_id=rid, instance=flight.instance, ok=True))
         post(self._tracker, HandedOff(request_id=rid, role=flight.role, instance=flight.instance,
                                       compute_ms=flight.compute_ms, transfer_ms=msg.transfer_ms,
                                       nbytes=flight.nbytes, fast_path=flight.slot is not None))
         ready = Ready(request_id=rid, params=flight.params, address=flight.address, manifest=flight.manifest,
                       slot_id=flight.slot.slot_id if flight.slot else None)
         flight.delivered()
-        self._order(flight.role, flight.instance, ready, starts=True)
+        self._order(flight.role, flight.instance, ready)
 
     def _done(self, link: Link, msg: Done, frames: list[zmq.Frame]) -> None:
         flight = self._flights.get(msg.request_id)
@@ -348,18 +347,18 @@ class TransferNegotiator:
             self._late += 1
             return
         rid = flight.request_id
-        if msg.ok and (link.role != "decoder" or len(frames) != len(msg.outputs)):
+        if not msg.ok:
+            self._fail(flight, msg.reason, f"{link.instance}: {msg.error}", outcome=False)
+            return
+        if link.role != "decoder" or len(frames) != len(msg.outputs):
             self._fail(flight, Reason.STAGE_FAILED,
-                       f"{link.instance} reported {len(frames)} frames for {len(msg.outputs)} outputs")
+                       f"{link.instance} reported {len(frames)} frames for {len(msg.outputs)} outputs", outcome=False)
             return
         self._recycle_input(flight)
         del self._flights[rid]
-        post(self._pools[link.role], Release(request_id=rid, instance=link.instance, ok=msg.ok))
-        if msg.ok:
-            post(self._tracker, Finished(request_id=rid, instance=link.instance, compute_ms=msg.compute_ms,
-                                         outputs=msg.outputs, frames=frames))
-        else:
-            post(self._tracker, Failed(request_id=rid, reason=msg.reason, message=f"{link.instance}: {msg.error}"))
+        post(self._pools[link.role], Release(request_id=rid, instance=link.instance, ok=True))
+        post(self._tracker, Finished(request_id=rid, instance=link.instance, compute_ms=msg.compute_ms,
+                                     outputs=msg.outputs, frames=frames))
 
     # ------------------------------------------------------------------ mail
 
@@ -370,7 +369,7 @@ class TransferNegotiator:
             case Forget(request_id=rid):
                 flight = self._flights.get(rid)
                 if flight is not None and not flight.doomed:
-                    self._abandon(flight, sender_alive=True)
+                    self._end(flight, pushing=flight.state == FlightState.PUSHING)
             case Tick():
                 self._check_liveness(time.monotonic())
             case QueryStats(reply=reply):
@@ -384,25 +383,31 @@ class TransferNegotiator:
             case _:
                 raise AssertionError(f"unexpected mail {mail!r}")
 
-    def _abandon(self, flight: Flight, *, sender_alive: bool) -> None:
-        """Free what ``flight`` holds outside the pools' slot counts, as soon as it is safe."""
-        match flight.state:
-            case FlightState.RUNNING:
-                self._recycle_input(flight)
-            case FlightState.ALLOCATING:
-                self._order(flight.receiver_role, flight.receiver, Abort(request_id=flight.request_id))
-            case FlightState.PUSHING if sender_alive:
-                # The sender may be writing into the receiver's memory right now: keep that
-                # memory reserved until its Pushed arrives.
+    def _end(self, flight: Flight, *, pushing: bool, outcome: bool | None = None) -> None:
+        """Free everything ``flight`` holds, as soon as each piece is safe to free.
+
+        The negotiator alone decides when a placed request lets go: the pool slots of its
+        current instance and of a reserved receiver, the worker state (an abort), and the
+        receiver's memory. ``pushing`` means a write into that memory may be in progress,
+        so the memory stays reserved until the push reports. ``outcome`` is how the
+        current instance's stage ended (None: the request ended elsewhere).
+        """
+        rid = flight.request_id
+        post(self._pools[flight.role], Release(request_id=rid, instance=flight.instance, ok=outcome))
+        self._order(flight.role, flight.instance, Abort(request_id=rid))
+        self._recycle_input(flight)
+        if flight.receiver is not None:
+            post(self._pools[flight.receiver_role], Release(request_id=rid, instance=flight.receiver, ok=None))
+            if pushing:
                 flight.doomed = True
                 return
-            case FlightState.PUSHING:
-                self._release_receiver(flight)
-            case FlightState.AWAITING:
-                pass  # the sender's pool aborts it, which frees the staged block
-        del self._flights[flight.request_id]
+            self._release_receiver(flight)
+        del self._flights[rid]
 
-    def _fail(self, flight: Flight, reason: Reason, message: str) -> None:
+    def _fail(self, flight: Flight, reason: Reason, message: str, *, pushing: bool = False,
+              outcome: bool | None = None) -> None:
+        """End ``flight`` here and now, and tell the tracker why."""
+        self._end(flight, pushing=pushing, outcome=outcome)
         post(self._tracker, Failed(request_id=flight.request_id, reason=reason, message=message))
 
     def _release_receiver(self, flight: Flight) -> None:
@@ -416,9 +421,9 @@ class TransferNegotiator:
             self._slots.recycle(flight.input_slot)
             flight.input_slot = None
 
-    def _order(self, role: Role, instance: str | None, order: WorkOrder, *, starts: bool = False) -> None:
+    def _order(self, role: Role, instance: str | None, order: WorkOrder) -> None:
         assert instance is not None
-        post(self._pools[role], Send(instance=instance, order=order, starts=starts))
+        post(self._pools[role], Send(instance=instance, order=order))
 
     # ------------------------------------------------------------------ liveness
 
@@ -434,6 +439,12 @@ class TransferNegotiator:
         post(self._pools[link.role], Leave(instance=link.instance, reason=Reason.WORKER_LOST, message=why))
         # Eviction is rare, so a pass over the flights is fine here (never on the hot path).
         for flight in [f for f in self._flights.values() if link.instance in (f.instance, f.receiver)]:
-            self._abandon(flight, sender_alive=flight.instance != link.instance)
-            self._fail(flight, Reason.WORKER_LOST, why)
+            # A dead sender writes nothing more, so the receiver's memory is free at once.
+            pushing = flight.state == FlightState.PUSHING and flight.instance != link.instance
+            if flight.doomed:
+                if not pushing:
+                    self._release_receiver(flight)
+                    del self._flights[flight.request_id]
+                continue
+            self._fail(flight, Reason.WORKER_LOST, why, pushing=pushing)
         self._log.warning("worker.evicted", instance=link.instance, why=why)

@@ -72,12 +72,6 @@ class PoolStats(msgspec.Struct, frozen=True):
     mailbox: int
 
 
-@dataclass(slots=True)
-class Hold:
-    instance: str
-    running: bool  # compute was started there (an abort is owed on forget)
-
-
 class PoolActor:
     """Owns one role's instances, their free slots and their work sockets."""
 
@@ -102,7 +96,7 @@ class PoolActor:
         self._tracker = tracker
         self._negotiator = negotiator
         self._instances: dict[str, Instance] = {}
-        self._holds: dict[str, Hold] = {}
+        self._holds: dict[str, str] = {}  # request -> the instance holding a slot for it
         self._log = log.bind(actor="pool", role=role)
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
@@ -128,22 +122,16 @@ class PoolActor:
                 # The negotiator records the request's flight before any order goes out,
                 # so even an instant worker's first report finds it.
                 post(self._negotiator, Placed(job=job, instance=picked))
-            case Send(instance=instance, order=order, starts=starts):
+            case Send(instance=instance, order=order):
                 inst = self._instances.get(instance)
                 if inst is None:
                     if not isinstance(order, Abort):
                         post(self._tracker, Failed(request_id=order.request_id, reason=Reason.WORKER_LOST,
                                                    message=f"{self.role} {instance} left before {type(order).__name__}"))
                     return
-                hold = self._holds.get(order.request_id)
-                if starts:
-                    if hold is None:
-                        return  # the request ended before its work went out: start nothing
-                    hold.running = True
                 self._send(inst, order)
             case Release(request_id=rid, instance=instance, ok=ok):
-                hold = self._holds.get(rid)
-                if hold is None or hold.instance != instance:
+                if self._holds.get(rid) != instance:
                     return
                 inst = self._instances[instance]
                 if ok is True:
@@ -151,14 +139,10 @@ class PoolActor:
                 elif ok is False:
                     inst.failed += 1
                 self._give_back(inst, rid)
-            case Forget(request_id=rid):
-                hold = self._holds.get(rid)
-                if hold is None:
-                    return
-                inst = self._instances[hold.instance]
-                if hold.running:
-                    self._send(inst, Abort(request_id=rid))
-                self._give_back(inst, rid)
+            case Forget():
+                # Slots stay held: the negotiator frees them once the request's transfers
+                # are safely over. Passing the Forget on after any Placed this pool posted
+                # keeps the negotiator from ever restarting a request that ended.
                 post(self._negotiator, mail)
             case Join():
                 self._join(mail)
@@ -173,7 +157,7 @@ class PoolActor:
     def _take(self, inst: Instance, rid: str) -> None:
         inst.free -= 1
         inst.holding.add(rid)
-        self._holds[rid] = Hold(inst.instance, running=False)
+        self._holds[rid] = inst.instance
         self._policy.update(inst.instance, inst.free)
 
     def _give_back(self, inst: Instance, rid: str) -> None:
