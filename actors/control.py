@@ -17,6 +17,7 @@ import zmq.asyncio
 from anyio.abc import ObjectSendStream
 
 from actors.admission import AdmissionStats
+from actors.edges import bind_exclusive
 from actors.frontend import FrontendStats
 from actors.mail import QueryStats
 from actors.negotiator import NegotiatorStats
@@ -63,8 +64,7 @@ class ControlActor:
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         try:
-            sock.bind(self._endpoint)
-            task_status.started(sock.getsockopt_string(zmq.LAST_ENDPOINT))
+            task_status.started(bind_exclusive(sock, self._endpoint))
             while True:
                 frames = await sock.recv_multipart()
                 reply = await self._answer(frames)

@@ -22,6 +22,7 @@ import zmq.asyncio
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
 
 from actors.base import drain, mailbox_depth, post, reply_once
+from actors.edges import bind_exclusive
 from actors.mail import Admit, CancelRequest, Deliver, FrontendMail, LimitsChanged, QueryStats, SetDraining, TrackerMail
 from orchestrator.config import DaemonConfig
 from orchestrator.limits import limits_violation
@@ -80,11 +81,11 @@ class FrontendActor:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, self._cfg.client_send_hwm)
         try:
-            sock.bind(self._cfg.client_endpoint)  # a taken port fails here, loudly
+            bound = bind_exclusive(sock, self._cfg.client_endpoint)  # a taken endpoint fails here, loudly
             self._sock = sock
             async with self._inbox, anyio.create_task_group() as tg:
                 tg.start_soon(self._pump_in, sock)
-                task_status.started(sock.getsockopt_string(zmq.LAST_ENDPOINT))
+                task_status.started(bound)
                 await drain(self._inbox, self._handle)
                 tg.cancel_scope.cancel()
         finally:

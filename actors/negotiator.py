@@ -31,6 +31,7 @@ import zmq.asyncio
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
 
 from actors.base import drain, mailbox_depth, post, reply_once
+from actors.edges import bind_exclusive
 from actors.flight import Flight, FlightState
 from actors.mail import (
     AdmissionMail,
@@ -153,11 +154,11 @@ class TransferNegotiator:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, self._cfg.worker_send_hwm)
         try:
-            sock.bind(self._cfg.worker_endpoint)  # a taken port fails here, loudly
+            bound = bind_exclusive(sock, self._cfg.worker_endpoint)  # a taken endpoint fails here, loudly
             self._sock = sock
             async with self._inbox, anyio.create_task_group() as tg:
                 tg.start_soon(self._pump_in, sock)
-                task_status.started(sock.getsockopt_string(zmq.LAST_ENDPOINT))
+                task_status.started(bound)
                 await drain(self._inbox, self._handle)
                 tg.cancel_scope.cancel()
         finally:

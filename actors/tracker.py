@@ -35,7 +35,7 @@ from actors.mail import (
     TrackerMail,
 )
 from actors.states import ACTIVE_BY_ROLE, RequestState, check_move
-from transfer.protocol import Reason, Rejected, Result, Role, StageTiming, next_role
+from transfer.protocol import Reason, Rejected, Result, StageTiming, next_role
 
 log = structlog.get_logger()
 

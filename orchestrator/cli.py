@@ -21,8 +21,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config)
     configure_logging(cfg.log.level, json=cfg.log.json, daemon="orchestrator")
-    anyio.run(serve, cfg, backend="asyncio")
-    return 0
+    return _run_logged(serve, cfg)
 
 
 def _worker(args: argparse.Namespace) -> int:
@@ -31,7 +30,18 @@ def _worker(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config)
     configure_logging(cfg.log.level, json=cfg.log.json, worker=args.role)
-    anyio.run(run_worker, args.role, cfg, args.name, backend="asyncio")
+    return _run_logged(run_worker, args.role, cfg, args.name)
+
+
+def _run_logged(main, *args: object) -> int:
+    """Run a process's event loop; a crash is logged once, with its traceback, and exits 1."""
+    import structlog
+
+    try:
+        anyio.run(main, *args, backend="asyncio")
+    except Exception:  # noqa: BLE001 - the one place that catches broadly (STYLE: only __main__)
+        structlog.get_logger().exception("process.crashed")
+        return 1
     return 0
 
 

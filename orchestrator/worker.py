@@ -43,7 +43,6 @@ from transfer.protocol import (
     Push,
     Pushed,
     Ready,
-    Reason,
     Register,
     Registered,
     RegisterRefused,

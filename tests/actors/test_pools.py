@@ -30,7 +30,7 @@ from actors.mail import (
     Send,
 )
 from actors.pools import PoolActor, PoolStats
-from transfer.protocol import WORK_ORDER, Abort, Alloc, GenParams, Reason, Ready, Role, Work, WorkOrder
+from transfer.protocol import WORK_ORDER, Abort, Alloc, GenParams, Ready, Reason, Role, Work, WorkOrder
 
 PARAMS = GenParams(prompt="p")
 KEY = b"k" * 16
@@ -184,7 +184,7 @@ async def test_negotiator_ordered_work_reaches_the_worker(ctx: zmq.asyncio.Conte
         async with fake_worker(ctx, tmp_path) as (address, worker), running_pool("encoder", ctx) as pool:
             await pool.join(address)
             instance = await pool.dispatch("r1")
-            await pool.inbox.send(Send(instance=instance, order=Work(request_id="r1", params=PARAMS), starts=True))
+            await pool.inbox.send(Send(instance=instance, order=Work(request_id="r1", params=PARAMS)))
             assert await next_order(worker) == Work(request_id="r1", params=PARAMS)
 
 
@@ -282,9 +282,9 @@ async def test_unused_release_frees_the_slot_without_counting(ctx: zmq.asyncio.C
             assert await pool.admission.receive() == Credit(role="denoiser", delta=1)
             [inst] = (await pool.stats()).instances
             assert (inst.slots_free, inst.served, inst.failed) == (2, 0, 0)
-            await pool.inbox.send(Forget(request_id="r1"))  # no longer held: nothing to pass on
-            await pool.stats()
-            assert_empty(pool.negotiator)
+            await pool.inbox.send(Release(request_id="r1", instance="denoiser-1", ok=True))  # a second one
+            [inst] = (await pool.stats()).instances
+            assert (inst.slots_free, inst.served, inst.failed) == (2, 0, 0)
             assert_empty(pool.admission)
 
 
@@ -299,60 +299,73 @@ async def test_release_from_another_instance_is_ignored(ctx: zmq.asyncio.Context
             assert_empty(pool.admission)
 
 
-async def test_forget_of_a_running_request_aborts_and_tells_the_negotiator(
+async def test_release_of_an_unheld_request_is_ignored(ctx: zmq.asyncio.Context, tmp_path: Path) -> None:
+    with anyio.fail_after(5):
+        async with fake_worker(ctx, tmp_path) as (address, _), running_pool("denoiser", ctx) as pool:
+            await pool.join(address)
+            await pool.inbox.send(Release(request_id="nobody", instance="denoiser-1", ok=False))
+            [inst] = (await pool.stats()).instances
+            assert (inst.slots_free, inst.served, inst.failed) == (2, 0, 0)
+            assert_empty(pool.admission)
+
+
+async def test_forget_of_a_running_request_only_tells_the_negotiator(
     ctx: zmq.asyncio.Context, tmp_path: Path
 ) -> None:
+    """The pool neither aborts nor frees on Forget: the negotiator ends the flight and says what to free."""
     with anyio.fail_after(5):
         async with fake_worker(ctx, tmp_path) as (address, worker), running_pool("encoder", ctx) as pool:
             await pool.join(address)
             await pool.dispatch("r1")
-            await pool.inbox.send(Send(instance="encoder-1", order=Work(request_id="r1", params=PARAMS), starts=True))
+            await pool.inbox.send(Send(instance="encoder-1", order=Work(request_id="r1", params=PARAMS)))
             await pool.inbox.send(Forget(request_id="r1"))
-            assert await next_order(worker) == Work(request_id="r1", params=PARAMS)
-            assert await next_order(worker) == Abort(request_id="r1")
             assert await pool.negotiator.receive() == Forget(request_id="r1")
+            [inst] = (await pool.stats()).instances
+            assert inst.slots_free == 1  # still held
+            assert_empty(pool.admission)
+            await pool.inbox.send(Send(instance="encoder-1", order=Abort(request_id="marker")))
+            assert await next_order(worker) == Work(request_id="r1", params=PARAMS)
+            assert await next_order(worker) == Abort(request_id="marker")  # no Abort of r1 of its own
+            # The negotiator's answer to the Forget: an abort, then the slot back.
+            await pool.inbox.send(Send(instance="encoder-1", order=Abort(request_id="r1")))
+            await pool.inbox.send(Release(request_id="r1", instance="encoder-1", ok=None))
+            assert await next_order(worker) == Abort(request_id="r1")
             assert await pool.admission.receive() == Credit(role="encoder", delta=1)
             [inst] = (await pool.stats()).instances
             assert (inst.slots_free, inst.served, inst.failed) == (2, 0, 0)
 
 
-async def test_forget_of_a_reserved_slot_frees_it_without_an_abort(ctx: zmq.asyncio.Context, tmp_path: Path) -> None:
+async def test_forget_of_a_reserved_slot_keeps_it_until_released(ctx: zmq.asyncio.Context, tmp_path: Path) -> None:
     with anyio.fail_after(5):
         async with fake_worker(ctx, tmp_path) as (address, worker), running_pool("denoiser", ctx) as pool:
             await pool.join(address)
             await pool.dispatch("r1")
             await pool.inbox.send(Forget(request_id="r1"))
             assert await pool.negotiator.receive() == Forget(request_id="r1")
-            assert await pool.admission.receive() == Credit(role="denoiser", delta=1)
+            [inst] = (await pool.stats()).instances
+            assert inst.slots_free == 1
+            assert_empty(pool.admission)
             await pool.inbox.send(Send(instance="denoiser-1", order=Abort(request_id="marker")))
-            assert await next_order(worker) == Abort(request_id="marker")
+            assert await next_order(worker) == Abort(request_id="marker")  # nothing went to the worker before
+            await pool.inbox.send(Release(request_id="r1", instance="denoiser-1", ok=None))
+            assert await pool.admission.receive() == Credit(role="denoiser", delta=1)
+            assert (await pool.stats()).instances[0].slots_free == 2
 
 
-async def test_send_that_starts_compute_makes_forget_abort(ctx: zmq.asyncio.Context, tmp_path: Path) -> None:
-    with anyio.fail_after(5):
-        async with fake_worker(ctx, tmp_path) as (address, worker), running_pool("denoiser", ctx) as pool:
-            await pool.join(address)
-            await pool.dispatch("r1")
-            ready = Ready(request_id="r1", params=PARAMS, address=4096, manifest=[])
-            await pool.inbox.send(Send(instance="denoiser-1", order=ready, starts=True))
-            await pool.inbox.send(Forget(request_id="r1"))
-            assert await next_order(worker) == ready
-            assert await next_order(worker) == Abort(request_id="r1")
-
-
-async def test_forget_of_an_unheld_request_is_not_forwarded(ctx: zmq.asyncio.Context) -> None:
+async def test_forget_of_an_unheld_request_is_forwarded(ctx: zmq.asyncio.Context) -> None:
     with anyio.fail_after(5):
         async with running_pool("encoder", ctx) as pool:
             await pool.inbox.send(Forget(request_id="nobody"))
+            assert await pool.negotiator.receive() == Forget(request_id="nobody")
             await pool.stats()
-            assert_empty(pool.negotiator)
             assert_empty(pool.admission)
+            assert_empty(pool.tracker)
 
 
-async def test_forget_is_forwarded_only_by_a_pool_holding_the_request(
+async def test_every_forget_is_forwarded_after_the_placed_before_it(
     ctx: zmq.asyncio.Context, tmp_path: Path
 ) -> None:
-    """Admission tells every pool; only the one holding the request passes it on, after its Placed."""
+    """Admission tells every pool; each passes every Forget on, in order behind its own Placed mail."""
     with anyio.fail_after(5):
         async with fake_worker(ctx, tmp_path) as (address, _), running_pool("denoiser", ctx) as pool:
             await pool.join(address, capacity=3)
@@ -372,38 +385,58 @@ async def test_forget_is_forwarded_only_by_a_pool_holding_the_request(
             assert forwarded == [
                 Placed(job=job("held", "denoiser"), instance="denoiser-1"),
                 Placed(job=job("released", "denoiser"), instance="denoiser-1"),
+                Forget(request_id="released"),
+                Forget(request_id="elsewhere"),
                 Forget(request_id="held"),
             ]
             [inst] = (await pool.stats()).instances
-            assert (inst.slots_free, inst.served) == (3, 1)
+            assert (inst.slots_free, inst.served) == (2, 1)  # "held" keeps its slot until released
 
 
-async def test_work_for_an_unheld_request_is_not_sent(ctx: zmq.asyncio.Context, tmp_path: Path) -> None:
-    """A starts=True Send after the request was forgotten here: it ended before its work went out."""
+async def test_forget_before_a_dispatch_leaves_the_slot_for_the_negotiator_to_release(
+    ctx: zmq.asyncio.Context, tmp_path: Path
+) -> None:
+    """Race A, pool side: the Forget passes this pool before the request's (stale) Dispatch.
+
+    The pool reserves the slot anyway and reports it; the negotiator, whose flight already
+    ended, hands it back with Release(ok=None), and the slot count is full again.
+    """
+    with anyio.fail_after(5):
+        async with fake_worker(ctx, tmp_path) as (address, _), running_pool("denoiser", ctx) as pool:
+            await pool.join(address)
+            await pool.inbox.send(Forget(request_id="r1"))
+            assert await pool.negotiator.receive() == Forget(request_id="r1")
+            assert await pool.dispatch("r1") == "denoiser-1"
+            assert (await pool.stats()).instances[0].slots_free == 1
+            await pool.inbox.send(Release(request_id="r1", instance="denoiser-1", ok=None))
+            assert await pool.admission.receive() == Credit(role="denoiser", delta=1)
+            [inst] = (await pool.stats()).instances
+            assert (inst.slots_free, inst.served, inst.failed) == (2, 0, 0)
+
+
+async def test_every_order_is_sent_held_or_not(ctx: zmq.asyncio.Context, tmp_path: Path) -> None:
+    """The pool sends whatever the negotiator orders; whether the request still lives is not its call."""
     with anyio.fail_after(5):
         async with fake_worker(ctx, tmp_path) as (address, worker), running_pool("encoder", ctx) as pool:
             await pool.join(address)
             await pool.dispatch("r1")
             await pool.inbox.send(Forget(request_id="r1"))
             assert await pool.negotiator.receive() == Forget(request_id="r1")
-            assert await pool.admission.receive() == Credit(role="encoder", delta=1)
-            await pool.inbox.send(Send(instance="encoder-1", order=Work(request_id="r1", params=PARAMS), starts=True))
-            await pool.inbox.send(Send(instance="encoder-1", order=Work(request_id="never", params=PARAMS),
-                                       starts=True))
-            await pool.inbox.send(Send(instance="encoder-1", order=Abort(request_id="marker")))
-            assert await next_order(worker) == Abort(request_id="marker")  # neither Work went out
+            orders = [Work(request_id="r1", params=PARAMS), Work(request_id="never", params=PARAMS),
+                      Ready(request_id="r2", params=PARAMS, address=4096, manifest=[]),
+                      Abort(request_id="late")]
+            for order in orders:
+                await pool.inbox.send(Send(instance="encoder-1", order=order))
+            assert [await next_order(worker) for _ in orders] == orders
             [inst] = (await pool.stats()).instances
-            assert inst.slots_free == 2
+            assert inst.slots_free == 1  # sending takes and frees nothing
             assert_empty(pool.tracker)
             assert_empty(pool.admission)
-            assert_empty(pool.negotiator)
-            await pool.inbox.send(Forget(request_id="r1"))  # the dropped Work left no hold behind
-            await pool.stats()
             assert_empty(pool.negotiator)
 
 
 async def test_plain_send_for_an_unheld_request_still_goes_out(ctx: zmq.asyncio.Context, tmp_path: Path) -> None:
-    """Only starting sends are dropped: the negotiator's Aborts for late reports must reach the worker."""
+    """The negotiator's Aborts for late reports must reach the worker."""
     with anyio.fail_after(5):
         async with fake_worker(ctx, tmp_path) as (address, worker), running_pool("encoder", ctx) as pool:
             await pool.join(address)
@@ -446,8 +479,7 @@ async def test_stuck_worker_fails_the_request(kind: str, tmp_path: Path) -> None
                 await pool.join(f"ipc://{tmp_path}/nobody", capacity=3)
                 for rid in ("r1", "r2"):
                     instance = await pool.dispatch(rid)
-                    await pool.inbox.send(Send(instance=instance, order=Work(request_id=rid, params=PARAMS),
-                                               starts=True))
+                    await pool.inbox.send(Send(instance=instance, order=Work(request_id=rid, params=PARAMS)))
                 await pool.stats()  # a send fails inside the Send's handler, so Failed is posted by now
                 failed = pool.tracker.receive_nowait()
                 assert (failed.request_id, failed.reason) == ("r2", Reason.WORKER_LOST)

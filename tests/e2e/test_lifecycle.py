@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 from functools import partial
 
 import anyio
@@ -11,7 +13,6 @@ import pytest
 import zmq
 
 from orchestrator.client import AsyncClient, Client, Rejection
-from orchestrator.cluster import LocalCluster
 from tests.e2e.conftest import StartCluster, all_free, wait_for
 from transfer.protocol import (
     DAEMON_TO_WORKER,
@@ -161,3 +162,26 @@ def test_a_dead_worker_is_evicted_and_a_restart_replaces_it(start_cluster: Start
     names = sorted(i.name for i in stats.instances if i.role == "denoiser")
     assert names == ["denoiser0", "denoiser1"]
     assert wait_for(cluster, all_free)
+
+
+def test_a_receiver_that_cannot_fit_a_transfer_says_so(start_cluster: StartCluster) -> None:
+    """The encoder's output is larger than the denoiser's whole pool: alloc_rejected, not silence."""
+    cluster = start_cluster(**{"model.null": {"embed_shape": [1, 1024, 1024]},  # 4 MiB of embeddings
+                               "workers.encoder": {"pool_bytes": 16 * 2**20},
+                               "workers.denoiser": {"pool_bytes": 2**20, "prealloc_slots": 0}})
+    with Client(cluster.config.daemon.client_endpoint) as client:
+        with pytest.raises(Rejection) as caught:
+            client.submit(p(1), timeout_s=20)
+    assert caught.value.reason == Reason.TRANSFER_FAILED
+    assert "cannot fit" in caught.value.rejected.message
+    stats = wait_for(cluster, all_free)
+    assert stats.slow_path == {"encoder->denoiser": 1}
+
+
+def test_a_taken_port_stops_the_daemon_loudly(start_cluster: StartCluster) -> None:
+    cluster = start_cluster(layout={"encoder": 1, "denoiser": 1, "decoder": 1})
+    second = subprocess.run([sys.executable, "-m", "orchestrator", "serve", "--config", str(cluster.config_path)],
+                            capture_output=True, text=True, timeout=60)
+    assert second.returncode != 0
+    assert "Address already in use" in second.stdout + second.stderr
+    cluster.control.stats()  # the first daemon is unaffected

@@ -18,8 +18,8 @@ from typing import Any, ClassVar
 import torch
 
 from orchestrator.stages.base import Stage, StageError, Tensors
-from orchestrator.stages.images import image_outputs
 from orchestrator.stages.diffusion.families import FamilyAdapter
+from orchestrator.stages.images import image_outputs
 from transfer.protocol import GenParams, Role, StageLimits
 
 

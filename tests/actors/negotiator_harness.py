@@ -1,0 +1,182 @@
+"""The negotiator test harness: TransferNegotiator driven like the daemon drives it.
+
+Each fake worker is a DEALER on the negotiator's ``ipc://`` worker endpoint (in tmp_path)
+that registers with the configured token and then reports as a real worker would. Mail in
+(``Placed``, ``Forget``) goes through the inbox; what the negotiator orders comes out on the
+fake pools' streams as ``Send`` mail, never on a work socket.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+import zmq
+import zmq.asyncio
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from actors.mail import Enqueue, Join, Job, LimitsChanged, NegotiatorMail, Placed, QueryStats, Send
+from actors.negotiator import NegotiatorStats, PreallocCounts, TransferNegotiator
+from orchestrator.config import DaemonConfig
+from transfer.protocol import (
+    DAEMON_TO_WORKER,
+    PROTOCOL_VERSION,
+    ROLES,
+    GenParams,
+    Push,
+    Register,
+    Registered,
+    Role,
+    SlotInfo,
+    Staged,
+    TensorSpec,
+    Work,
+    WorkerMessage,
+    encode,
+)
+
+PARAMS = GenParams(prompt="p")
+TOKEN = "negotiator-test-token"
+NBYTES = 512
+MANIFEST = [TensorSpec(name="embeds", dtype="float32", shape=(128,), offset=0, nbytes=NBYTES)]
+POOL_BASE = 1 << 20
+SLOT_SIZE = 1024
+HOP = "encoder->denoiser"
+
+
+@pytest.fixture
+def ctx() -> Iterator[zmq.asyncio.Context]:
+    ctx = zmq.asyncio.Context()
+    yield ctx
+    ctx.destroy(linger=0)
+
+
+def job(rid: str, role: Role) -> Job:
+    return Job(request_id=rid, role=role, params=PARAMS)
+
+
+@dataclass
+class Negotiator:
+    inbox: MemoryObjectSendStream[NegotiatorMail]
+    endpoint: str
+    pools: dict[Role, MemoryObjectReceiveStream[Any]]
+    admission: MemoryObjectReceiveStream[Any]
+    tracker: MemoryObjectReceiveStream[Any]
+    frontend: MemoryObjectReceiveStream[Any]
+
+    async def stats(self) -> NegotiatorStats:
+        """Ask for stats; the answer also proves every earlier mail was handled."""
+        reply_tx, reply_rx = anyio.create_memory_object_stream[Any](1)
+        with reply_rx:
+            await self.inbox.send(QueryStats(reply=reply_tx))
+            return await reply_rx.receive()
+
+    def take(self, name: str) -> list[Any]:
+        """Every mail posted so far to ``name`` (a role, "admission", "tracker" or "frontend")."""
+        outbox = {"admission": self.admission, "tracker": self.tracker, "frontend": self.frontend,
+                  **self.pools}[name]
+        out = []
+        while True:
+            try:
+                out.append(outbox.receive_nowait())
+            except anyio.WouldBlock:
+                return out
+
+    def assert_silent(self) -> None:
+        for name, outbox in (("admission", self.admission), ("tracker", self.tracker),
+                             ("frontend", self.frontend), *self.pools.items()):
+            try:
+                mail = outbox.receive_nowait()
+            except anyio.WouldBlock:
+                continue
+            raise AssertionError(f"unexpected mail to {name}: {mail!r}")
+
+
+@dataclass
+class FakeWorker:
+    sock: zmq.asyncio.Socket
+    instance: str
+    session: str
+
+    async def report(self, msg: WorkerMessage) -> None:
+        await self.sock.send(encode(msg))
+
+
+@asynccontextmanager
+async def running_negotiator(ctx: zmq.asyncio.Context, tmp_path: Path) -> AsyncIterator[Negotiator]:
+    cfg = DaemonConfig(worker_endpoint=f"ipc://{tmp_path}/workers", token=TOKEN)
+    async with AsyncExitStack() as stack:
+
+        def stream() -> tuple[MemoryObjectSendStream[Any], MemoryObjectReceiveStream[Any]]:
+            tx, rx = anyio.create_memory_object_stream[Any](32)
+            stack.enter_context(tx)
+            stack.enter_context(rx)
+            return tx, rx
+
+        inbox_tx, inbox_rx = stream()
+        (ad_tx, ad_rx), (tr_tx, tr_rx), (fe_tx, fe_rx) = stream(), stream(), stream()
+        pools = {role: stream() for role in ROLES}
+        actor = TransferNegotiator(inbox_rx, ctx=ctx, cfg=cfg, pools={r: tx for r, (tx, _) in pools.items()},
+                                   admission=ad_tx, tracker=tr_tx, frontend=fe_tx)
+        async with anyio.create_task_group() as tg:
+            endpoint = await tg.start(actor.run)
+            yield Negotiator(inbox_tx, endpoint, {r: rx for r, (_, rx) in pools.items()}, ad_rx, tr_rx, fe_rx)
+            inbox_tx.close()  # the inbox ends; run returns and closes the worker socket
+
+
+@asynccontextmanager
+async def fake_worker(ctx: zmq.asyncio.Context, n: Negotiator, role: Role, *,
+                      slots: int = 0) -> AsyncIterator[FakeWorker]:
+    """Register a ``role`` worker whose memory pool carries ``slots`` preallocated slots."""
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(n.endpoint)
+    try:
+        session = f"{role}-session"
+        await sock.send(encode(Register(
+            protocol=PROTOCOL_VERSION, token=TOKEN, role=role, name=f"{role}-worker", work_address="ipc://unused",
+            session=session, pool_base=POOL_BASE, pool_size=1 << 20,
+            slots=[SlotInfo(slot_id=i, address=POOL_BASE + i * SLOT_SIZE, size=SLOT_SIZE) for i in range(slots)],
+            capacity=2,
+        )))
+        registered = DAEMON_TO_WORKER.decode(await sock.recv())
+        assert isinstance(registered, Registered), registered
+        # Posted before the reply went out, so both are there already.
+        join = n.pools[role].receive_nowait()
+        assert isinstance(join, Join) and join.instance == registered.instance and join.session == session
+        assert isinstance(n.frontend.receive_nowait(), LimitsChanged)
+        yield FakeWorker(sock, registered.instance, session)
+    finally:
+        sock.close(linger=0)
+
+
+async def wait_late(n: Negotiator, count: int) -> NegotiatorStats:
+    """Wait until ``count`` late reports were counted (reports arrive on the socket, not the inbox)."""
+    while (stats := await n.stats()).late_reports < count:
+        await anyio.sleep(0.005)
+    return stats
+
+
+async def stage_encoder_output(n: Negotiator, encoder: FakeWorker, rid: str) -> None:
+    """The encoder pool placed ``rid``; the negotiator ordered the work; the encoder staged its output."""
+    await n.inbox.send(Placed(job=job(rid, "encoder"), instance=encoder.instance))
+    assert await n.pools["encoder"].receive() == Send(instance=encoder.instance,
+                                                      order=Work(request_id=rid, params=PARAMS))
+    await encoder.report(Staged(request_id=rid, nbytes=NBYTES, manifest=MANIFEST, compute_ms=1.0))
+    assert await n.admission.receive() == Enqueue(job=job(rid, "denoiser"))
+
+
+async def push_on_fast_path(n: Negotiator, encoder: FakeWorker, denoiser: FakeWorker, rid: str) -> None:
+    """The denoiser pool placed ``rid``: a free slot fits, so the encoder is told to push at once."""
+    await stage_encoder_output(n, encoder, rid)
+    await n.inbox.send(Placed(job=job(rid, "denoiser"), instance=denoiser.instance))
+    assert await n.pools["encoder"].receive() == Send(instance=encoder.instance, order=Push(
+        request_id=rid, session=denoiser.session, address=POOL_BASE, nbytes=NBYTES))  # best fit: slot 0
+    stats = await n.stats()
+    assert stats.prealloc[denoiser.instance] == PreallocCounts(1, 2, True)
+    assert (stats.handoffs_in_flight, stats.fast_path, stats.slow_path) == (1, {HOP: 1}, {})
