@@ -97,12 +97,6 @@ class FrontendActor:
     async def _pump_in(self, sock: zmq.asyncio.Socket) -> None:
         while True:
             self._on_frames(await sock.recv_multipart())
-            for _ in range(256):  # take what already arrived before yielding again
-                try:
-                    frames = await sock.recv_multipart(flags=zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                self._on_frames(frames)
 
     def _on_frames(self, frames: list[bytes]) -> None:
         identity = frames[0]

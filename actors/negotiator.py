@@ -167,16 +167,10 @@ class TransferNegotiator:
     # ------------------------------------------------------------------ worker socket
 
     async def _pump_in(self, sock: zmq.asyncio.Socket) -> None:
+        # No extra non-blocking reads to drain a burst: each failed read costs syscalls,
+        # and zmq.asyncio already serves queued messages without waiting on the poller.
         while True:
-            frames = await sock.recv_multipart(copy=False)
-            self._on_frames(frames)
-            # Take whatever else already arrived before yielding to the loop again.
-            for _ in range(256):
-                try:
-                    frames = await sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
-                except zmq.Again:
-                    break
-                self._on_frames(frames)
+            self._on_frames(await sock.recv_multipart(copy=False))
 
     def _on_frames(self, frames: list[zmq.Frame]) -> None:
         routing_id = frames[0].bytes
