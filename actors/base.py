@@ -8,8 +8,8 @@ fails loudly instead of deadlocking a cycle of actors waiting on each other.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TypeVar
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 import anyio
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
@@ -62,3 +62,19 @@ def reply_once(reply: ObjectSendStream[M], value: M) -> None:
 
 def mailbox_depth(inbox: ObjectReceiveStream[M]) -> int:
     return inbox.statistics().current_buffer_used
+
+
+async def drain_with_pump(
+    inbox: ObjectReceiveStream[M],
+    handle: Callable[[M], None],
+    pump: Callable[[], Awaitable[None]],
+    *,
+    task_status: anyio.abc.TaskStatus[Any],
+    started: Any,
+) -> None:
+    """An actor that also reads a socket: ``pump`` runs beside the inbox until it closes."""
+    async with inbox, anyio.create_task_group() as tg:
+        tg.start_soon(pump)
+        task_status.started(started)
+        await drain(inbox, handle)
+        tg.cancel_scope.cancel()

@@ -17,7 +17,7 @@ import zmq.asyncio
 from anyio.abc import ObjectSendStream
 
 from actors.admission import AdmissionStats
-from actors.edges import bind_exclusive
+from actors.edges import bound_router
 from actors.frontend import FrontendStats
 from actors.mail import QueryStats
 from actors.negotiator import NegotiatorStats
@@ -41,6 +41,7 @@ from transfer.protocol import (
 log = structlog.get_logger()
 
 QUERY_TIMEOUT_S = 5.0
+CONTROL_SEND_HWM = 100
 
 
 class ControlActor:
@@ -61,16 +62,12 @@ class ControlActor:
         self._started = time.monotonic()
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[str] = anyio.TASK_STATUS_IGNORED) -> None:
-        sock = self._ctx.socket(zmq.ROUTER)
-        sock.setsockopt(zmq.LINGER, 0)
-        try:
-            task_status.started(bind_exclusive(sock, self._endpoint))
+        with bound_router(self._ctx, self._endpoint, send_hwm=CONTROL_SEND_HWM) as (sock, bound):
+            task_status.started(bound)
             while True:
                 frames = await sock.recv_multipart()
                 reply = await self._answer(frames)
                 await sock.send_multipart([frames[0], b"", encode(reply)])
-        finally:
-            sock.close(linger=0)
 
     async def _answer(self, frames: list[bytes]) -> ControlReply:
         if len(frames) != 3 or frames[1] != b"":

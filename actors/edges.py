@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import zmq
 
@@ -31,3 +33,15 @@ def bind_exclusive(sock: zmq.Socket, endpoint: str) -> str:
             probe.close()
     sock.bind(endpoint)
     return sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+
+@contextmanager
+def bound_router(ctx: zmq.Context, endpoint: str, *, send_hwm: int, close_linger_ms: int = 0) -> Iterator[tuple[zmq.Socket, str]]:
+    """A ROUTER bound exclusively to ``endpoint``, closed on exit; yields it and its address."""
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, send_hwm)
+    try:
+        yield sock, bind_exclusive(sock, endpoint)
+    finally:
+        sock.close(linger=close_linger_ms)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import uuid
+from functools import partial
 
 import anyio
 import msgspec
@@ -21,8 +22,8 @@ import zmq
 import zmq.asyncio
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
 
-from actors.base import drain, mailbox_depth, post, reply_once
-from actors.edges import bind_exclusive
+from actors.base import drain_with_pump, mailbox_depth, post, reply_once
+from actors.edges import bound_router
 from actors.mail import Admit, CancelRequest, Deliver, FrontendMail, LimitsChanged, QueryStats, SetDraining, TrackerMail
 from orchestrator.config import DaemonConfig
 from orchestrator.limits import limits_violation
@@ -77,20 +78,12 @@ class FrontendActor:
         self._log = log.bind(actor="frontend")
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[str] = anyio.TASK_STATUS_IGNORED) -> None:
-        sock = self._ctx.socket(zmq.ROUTER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDHWM, self._cfg.client_send_hwm)
-        try:
-            bound = bind_exclusive(sock, self._cfg.client_endpoint)  # a taken endpoint fails here, loudly
+        # Replies already handed to ZMQ get a bounded moment to leave on shutdown.
+        with bound_router(self._ctx, self._cfg.client_endpoint, send_hwm=self._cfg.client_send_hwm,
+                          close_linger_ms=FLUSH_ON_CLOSE_MS) as (sock, bound):
             self._sock = sock
-            async with self._inbox, anyio.create_task_group() as tg:
-                tg.start_soon(self._pump_in, sock)
-                task_status.started(bound)
-                await drain(self._inbox, self._handle)
-                tg.cancel_scope.cancel()
-        finally:
-            # Replies already handed to ZMQ get a bounded moment to leave on shutdown.
-            sock.close(linger=FLUSH_ON_CLOSE_MS)
+            await drain_with_pump(self._inbox, self._handle, partial(self._pump_in, sock), task_status=task_status,
+                                  started=bound)
 
     # ------------------------------------------------------------------ inbound
 

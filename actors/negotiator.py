@@ -22,6 +22,7 @@ import itertools
 import secrets
 import time
 from dataclasses import dataclass
+from functools import partial
 
 import anyio
 import msgspec
@@ -30,8 +31,8 @@ import zmq
 import zmq.asyncio
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
 
-from actors.base import drain, mailbox_depth, post, reply_once
-from actors.edges import bind_exclusive
+from actors.base import drain_with_pump, mailbox_depth, post, reply_once
+from actors.edges import bound_router
 from actors.flight import Flight, FlightState
 from actors.mail import (
     AdmissionMail,
@@ -150,19 +151,10 @@ class TransferNegotiator:
         self._log = log.bind(actor="negotiator")
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[str] = anyio.TASK_STATUS_IGNORED) -> None:
-        sock = self._ctx.socket(zmq.ROUTER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDHWM, self._cfg.worker_send_hwm)
-        try:
-            bound = bind_exclusive(sock, self._cfg.worker_endpoint)  # a taken endpoint fails here, loudly
+        with bound_router(self._ctx, self._cfg.worker_endpoint, send_hwm=self._cfg.worker_send_hwm) as (sock, bound):
             self._sock = sock
-            async with self._inbox, anyio.create_task_group() as tg:
-                tg.start_soon(self._pump_in, sock)
-                task_status.started(bound)
-                await drain(self._inbox, self._handle)
-                tg.cancel_scope.cancel()
-        finally:
-            sock.close(linger=0)
+            await drain_with_pump(self._inbox, self._handle, partial(self._pump_in, sock), task_status=task_status,
+                                  started=bound)
 
     # ------------------------------------------------------------------ worker socket
 

@@ -27,7 +27,8 @@ def configure_logging(level: str = "info", *, json: bool | None = None, **contex
     ]
     if json:
         processors = shared + [
-            structlog.processors.dict_tracebacks,
+            # Tracebacks as data, without each frame's locals (configs, buffers: huge lines).
+            structlog.processors.ExceptionRenderer(structlog.tracebacks.ExceptionDictTransformer(show_locals=False)),
             structlog.processors.JSONRenderer(serializer=_dumps),
         ]
         factory: structlog.typing.WrappedLogger = structlog.BytesLoggerFactory(sys.stderr.buffer)
