@@ -8,25 +8,26 @@ fake pools' streams as ``Send`` mail, never on a work socket.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import anyio
-import pytest
 import zmq
 import zmq.asyncio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from actors.mail import Enqueue, Join, Job, LimitsChanged, NegotiatorMail, Placed, QueryStats, Send
+from actors.mail import Enqueue, Job, Join, LimitsChanged, NegotiatorMail, Placed, QueryStats, Send
 from actors.negotiator import NegotiatorStats, PreallocCounts, TransferNegotiator
 from orchestrator.config import DaemonConfig
 from transfer.protocol import (
     DAEMON_TO_WORKER,
     PROTOCOL_VERSION,
     ROLES,
+    Alloc,
+    Allocated,
     GenParams,
     Push,
     Register,
@@ -47,13 +48,6 @@ MANIFEST = [TensorSpec(name="embeds", dtype="float32", shape=(128,), offset=0, n
 POOL_BASE = 1 << 20
 SLOT_SIZE = 1024
 HOP = "encoder->denoiser"
-
-
-@pytest.fixture
-def ctx() -> Iterator[zmq.asyncio.Context]:
-    ctx = zmq.asyncio.Context()
-    yield ctx
-    ctx.destroy(linger=0)
 
 
 def job(rid: str, role: Role) -> Job:
@@ -180,3 +174,14 @@ async def push_on_fast_path(n: Negotiator, encoder: FakeWorker, denoiser: FakeWo
     stats = await n.stats()
     assert stats.prealloc[denoiser.instance] == PreallocCounts(1, 2, True)
     assert (stats.handoffs_in_flight, stats.fast_path, stats.slow_path) == (1, {HOP: 1}, {})
+
+
+async def allocate_on_slow_path(n: Negotiator, encoder: FakeWorker, denoiser: FakeWorker, rid: str,
+                                address: int) -> None:
+    """No preallocated slot fits: the denoiser is asked to allocate, answers, and the encoder is told to push."""
+    await n.inbox.send(Placed(job=job(rid, "denoiser"), instance=denoiser.instance))
+    assert await n.pools["denoiser"].receive() == Send(instance=denoiser.instance,
+                                                       order=Alloc(request_id=rid, nbytes=NBYTES))
+    await denoiser.report(Allocated(request_id=rid, address=address))
+    assert await n.pools["encoder"].receive() == Send(instance=encoder.instance, order=Push(
+        request_id=rid, session=denoiser.session, address=address, nbytes=NBYTES))

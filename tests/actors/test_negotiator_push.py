@@ -10,14 +10,12 @@ import zmq.asyncio
 
 from actors.mail import Failed, Forget, HandedOff, Placed, Release, Send
 from actors.negotiator import PreallocCounts
-from negotiator_harness import (
+from tests.actors.negotiator_harness import (
     HOP,
     MANIFEST,
     NBYTES,
     PARAMS,
     POOL_BASE,
-    TOKEN,
-    ctx,
     fake_worker,
     job,
     push_on_fast_path,
@@ -40,9 +38,6 @@ from transfer.protocol import (
     encode,
 )
 
-__all__ = ["ctx"]  # the fixture, imported for pytest to find
-
-
 # --------------------------------------------------------------------------- failed push
 
 
@@ -59,18 +54,25 @@ async def test_failed_push_frees_the_receivers_slot_and_fails_the_request(
             await push_on_fast_path(n, encoder, denoiser, "r1")
 
             await encoder.report(Pushed(request_id="r1", ok=False, transfer_ms=0.0, error="link down"))
-            assert await n.pools["encoder"].receive() == Release(request_id="r1", instance=encoder.instance, ok=False)
             assert await n.tracker.receive() == Failed(
                 request_id="r1", reason=Reason.TRANSFER_FAILED,
                 message=f"{encoder.instance} -> {denoiser.instance}: link down")
+            # The negotiator frees everything itself: the sender's slot (its stage failed) and
+            # staged block, and the receiver's reservation (unused).
+            assert n.take("encoder") == [
+                Release(request_id="r1", instance=encoder.instance, ok=False),
+                Send(instance=encoder.instance, order=Abort(request_id="r1")),
+            ]
+            assert n.take("denoiser") == [Release(request_id="r1", instance=denoiser.instance, ok=None)]
             stats = await n.stats()
             assert stats.prealloc[denoiser.instance] == PreallocCounts(2, 2, True)  # back at once
             assert stats.handoffs_in_flight == 0
             n.assert_silent()  # a preallocated slot needs no abort; no Ready goes out
 
-            # The tracker's Forget comes back through admission and the pools: nothing left to
+            # The tracker's Forget comes back through admission and every pool: nothing left to
             # free (recycling the slot twice would raise inside the actor).
-            await n.inbox.send(Forget(request_id="r1"))
+            for _ in range(3):
+                await n.inbox.send(Forget(request_id="r1"))
             stats = await n.stats()
             assert stats.prealloc[denoiser.instance] == PreallocCounts(2, 2, True)
             n.assert_silent()
@@ -87,8 +89,9 @@ async def test_slot_freed_by_a_failed_push_serves_the_next_hand_off(ctx: zmq.asy
             await n.inbox.send(Placed(job=job("r1", "denoiser"), instance=denoiser.instance))
             assert isinstance((await n.pools["encoder"].receive()).order, Push)
             await encoder.report(Pushed(request_id="r1", ok=False, transfer_ms=0.0, error="link down"))
-            await n.pools["encoder"].receive()  # Release
             await n.tracker.receive()  # Failed
+            n.take("encoder")  # Release, Abort
+            n.take("denoiser")  # Release
             await stage_encoder_output(n, encoder, "r2")
             await n.inbox.send(Placed(job=job("r2", "denoiser"), instance=denoiser.instance))
             send = await n.pools["encoder"].receive()
@@ -116,11 +119,16 @@ async def test_failed_push_into_an_allocation_aborts_it_at_the_receiver(
                 request_id="r1", session=denoiser.session, address=address, nbytes=NBYTES))
 
             await encoder.report(Pushed(request_id="r1", ok=False, transfer_ms=0.0, error="link down"))
-            assert await n.pools["encoder"].receive() == Release(request_id="r1", instance=encoder.instance, ok=False)
-            assert await n.pools["denoiser"].receive() == Send(instance=denoiser.instance,
-                                                               order=Abort(request_id="r1"))
             failed = await n.tracker.receive()
             assert (failed.request_id, failed.reason) == ("r1", Reason.TRANSFER_FAILED)
+            assert n.take("encoder") == [
+                Release(request_id="r1", instance=encoder.instance, ok=False),
+                Send(instance=encoder.instance, order=Abort(request_id="r1")),
+            ]
+            assert n.take("denoiser") == [
+                Release(request_id="r1", instance=denoiser.instance, ok=None),
+                Send(instance=denoiser.instance, order=Abort(request_id="r1")),
+            ]
             stats = await n.stats()
             assert (stats.handoffs_in_flight, stats.slow_path) == (0, {HOP: 1})
             n.assert_silent()
@@ -140,11 +148,11 @@ async def test_report_after_a_failed_push_is_late(ctx: zmq.asyncio.Context, tmp_
             await encoder.report(Pushed(request_id="r1", ok=False, transfer_ms=0.0, error="link down"))
             await n.tracker.receive()
             await encoder.report(Pushed(request_id="r1", ok=True, transfer_ms=1.0))
-            while (stats := await n.stats()).late_reports == 0:  # arrives on the socket, not the inbox
-                await anyio.sleep(0.005)
+            stats = await wait_late(n, 1)
             assert stats.late_reports == 1
             assert stats.prealloc[denoiser.instance] == PreallocCounts(2, 2, True)
-            await n.pools["encoder"].receive()  # the first report's Release
+            assert [type(m) for m in n.take("encoder")] == [Release, Send]  # the first report's
+            assert n.take("denoiser") == [Release(request_id="r1", instance=denoiser.instance, ok=None)]
             n.assert_silent()
 
 
@@ -163,14 +171,21 @@ async def test_successful_push_keeps_the_slot_as_the_receivers_input(ctx: zmq.as
             assert await n.pools["encoder"].receive() == Release(request_id="r1", instance=encoder.instance, ok=True)
             handed = await n.tracker.receive()
             assert isinstance(handed, HandedOff) and (handed.request_id, handed.fast_path) == ("r1", True)
-            assert await n.pools["denoiser"].receive() == Send(instance=denoiser.instance, starts=True, order=Ready(
+            assert await n.pools["denoiser"].receive() == Send(instance=denoiser.instance, order=Ready(
                 request_id="r1", params=PARAMS, address=POOL_BASE, manifest=MANIFEST, slot_id=0))
             stats = await n.stats()
             assert stats.prealloc[denoiser.instance] == PreallocCounts(1, 2, True)
             assert stats.handoffs_in_flight == 0
-            # Forgotten while the denoiser runs: its input slot goes back.
+            n.assert_silent()
+            # Forgotten while the denoiser runs: its input slot goes back, and the denoiser
+            # (now the flight's instance) is aborted and its pool slot released.
             await n.inbox.send(Forget(request_id="r1"))
             assert (await n.stats()).prealloc[denoiser.instance] == PreallocCounts(2, 2, True)
+            assert n.take("denoiser") == [
+                Release(request_id="r1", instance=denoiser.instance, ok=None),
+                Send(instance=denoiser.instance, order=Abort(request_id="r1")),
+            ]
+            n.assert_silent()
 
 
 async def test_forget_mid_push_keeps_the_slot_until_the_push_reports(ctx: zmq.asyncio.Context, tmp_path: Path) -> None:
@@ -183,12 +198,17 @@ async def test_forget_mid_push_keeps_the_slot_until_the_push_reports(ctx: zmq.as
             await push_on_fast_path(n, encoder, denoiser, "r1")
             await n.inbox.send(Forget(request_id="r1"))
             assert (await n.stats()).prealloc[denoiser.instance] == PreallocCounts(1, 2, True)
+            assert n.take("encoder") == [
+                Release(request_id="r1", instance=encoder.instance, ok=None),
+                Send(instance=encoder.instance, order=Abort(request_id="r1")),
+            ]
+            assert n.take("denoiser") == [Release(request_id="r1", instance=denoiser.instance, ok=None)]
             await encoder.report(Pushed(request_id="r1", ok=True, transfer_ms=1.0))
             while (stats := await n.stats()).prealloc[denoiser.instance].free == 1:
                 await anyio.sleep(0.005)
             assert stats.prealloc[denoiser.instance] == PreallocCounts(2, 2, True)
             assert stats.handoffs_in_flight == 0
-            n.assert_silent()  # the pools freed their own holds on Forget; the tracker already knows
+            n.assert_silent()  # no Ready, no HandedOff, nothing released twice
 
 
 async def test_registration_with_a_wrong_token_is_refused(ctx: zmq.asyncio.Context, tmp_path: Path) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,14 +34,6 @@ from transfer.protocol import WORK_ORDER, Abort, Alloc, GenParams, Ready, Reason
 
 PARAMS = GenParams(prompt="p")
 KEY = b"k" * 16
-
-
-@pytest.fixture
-def ctx() -> Iterator[zmq.asyncio.Context]:
-    """The kind of context the daemon hands its pools (orchestrator/daemon.py)."""
-    ctx = zmq.asyncio.Context()
-    yield ctx
-    ctx.destroy(linger=0)
 
 
 @dataclass

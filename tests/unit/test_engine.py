@@ -10,15 +10,17 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import pytest
 import torch
 
+import transfer.engine
 from orchestrator.config import TransferConfig
 from transfer.engine import Engine, MooncakeEngine, TransferError
 from transfer.pool import MemoryPool
@@ -87,6 +89,49 @@ def peer() -> Iterator[Peer]:
             yield Peer(info["session"], info["address"], size, process)
         finally:
             process.kill()
+
+
+def stop(process: subprocess.Popen[str]) -> None:
+    """SIGSTOP, and wait until the kernel reports the process stopped (state T)."""
+    process.send_signal(signal.SIGSTOP)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        with open(f"/proc/{process.pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] == "T":
+                return
+        time.sleep(0.01)
+    raise AssertionError("peer did not stop")
+
+
+class ScriptedMooncake:
+    """Hands out ids and answers each poll from a per-id script of statuses.
+
+    Fails the test if an id is polled after it returned 1 or -1 (Mooncake has freed it by
+    then) or after -2, or if an id is polled that was never handed out (both segfault)."""
+
+    def __init__(self, *scripts: Sequence[int]) -> None:
+        self.scripts = [list(script) for script in scripts]  # [] means "submit fails (0)"
+        self.submits = 0
+        self.polls: dict[int, int] = {}
+        self.finished: set[int] = set()
+
+    def transfer_submit_write(self, session: str, src: int, dst: int, nbytes: int) -> int:
+        self.submits += 1
+        if not self.scripts[self.submits - 1]:
+            return 0
+        batch_id = 0x5000 + self.submits  # a plausible pointer
+        self.polls[batch_id] = 0
+        return batch_id
+
+    def transfer_check_status(self, batch_id: int) -> int:
+        assert batch_id in self.polls, f"polled an id never handed out: {batch_id:#x}"
+        assert batch_id not in self.finished, f"polled {batch_id:#x} after it finished"
+        script = self.scripts[batch_id - 0x5001]
+        status = script[min(self.polls[batch_id], len(script) - 1)]
+        self.polls[batch_id] += 1
+        if status != 0:
+            self.finished.add(batch_id)
+        return status
 
 
 class NoMooncake:
@@ -180,6 +225,78 @@ def test_dead_peer_raises_promptly(pair: Pair, peer: Peer) -> None:
     with pytest.raises(TransferError, match=peer.session):
         pair.sender.write(peer.session, pair.out.base, peer.address, 100)
     assert time.monotonic() - started < 3
+
+
+def test_hung_peer_times_out_at_our_deadline_without_burning_cpu(
+    pair: Pair, peer: Peer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stopped peer never acks; Mooncake would report that only after 30 s. We give up at
+    our own deadline, sleeping (not spinning) while we wait."""
+    pair.sender.write(peer.session, pair.out.base, peer.address, 100)  # connected and warm
+    stop(peer.process)
+    monkeypatch.setattr(pair.sender, "_timeout_s", 0.0)
+    monkeypatch.setattr(transfer.engine, "_GRACE_S", 0.5)
+    started, cpu = time.monotonic(), time.thread_time()
+    with pytest.raises(TransferError, match=rf"write of 100 bytes .* to {peer.session} .*timed out"):
+        pair.sender.write(peer.session, pair.out.base, peer.address, 100)
+    elapsed, cpu = time.monotonic() - started, time.thread_time() - cpu
+    assert 0.5 <= elapsed < 2
+    assert cpu < 0.2 * elapsed, f"polling used {cpu:.3f} s of CPU in {elapsed:.3f} s"
+
+
+def test_poll_stops_at_done_and_never_repolls(pair: Pair, monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = ScriptedMooncake([0, 0, 0, 1])
+    monkeypatch.setattr(pair.sender, "_te", fake)
+    pair.sender.write("peer:1", pair.out.base, 0x1000, 64)
+    assert fake.submits == 1 and list(fake.polls.values()) == [4]
+
+
+def test_failed_attempt_is_retried_once(pair: Pair, monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = ScriptedMooncake([0, -1], [0, 1])  # the spurious -1 after a rejected write
+    monkeypatch.setattr(pair.sender, "_te", fake)
+    pair.sender.write("peer:1", pair.out.base, 0x1000, 64)
+    assert fake.submits == 2 and list(fake.polls.values()) == [2, 2]
+
+    fake = ScriptedMooncake([], [1])  # submit refused (0): never polled, then retried
+    monkeypatch.setattr(pair.sender, "_te", fake)
+    pair.sender.write("peer:1", pair.out.base, 0x1000, 64)
+    assert fake.submits == 2 and list(fake.polls.values()) == [1]
+
+
+def test_two_failures_raise(pair: Pair, monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = ScriptedMooncake([-1], [])
+    monkeypatch.setattr(pair.sender, "_te", fake)
+    with pytest.raises(TransferError, match="write of 64 bytes .* to peer:1 .*failed twice"):
+        pair.sender.write("peer:1", pair.out.base, 0x1000, 64)
+    assert fake.submits == 2 and list(fake.polls.values()) == [1]
+
+
+def test_mooncake_timeout_status_raises_without_retry(pair: Pair, monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = ScriptedMooncake([0, -2], [1])
+    monkeypatch.setattr(pair.sender, "_te", fake)
+    with pytest.raises(TransferError, match="write of 64 bytes .* to peer:1 .*Mooncake reported a timeout"):
+        pair.sender.write("peer:1", pair.out.base, 0x1000, 64)
+    assert fake.submits == 1 and list(fake.polls.values()) == [2]
+
+
+def test_deadline_raises_without_retry(pair: Pair, monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = ScriptedMooncake([0], [1])  # the first write never finishes
+    monkeypatch.setattr(pair.sender, "_te", fake)
+    monkeypatch.setattr(pair.sender, "_timeout_s", 0.0)
+    monkeypatch.setattr(transfer.engine, "_GRACE_S", 0.05)
+    started = time.monotonic()
+    with pytest.raises(TransferError, match="write of 4096 bytes .* to peer:1 .*not done after"):
+        pair.sender.write("peer:1", pair.out.base, 0x1000, 4096)
+    assert 0.05 <= time.monotonic() - started < 0.5
+    assert fake.submits == 1
+    polls = fake.polls[0x5001]
+    assert 3 <= polls < 100, f"{polls} polls in 50 ms: the backoff does not sleep"
+
+
+def test_deadline_follows_mc_transfer_timeout(pair: Pair) -> None:
+    assert pair.sender._timeout_s == float(CFG.env["MC_TRANSFER_TIMEOUT"])
+    assert transfer.engine._parse_timeout(None) == 30.0  # Mooncake's default
+    assert transfer.engine._parse_timeout("soon") == 30.0
 
 
 def test_unknown_session_raises(pair: Pair) -> None:

@@ -1,0 +1,174 @@
+"""FrontendActor with a real ROUTER on ipc:// (in tmp_path), a DEALER client and a fake tracker.
+
+Each admission gets its own internal key, ``f"{client's id}#{n}"``, used everywhere inside
+the daemon; replies go back to the client under the client's own id. Duplicates and cancels
+are judged by the client's id.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+import zmq
+import zmq.asyncio
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from actors.frontend import FrontendActor, FrontendStats
+from actors.mail import Admit, CancelRequest, Deliver, FrontendMail, QueryStats
+from orchestrator.config import DaemonConfig
+from transfer.protocol import (
+    CLIENT_REPLY,
+    PROTOCOL_VERSION,
+    Cancel,
+    Cancelled,
+    ClientReply,
+    GenParams,
+    Reason,
+    Rejected,
+    Result,
+    Submit,
+    TensorSpec,
+    encode,
+)
+
+PARAMS = GenParams(prompt="p")
+OUTPUTS = [TensorSpec(name="image", dtype="uint8", shape=(4,), offset=0, nbytes=4)]
+
+
+@dataclass
+class Frontend:
+    inbox: MemoryObjectSendStream[FrontendMail]
+    tracker: MemoryObjectReceiveStream[Any]
+    client: zmq.asyncio.Socket
+    cfg: DaemonConfig
+
+    async def stats(self) -> FrontendStats:
+        """Ask for stats; the answer also proves every earlier mail was handled."""
+        reply_tx, reply_rx = anyio.create_memory_object_stream[Any](1)
+        with reply_rx:
+            await self.inbox.send(QueryStats(reply=reply_tx))
+            return await reply_rx.receive()
+
+    async def ask(self, request: Submit | Cancel) -> None:
+        await self.client.send_multipart([b"", encode(request)])
+
+    async def reply(self) -> tuple[ClientReply, list[bytes]]:
+        empty, body, *frames = await self.client.recv_multipart()
+        assert empty == b""
+        return CLIENT_REPLY.decode(body), frames
+
+    async def admitted(self, rid: str) -> str:
+        """Submit ``rid`` and return the internal key the tracker is told to admit it under."""
+        await self.ask(Submit(protocol=PROTOCOL_VERSION, params=PARAMS, request_id=rid))
+        admit = await self.tracker.receive()
+        assert isinstance(admit, Admit) and admit.params == PARAMS
+        assert admit.timeout_s == self.cfg.request_timeout_s
+        return admit.request_id
+
+
+@asynccontextmanager
+async def running_frontend(ctx: zmq.asyncio.Context, tmp_path: Path) -> AsyncIterator[Frontend]:
+    cfg = DaemonConfig(client_endpoint=f"ipc://{tmp_path}/clients")
+    async with AsyncExitStack() as stack:
+        inbox_tx, inbox_rx = anyio.create_memory_object_stream[Any](32)
+        tracker_tx, tracker_rx = anyio.create_memory_object_stream[Any](32)
+        for stream in (inbox_tx, inbox_rx, tracker_tx, tracker_rx):
+            stack.enter_context(stream)
+        actor = FrontendActor(inbox_rx, ctx=ctx, cfg=cfg, tracker=tracker_tx)
+        async with anyio.create_task_group() as tg:
+            endpoint = await tg.start(actor.run)
+            client = ctx.socket(zmq.DEALER)
+            client.setsockopt(zmq.LINGER, 0)
+            try:
+                client.connect(endpoint)
+                yield Frontend(inbox_tx, tracker_rx, client, cfg)
+            finally:
+                client.close(linger=0)
+                inbox_tx.close()  # run returns and closes the ROUTER
+
+
+def assert_empty(outbox: MemoryObjectReceiveStream[Any]) -> None:
+    with pytest.raises(anyio.WouldBlock):
+        outbox.receive_nowait()
+
+
+async def test_each_admission_gets_its_own_key_and_replies_carry_the_clients_id(
+    ctx: zmq.asyncio.Context, tmp_path: Path
+) -> None:
+    with anyio.fail_after(5):
+        async with running_frontend(ctx, tmp_path) as f:
+            assert await f.admitted("rid") == "rid#0"
+
+            # The same id while the first is in flight: a duplicate, and the tracker hears nothing.
+            await f.ask(Submit(protocol=PROTOCOL_VERSION, params=PARAMS, request_id="rid"))
+            rejected, frames = await f.reply()
+            assert isinstance(rejected, Rejected) and frames == []
+            assert (rejected.request_id, rejected.reason) == ("rid", Reason.DUPLICATE)
+            assert (await f.stats()).in_flight == 1
+            assert_empty(f.tracker)
+
+            # The result comes back under the key; the client sees its own id, frames untouched.
+            result = Result(request_id="rid#0", outputs=OUTPUTS, stages=[], total_ms=1.0)
+            await f.inbox.send(Deliver(request_id="rid#0", message=result, frames=[b"\x01\x02\x03\x04"]))
+            reply, frames = await f.reply()
+            assert reply == Result(request_id="rid", outputs=OUTPUTS, stages=[], total_ms=1.0)
+            assert frames == [b"\x01\x02\x03\x04"]
+            assert (await f.stats()).in_flight == 0
+
+            # The client reuses its id: accepted again, under a key never used before.
+            assert await f.admitted("rid") == "rid#1"
+            assert await f.admitted("other") == "other#2"
+            assert (await f.stats()).in_flight == 2
+
+
+async def test_news_about_an_earlier_admission_never_reaches_the_reused_id(
+    ctx: zmq.asyncio.Context, tmp_path: Path
+) -> None:
+    """Race C at the frontend: a late Deliver for "rid#0" is not taken for "rid#1"."""
+    with anyio.fail_after(5):
+        async with running_frontend(ctx, tmp_path) as f:
+            first = await f.admitted("rid")
+            failed = Rejected(request_id=first, reason=Reason.TIMED_OUT, message="deadline passed")
+            await f.inbox.send(Deliver(request_id=first, message=failed))
+            reply, _ = await f.reply()
+            assert reply == Rejected(request_id="rid", reason=Reason.TIMED_OUT, message="deadline passed")
+            second = await f.admitted("rid")
+            assert second != first
+
+            await f.inbox.send(Deliver(request_id=first, message=failed))  # stale: dropped
+            assert (await f.stats()).in_flight == 1
+            await f.ask(Submit(protocol=PROTOCOL_VERSION, params=PARAMS, request_id="rid"))
+            duplicate, _ = await f.reply()  # the first thing the client hears: "rid#1" is still in flight
+            assert isinstance(duplicate, Rejected) and duplicate.reason == Reason.DUPLICATE
+
+            # A cancel names the client's id and reaches the tracker as the current key.
+            await f.ask(Cancel(protocol=PROTOCOL_VERSION, request_id="rid"))
+            assert await f.reply() == (Cancelled(request_id="rid", found=True), [])
+            assert await f.tracker.receive() == CancelRequest(request_id=second)
+            cancelled = Rejected(request_id=second, reason=Reason.CANCELLED, message="cancelled by the client")
+            await f.inbox.send(Deliver(request_id=second, message=cancelled))
+            reply, _ = await f.reply()
+            assert reply == Rejected(request_id="rid", reason=Reason.CANCELLED, message="cancelled by the client")
+
+            await f.ask(Cancel(protocol=PROTOCOL_VERSION, request_id="rid"))  # nothing in flight now
+            assert await f.reply() == (Cancelled(request_id="rid", found=False), [])
+            assert (await f.stats()).in_flight == 0
+            assert_empty(f.tracker)
+
+
+async def test_a_submit_without_an_id_gets_one(ctx: zmq.asyncio.Context, tmp_path: Path) -> None:
+    with anyio.fail_after(5):
+        async with running_frontend(ctx, tmp_path) as f:
+            key = await f.admitted("")
+            rid, n = key.rsplit("#", 1)
+            assert len(rid) == 32 and n == "0"
+            await f.inbox.send(Deliver(request_id=key, message=Rejected(request_id=key, reason=Reason.WORKER_LOST,
+                                                                        message="gone")))
+            reply, _ = await f.reply()
+            assert reply.request_id == rid

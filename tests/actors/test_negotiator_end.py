@@ -1,0 +1,398 @@
+"""TransferNegotiator: the one authority over what a placed request holds.
+
+However a flight ends (a Forget, a failure a worker reports, an eviction), the negotiator
+frees everything itself: ``Release`` to the current instance's pool, an ``Abort`` to the
+current instance, the input slot back to the book, and, with a receiver reserved, ``Release``
+to the receiver's pool and the receiver's memory (a preallocated slot, or an ``Abort`` of
+an allocation), the memory only once no push can still be writing into it.
+"""
+
+from __future__ import annotations
+
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import anyio
+import zmq
+import zmq.asyncio
+
+from actors.mail import Failed, Forget, HandedOff, Join, Leave, LimitsChanged, Placed, Release, Send
+from actors.negotiator import PreallocCounts
+from tests.actors.negotiator_harness import (
+    MANIFEST,
+    NBYTES,
+    PARAMS,
+    POOL_BASE,
+    SLOT_SIZE,
+    TOKEN,
+    FakeWorker,
+    Negotiator,
+    allocate_on_slow_path,
+    fake_worker,
+    job,
+    push_on_fast_path,
+    running_negotiator,
+    stage_encoder_output,
+    wait_late,
+)
+from transfer.protocol import (
+    DAEMON_TO_WORKER,
+    PROTOCOL_VERSION,
+    Abort,
+    Alloc,
+    Allocated,
+    AllocRejected,
+    Done,
+    Pushed,
+    Ready,
+    Reason,
+    Register,
+    Registered,
+    Role,
+    SlotInfo,
+    Staged,
+    TensorSpec,
+    Work,
+    encode,
+)
+
+ALLOCATION = POOL_BASE + 8192
+
+
+def released(rid: str, worker: FakeWorker, ok: bool | None = None) -> Release:
+    return Release(request_id=rid, instance=worker.instance, ok=ok)
+
+
+def aborted(rid: str, worker: FakeWorker) -> Send:
+    return Send(instance=worker.instance, order=Abort(request_id=rid))
+
+
+async def forget(n: Negotiator, rid: str, times: int = 1) -> None:
+    """``rid``'s Forget, as each pool passes it on (admission tells every pool), all handled."""
+    for _ in range(times):
+        await n.inbox.send(Forget(request_id=rid))
+    await n.stats()
+
+
+async def deliver_to_denoiser(n: Negotiator, encoder: FakeWorker, denoiser: FakeWorker, rid: str) -> None:
+    """Fast path through a successful push: the denoiser runs ``rid`` with its input in slot 0."""
+    await push_on_fast_path(n, encoder, denoiser, rid)
+    await encoder.report(Pushed(request_id=rid, ok=True, transfer_ms=1.0))
+    assert await n.pools["denoiser"].receive() == Send(instance=denoiser.instance, order=Ready(
+        request_id=rid, params=PARAMS, address=POOL_BASE, manifest=MANIFEST, slot_id=0))
+    assert n.take("encoder") == [released(rid, encoder, ok=True)]
+    assert isinstance(await n.tracker.receive(), HandedOff)
+
+
+async def wait_prealloc(n: Negotiator, worker: FakeWorker, free: int) -> None:
+    """Wait for a report on the socket to bring ``worker``'s free preallocated slots to ``free``."""
+    while (await n.stats()).prealloc[worker.instance].free != free:
+        await anyio.sleep(0.005)
+
+
+# --------------------------------------------------------------------------- Forget, state by state
+
+
+async def test_forget_while_the_encoder_runs_releases_and_aborts_it(ctx: zmq.asyncio.Context, tmp_path: Path) -> None:
+    with anyio.fail_after(5):
+        async with running_negotiator(ctx, tmp_path) as n, fake_worker(ctx, n, "encoder") as encoder:
+            await n.inbox.send(Placed(job=job("r1", "encoder"), instance=encoder.instance))
+            assert await n.pools["encoder"].receive() == Send(instance=encoder.instance,
+                                                              order=Work(request_id="r1", params=PARAMS))
+            await forget(n, "r1")
+            assert n.take("encoder") == [released("r1", encoder), aborted("r1", encoder)]
+            n.assert_silent()
+            await forget(n, "r1", times=2)  # the other pools' copies find nothing
+            n.assert_silent()
+            # The encoder's report, if it was already on its way, is late: its block is freed.
+            await encoder.report(Staged(request_id="r1", nbytes=NBYTES, manifest=MANIFEST, compute_ms=1.0))
+            assert (await wait_late(n, 1)).late_reports == 1
+            assert n.take("encoder") == [aborted("r1", encoder)]
+            n.assert_silent()
+
+
+async def test_forget_while_running_at_a_receiver_recycles_its_input_slot(
+    ctx: zmq.asyncio.Context, tmp_path: Path
+) -> None:
+    """RUNNING at the denoiser, its input in a preallocated slot: slot back, Release to its pool, Abort."""
+    with anyio.fail_after(5):
+        async with (
+            running_negotiator(ctx, tmp_path) as n,
+            fake_worker(ctx, n, "encoder") as encoder,
+            fake_worker(ctx, n, "denoiser", slots=2) as denoiser,
+        ):
+            await deliver_to_denoiser(n, encoder, denoiser, "r1")
+            assert (await n.stats()).prealloc[denoiser.instance] == PreallocCounts(1, 2, True)
+            await forget(n, "r1")
+            stats = await n.stats()
+            assert stats.prealloc[denoiser.instance] == PreallocCounts(2, 2, True)
+            assert stats.handoffs_in_flight == 0
+            assert n.take("denoiser") == [released("r1", denoiser), aborted("r1", denoiser)]
+            n.assert_silent()  # the encoder's part was over at the hand-off
+            await forget(n, "r1", times=2)  # a second recycle of the slot would raise in the actor
+            assert (await n.stats()).prealloc[denoiser.instance] == PreallocCounts(2, 2, True)
+            n.assert_silent()
+
+
+async def test_forget_while_awaiting_a_receiver_releases_and_aborts_the_sender(
+    ctx: zmq.asyncio.Context, tmp_path: Path
+) -> None:
+    with anyio.fail_after(5):
+        async with (
+            running_negotiator(ctx, tmp_path) as n,
+            fake_worker(ctx, n, "encoder") as encoder,
+            fake_worker(ctx, n, "denoiser", slots=2) as denoiser,
+        ):
+            await stage_encoder_output(n, encoder, "r1")
+            await forget(n, "r1")
+            assert n.take("encoder") == [released("r1", encoder), aborted("r1", encoder)]
+            n.assert_silent()  # no receiver yet: nothing for the denoiser pool
+            # The denoiser job admission had already dispatched: its slot goes back unused.
+            await n.inbox.send(Placed(job=job("r1", "denoiser"), instance=denoiser.instance))
+            await n.stats()
+            assert n.take("denoiser") == [released("r1", denoiser, ok=None)]
+            stats = await n.stats()
+            assert stats.prealloc[denoiser.instance] == PreallocCounts(2, 2, True)
+            assert (stats.handoffs_in_flight, stats.fast_path, stats.slow_path) == (0, {}, {})
+            n.assert_silent()
+
+
+async def test_forget_while_allocating_releases_both_pools_and_aborts_both(
+    ctx: zmq.asyncio.Context, tmp_path: Path
+) -> None:
+    with anyio.fail_after(5):
+        async with (
+            running_negotiator(ctx, tmp_path) as n,
+            fake_worker(ctx, n, "encoder") as encoder,
+            fake_worker(ctx, n, "denoiser", slots=0) as denoiser,
+        ):
+            await stage_encoder_output(n, encoder, "r1")
+            await n.inbox.send(Placed(job=job("r1", "denoiser"), instance=denoiser.instance))
+            assert await n.pools["denoiser"].receive() == Send(instance=denoiser.instance,
+                                                               order=Alloc(request_id="r1", nbytes=NBYTES))
+            await forget(n, "r1")
+            assert n.take("encoder") == [released("r1", encoder), aborted("r1", encoder)]
+            assert n.take("denoiser") == [released("r1", denoiser), aborted("r1", denoiser)]
+            assert (await n.stats()).handoffs_in_flight == 0
+            n.assert_silent()
+            # The allocation was made after all: its late report has it freed, and no push starts.
+            await denoiser.report(Allocated(request_id="r1", address=ALLOCATION))
+            await wait_late(n, 1)
+            assert n.take("denoiser") == [aborted("r1", denoiser)]
+            n.assert_silent()
+
+
+async def test_forget_mid_push_releases_the_pools_now_and_the_slot_when_pushed(
+    ctx: zmq.asyncio.Context, tmp_path: Path
+) -> None:
+    with anyio.fail_after(5):
+        async with (
+            running_negotiator(ctx, tmp_path) as n,
+            fake_worker(ctx, n, "encoder") as encoder,
+            fake_worker(ctx, n, "denoiser", slots=2) as denoiser,
+        ):
+            await push_on_fast_path(n, encoder, denoiser, "r1")
+            await forget(n, "r1")
+            # Both pool slots free at once (no compute is left to run)...
+            assert n.take("encoder") == [released("r1", encoder), aborted("r1", encoder)]
+            assert n.take("denoiser") == [released("r1", denoiser)]
+            # ...but the encoder may be writing into slot 0 right now: it stays taken.
+            stats = await n.stats()
+            assert stats.prealloc[denoiser.instance] == PreallocCounts(1, 2, True)
+            assert stats.handoffs_in_flight == 1
+            await forget(n, "r1", times=2)  # the other pools' copies: nothing more is released
+            n.assert_silent()
+
+            await encoder.report(Pushed(request_id="r1", ok=True, transfer_ms=1.0))
+            await wait_prealloc(n, denoiser, 2)
+            stats = await n.stats()
+            assert stats.prealloc[denoiser.instance] == PreallocCounts(2, 2, True)
+            assert (stats.handoffs_in_flight, stats.late_reports) == (0, 0)
+            n.assert_silent()  # no Ready, no HandedOff, no second Release
+
+            await encoder.report(Pushed(request_id="r1", ok=True, transfer_ms=1.0))  # a duplicate: late
+            assert (await wait_late(n, 1)).prealloc[denoiser.instance] == PreallocCounts(2, 2, True)
+            n.assert_silent()
+
+
+async def test_forget_mid_push_into_an_allocation_aborts_it_only_when_pushed(
+    ctx: zmq.asyncio.Context, tmp_path: Path
+) -> None:
+    with anyio.fail_after(5):
+        async with (
+            running_negotiator(ctx, tmp_path) as n,
+            fake_worker(ctx, n, "encoder") as encoder,
+            fake_worker(ctx, n, "denoiser", slots=0) as denoiser,
+        ):
+            await stage_encoder_output(n, encoder, "r1")
+            await allocate_on_slow_path(n, encoder, denoiser, "r1", ALLOCATION)
+            await forget(n, "r1")
+            assert n.take("encoder") == [released("r1", encoder), aborted("r1", encoder)]
+            assert n.take("denoiser") == [released("r1", denoiser)]  # no Abort yet: the write may be on
+            n.assert_silent()
+            await encoder.report(Pushed(request_id="r1", ok=False, transfer_ms=0.0, error="aborted"))
+            assert await n.pools["denoiser"].receive() == aborted("r1", denoiser)
+            stats = await n.stats()
+            assert (stats.handoffs_in_flight, stats.late_reports) == (0, 0)
+            n.assert_silent()  # the request already ended: no second Failed
+
+
+async def test_forget_of_an_unknown_request_changes_nothing(ctx: zmq.asyncio.Context, tmp_path: Path) -> None:
+    with anyio.fail_after(5):
+        async with running_negotiator(ctx, tmp_path) as n, fake_worker(ctx, n, "denoiser", slots=2) as denoiser:
+            await forget(n, "nobody", times=3)
+            assert (await n.stats()).prealloc[denoiser.instance] == PreallocCounts(2, 2, True)
+            n.assert_silent()
+
+
+# --------------------------------------------------------------------------- failures reported by workers
+
+
+async def test_failed_stage_at_a_receiver_counts_as_failed_and_frees_its_input(
+    ctx: zmq.asyncio.Context, tmp_path: Path
+) -> None:
+    with anyio.fail_after(5):
+        async with (
+            running_negotiator(ctx, tmp_path) as n,
+            fake_worker(ctx, n, "encoder") as encoder,
+            fake_worker(ctx, n, "denoiser", slots=2) as denoiser,
+        ):
+            await deliver_to_denoiser(n, encoder, denoiser, "r1")
+            await denoiser.report(Done(request_id="r1", ok=False, compute_ms=2.0, reason=Reason.STAGE_FAILED,
+                                       error="nan"))
+            assert await n.tracker.receive() == Failed(request_id="r1", reason=Reason.STAGE_FAILED,
+                                                       message=f"{denoiser.instance}: nan")
+            assert n.take("denoiser") == [released("r1", denoiser, ok=False), aborted("r1", denoiser)]
+            assert (await n.stats()).prealloc[denoiser.instance] == PreallocCounts(2, 2, True)
+            await forget(n, "r1", times=3)
+            n.assert_silent()
+
+
+async def test_invalid_staged_output_fails_the_stage(ctx: zmq.asyncio.Context, tmp_path: Path) -> None:
+    with anyio.fail_after(5):
+        async with running_negotiator(ctx, tmp_path) as n, fake_worker(ctx, n, "encoder") as encoder:
+            await n.inbox.send(Placed(job=job("r1", "encoder"), instance=encoder.instance))
+            await n.pools["encoder"].receive()  # Work
+            bad = [TensorSpec(name="embeds", dtype="float32", shape=(128,), offset=NBYTES, nbytes=NBYTES)]
+            await encoder.report(Staged(request_id="r1", nbytes=NBYTES, manifest=bad, compute_ms=1.0))
+            failed = await n.tracker.receive()
+            assert (failed.request_id, failed.reason) == ("r1", Reason.STAGE_FAILED)
+            assert n.take("encoder") == [released("r1", encoder, ok=False), aborted("r1", encoder)]
+            n.assert_silent()  # nothing enqueued for a denoiser
+
+
+async def test_alloc_rejected_releases_both_pools_and_fails(ctx: zmq.asyncio.Context, tmp_path: Path) -> None:
+    with anyio.fail_after(5):
+        async with (
+            running_negotiator(ctx, tmp_path) as n,
+            fake_worker(ctx, n, "encoder") as encoder,
+            fake_worker(ctx, n, "denoiser", slots=0) as denoiser,
+        ):
+            await stage_encoder_output(n, encoder, "r1")
+            await n.inbox.send(Placed(job=job("r1", "denoiser"), instance=denoiser.instance))
+            await n.pools["denoiser"].receive()  # Alloc
+            await denoiser.report(AllocRejected(request_id="r1", message="pool full"))
+            failed = await n.tracker.receive()
+            assert (failed.request_id, failed.reason) == ("r1", Reason.TRANSFER_FAILED)
+            assert n.take("encoder") == [released("r1", encoder), aborted("r1", encoder)]
+            assert n.take("denoiser") == [released("r1", denoiser), aborted("r1", denoiser)]
+            assert (await n.stats()).handoffs_in_flight == 0
+            n.assert_silent()
+
+
+async def test_allocation_outside_the_pool_releases_both_pools_and_fails(
+    ctx: zmq.asyncio.Context, tmp_path: Path
+) -> None:
+    with anyio.fail_after(5):
+        async with (
+            running_negotiator(ctx, tmp_path) as n,
+            fake_worker(ctx, n, "encoder") as encoder,
+            fake_worker(ctx, n, "denoiser", slots=0) as denoiser,
+        ):
+            await stage_encoder_output(n, encoder, "r1")
+            await n.inbox.send(Placed(job=job("r1", "denoiser"), instance=denoiser.instance))
+            await n.pools["denoiser"].receive()  # Alloc
+            await denoiser.report(Allocated(request_id="r1", address=0))  # below pool_base
+            failed = await n.tracker.receive()
+            assert (failed.request_id, failed.reason) == ("r1", Reason.TRANSFER_FAILED)
+            assert n.take("encoder") == [released("r1", encoder), aborted("r1", encoder)]
+            assert n.take("denoiser") == [released("r1", denoiser), aborted("r1", denoiser)]
+            n.assert_silent()  # no Push
+
+
+# --------------------------------------------------------------------------- eviction
+
+
+async def reregister(ctx: zmq.asyncio.Context, n: Negotiator, role: Role, *, slots: int,
+                     stack: ExitStack) -> tuple[FakeWorker, list[Any]]:
+    """The ``role`` worker restarts: same name, new connection, so the old instance is evicted.
+
+    Returns the new worker and what the negotiator posted to ``role``'s pool meanwhile, up to
+    (not including) the new instance's Join.
+    """
+    sock = stack.enter_context(ctx.socket(zmq.DEALER))
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(n.endpoint)
+    await sock.send(encode(Register(
+        protocol=PROTOCOL_VERSION, token=TOKEN, role=role, name=f"{role}-worker", work_address="ipc://unused",
+        session=f"{role}-session-2", pool_base=POOL_BASE, pool_size=1 << 20,
+        slots=[SlotInfo(slot_id=i, address=POOL_BASE + i * SLOT_SIZE, size=SLOT_SIZE) for i in range(slots)],
+        capacity=2,
+    )))
+    registered = DAEMON_TO_WORKER.decode(await sock.recv())
+    assert isinstance(registered, Registered), registered
+    posted = n.take(role)
+    assert isinstance(posted[-1], Join) and posted[-1].instance == registered.instance
+    assert isinstance(n.frontend.receive_nowait(), LimitsChanged)
+    return FakeWorker(sock, registered.instance, f"{role}-session-2"), posted[:-1]
+
+
+async def test_a_dead_sender_mid_push_frees_the_receivers_slot_at_once(
+    ctx: zmq.asyncio.Context, tmp_path: Path
+) -> None:
+    with anyio.fail_after(5), ExitStack() as stack:
+        async with (
+            running_negotiator(ctx, tmp_path) as n,
+            fake_worker(ctx, n, "encoder") as encoder,
+            fake_worker(ctx, n, "denoiser", slots=2) as denoiser,
+        ):
+            await push_on_fast_path(n, encoder, denoiser, "r1")
+            _, posted = await reregister(ctx, n, "encoder", slots=0, stack=stack)
+            assert isinstance(posted[0], Leave) and posted[0].instance == encoder.instance
+            assert posted[1:] == [released("r1", encoder), aborted("r1", encoder)]  # dropped by the pool
+            assert n.take("denoiser") == [released("r1", denoiser)]
+            failed = await n.tracker.receive()
+            assert (failed.request_id, failed.reason) == ("r1", Reason.WORKER_LOST)
+            stats = await n.stats()
+            assert stats.prealloc[denoiser.instance] == PreallocCounts(2, 2, True)  # nobody writes any more
+            assert stats.handoffs_in_flight == 0
+            await forget(n, "r1", times=3)
+            n.assert_silent()
+
+
+async def test_a_dead_receiver_mid_push_keeps_its_allocation_until_pushed(
+    ctx: zmq.asyncio.Context, tmp_path: Path
+) -> None:
+    with anyio.fail_after(5), ExitStack() as stack:
+        async with (
+            running_negotiator(ctx, tmp_path) as n,
+            fake_worker(ctx, n, "encoder") as encoder,
+            fake_worker(ctx, n, "denoiser", slots=0) as denoiser,
+        ):
+            await stage_encoder_output(n, encoder, "r1")
+            await allocate_on_slow_path(n, encoder, denoiser, "r1", ALLOCATION)
+            _, posted = await reregister(ctx, n, "denoiser", slots=0, stack=stack)
+            assert isinstance(posted[0], Leave) and posted[0].instance == denoiser.instance
+            assert posted[1:] == [released("r1", denoiser)]  # no Abort while the encoder may write
+            assert n.take("encoder") == [released("r1", encoder), aborted("r1", encoder)]
+            failed = await n.tracker.receive()
+            assert (failed.request_id, failed.reason) == ("r1", Reason.WORKER_LOST)
+            assert (await n.stats()).handoffs_in_flight == 1
+            await forget(n, "r1", times=3)
+            n.assert_silent()
+            await encoder.report(Pushed(request_id="r1", ok=False, transfer_ms=0.0, error="peer gone"))
+            # The abort goes to the pool, which drops it (the instance left with its memory).
+            assert await n.pools["denoiser"].receive() == aborted("r1", denoiser)
+            assert (await n.stats()).handoffs_in_flight == 0
+            n.assert_silent()
