@@ -21,6 +21,7 @@ import hmac
 import itertools
 import secrets
 import time
+from collections import deque
 from dataclasses import dataclass
 from functools import partial
 
@@ -148,6 +149,7 @@ class TransferNegotiator:
         self._slow: dict[str, int] = {}
         self._ids = itertools.count(1)
         self._late = 0  # reports about requests that had already ended: counted, then dropped
+        self._quarantine: deque[tuple[float, Flight]] = deque()  # (release at, doomed flight)
         self._log = log.bind(actor="negotiator")
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[str] = anyio.TASK_STATUS_IGNORED) -> None:
@@ -417,21 +419,30 @@ class TransferNegotiator:
     def _check_liveness(self, now: float) -> None:
         limit = self._cfg.heartbeat_s * self._cfg.heartbeat_misses
         for link in [lk for lk in self._links.values() if now - lk.last_seen > limit]:
-            self._evict(link, f"{link.instance} missed heartbeats for {now - link.last_seen:.1f}s")
+            self._evict(link, f"{link.instance} missed heartbeats for {now - link.last_seen:.1f}s", gone=False)
+        while self._quarantine and self._quarantine[0][0] <= now:
+            _, flight = self._quarantine.popleft()
+            self._release_receiver(flight)
+            self._flights.pop(flight.request_id, None)
 
-    def _evict(self, link: Link, why: str) -> None:
+    def _evict(self, link: Link, why: str, *, gone: bool = True) -> None:
+        """Forget a worker. ``gone``: its process is known dead (it re-registered anew);
+        otherwise it only went silent and may yet finish a write it had started."""
         del self._links[link.routing_id]
         del self._by_instance[link.instance]
         self._slots.remove_instance(link.instance)
         post(self._pools[link.role], Leave(instance=link.instance, reason=Reason.WORKER_LOST, message=why))
         # Eviction is rare, so a pass over the flights is fine here (never on the hot path).
         for flight in [f for f in self._flights.values() if link.instance in (f.instance, f.receiver)]:
-            # A dead sender writes nothing more, so the receiver's memory is free at once.
-            pushing = flight.state == FlightState.PUSHING and flight.instance != link.instance
-            if flight.doomed:
-                if not pushing:
-                    self._release_receiver(flight)
-                    del self._flights[flight.request_id]
-                continue
-            self._fail(flight, Reason.WORKER_LOST, why, pushing=pushing)
+            sender_lost = flight.state == FlightState.PUSHING and flight.instance == link.instance
+            if not flight.doomed:
+                self._fail(flight, Reason.WORKER_LOST, why, pushing=flight.state == FlightState.PUSHING)
+            if sender_lost and gone:
+                # A dead sender writes nothing more: the receiver's memory is free at once.
+                self._release_receiver(flight)
+                self._flights.pop(flight.request_id, None)
+            elif sender_lost:
+                # A silent sender may wake and finish its write; past Mooncake's own transfer
+                # timeout it cannot, so the memory is released after the quarantine.
+                self._quarantine.append((time.monotonic() + self._cfg.push_quarantine_s, flight))
         self._log.warning("worker.evicted", instance=link.instance, why=why)

@@ -97,6 +97,7 @@ class PoolActor:
         self._negotiator = negotiator
         self._instances: dict[str, Instance] = {}
         self._holds: dict[str, str] = {}  # request -> the instance holding a slot for it
+        self._bounced: set[str] = set()  # jobs handed back to admission for lack of an instance
         self._log = log.bind(actor="pool", role=role)
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
@@ -115,9 +116,11 @@ class PoolActor:
                 if picked is None:
                     # The slot admission counted on left with its worker: requeue the job
                     # first in line and give back the credit spent on it.
+                    self._bounced.add(job.request_id)
                     post(self._admission, Enqueue(job=job, front=True))
                     post(self._admission, Credit(role=self.role, delta=1))
                     return
+                self._bounced.discard(job.request_id)
                 self._take(self._instances[picked], job.request_id)
                 # The negotiator records the request's flight before any order goes out,
                 # so even an instant worker's first report finds it.
@@ -139,11 +142,16 @@ class PoolActor:
                 elif ok is False:
                     inst.failed += 1
                 self._give_back(inst, rid)
-            case Forget():
+            case Forget(request_id=rid):
                 # Slots stay held: the negotiator frees them once the request's transfers
                 # are safely over. Passing the Forget on after any Placed this pool posted
                 # keeps the negotiator from ever restarting a request that ended.
                 post(self._negotiator, mail)
+                if rid in self._bounced:
+                    # Admission may have handled this Forget before the job came back to
+                    # it; this copy arrives behind the requeue and removes it.
+                    self._bounced.discard(rid)
+                    post(self._admission, mail)
             case Join():
                 self._join(mail)
             case Leave(instance=instance, reason=reason, message=message):

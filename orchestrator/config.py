@@ -39,6 +39,9 @@ class DaemonConfig(Section):
     heartbeat_s: PositiveFloat = 1.0
     heartbeat_misses: PositiveInt = 5  # silence of misses * heartbeat_s evicts a worker
     drain_timeout_s: PositiveFloat = 30.0
+    # Memory a silent (evicted, maybe still alive) sender was writing into stays reserved
+    # this long; keep it above the workers' MC_TRANSFER_TIMEOUT.
+    push_quarantine_s: PositiveFloat = 60.0
     mailbox_size: PositiveInt = 1024
     # Messages queued to one worker before it counts as stuck (ZMQ SNDHWM).
     worker_send_hwm: PositiveInt = 1000

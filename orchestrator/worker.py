@@ -171,17 +171,24 @@ class WorkerRuntime:
                 continue
             match order:
                 case Work() | Ready():
-                    tg.start_soon(self._guarded, order.request_id, self._run_stage, order)
+                    tg.start_soon(self._guarded, order.request_id, self._cancel_scope(order.request_id),
+                                  self._run_stage, order)
                 case Alloc():
-                    tg.start_soon(self._guarded, order.request_id, self._alloc, order)
+                    tg.start_soon(self._guarded, order.request_id, self._cancel_scope(order.request_id),
+                                  self._alloc, order)
                 case Push():
                     tg.start_soon(self._push, order)  # never cancelled: the daemon awaits Pushed
                 case Abort(request_id=rid):
                     self._abort(rid)
 
-    async def _guarded(self, rid: str, job: Any, order: Any) -> None:
-        with anyio.CancelScope() as scope:
-            self._scopes[rid] = scope
+    def _cancel_scope(self, rid: str) -> anyio.CancelScope:
+        # Made and recorded before the task starts, so an Abort right behind the order
+        # (handled before the task's first step) still cancels it.
+        scope = self._scopes[rid] = anyio.CancelScope()
+        return scope
+
+    async def _guarded(self, rid: str, scope: anyio.CancelScope, job: Any, order: Any) -> None:
+        with scope:
             try:
                 await job(order)
             finally:

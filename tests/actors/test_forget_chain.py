@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import anyio
-import pytest
 import zmq
 import zmq.asyncio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
@@ -90,10 +89,6 @@ async def running_chain(ctx: zmq.asyncio.Context) -> AsyncIterator[Chain]:
             pool_tx.close()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "bug: a Dispatch the encoder pool bounces (its instance left) is requeued at admission after "
-    "admission already handled the request's Forget, so an ended request is dispatched and started "
-    "again (actors/pools.py Dispatch with no instance; actors/admission.py Enqueue)"))
 async def test_a_bounced_dispatch_does_not_restart_a_forgotten_request(ctx: zmq.asyncio.Context, tmp_path: Path) -> None:
     with anyio.fail_after(5):
         async with (
