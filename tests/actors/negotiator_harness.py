@@ -102,8 +102,8 @@ class FakeWorker:
 
 
 @asynccontextmanager
-async def running_negotiator(ctx: zmq.asyncio.Context, tmp_path: Path) -> AsyncIterator[Negotiator]:
-    cfg = DaemonConfig(worker_endpoint=f"ipc://{tmp_path}/workers", token=TOKEN)
+async def running_negotiator(ctx: zmq.asyncio.Context, tmp_path: Path, **settings: Any) -> AsyncIterator[Negotiator]:
+    cfg = DaemonConfig(worker_endpoint=f"ipc://{tmp_path}/workers", token=TOKEN, **settings)
     async with AsyncExitStack() as stack:
 
         def stream() -> tuple[MemoryObjectSendStream[Any], MemoryObjectReceiveStream[Any]]:

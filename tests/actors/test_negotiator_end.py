@@ -9,6 +9,7 @@ an allocation), the memory only once no push can still be writing into it.
 
 from __future__ import annotations
 
+import time
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ import anyio
 import zmq
 import zmq.asyncio
 
-from actors.mail import Failed, Forget, HandedOff, Join, Leave, LimitsChanged, Placed, Release, Send
+from actors.mail import Failed, Forget, HandedOff, Join, Leave, LimitsChanged, Placed, Release, Send, Tick
 from actors.negotiator import PreallocCounts
 from tests.actors.negotiator_harness import (
     MANIFEST,
@@ -44,6 +45,7 @@ from transfer.protocol import (
     Allocated,
     AllocRejected,
     Done,
+    Heartbeat,
     Pushed,
     Ready,
     Reason,
@@ -396,3 +398,31 @@ async def test_a_dead_receiver_mid_push_keeps_its_allocation_until_pushed(
             assert await n.pools["denoiser"].receive() == aborted("r1", denoiser)
             assert (await n.stats()).handoffs_in_flight == 0
             n.assert_silent()
+
+
+async def test_a_silent_sender_mid_push_keeps_the_receivers_slot_until_its_quarantine_ends(
+    ctx: zmq.asyncio.Context, tmp_path: Path
+) -> None:
+    """Evicted for silence, a sender may still be alive and writing: the slot waits it out."""
+    with anyio.fail_after(5):
+        async with (
+            running_negotiator(ctx, tmp_path, heartbeat_s=0.05, heartbeat_misses=2, push_quarantine_s=0.4) as n,
+            fake_worker(ctx, n, "encoder") as encoder,
+            fake_worker(ctx, n, "denoiser", slots=2) as denoiser,
+        ):
+            await push_on_fast_path(n, encoder, denoiser, "r1")
+
+            async def beat_until(check) -> float:  # only the denoiser keeps beating
+                started = time.monotonic()
+                while not check(await n.stats()):
+                    await denoiser.report(Heartbeat())
+                    await n.inbox.send(Tick())
+                    await anyio.sleep(0.02)
+                return time.monotonic() - started
+
+            await beat_until(lambda s: encoder.instance not in s.prealloc)
+            failed = await n.tracker.receive()
+            assert (failed.request_id, failed.reason) == ("r1", Reason.WORKER_LOST)
+            assert (await n.stats()).prealloc[denoiser.instance] == PreallocCounts(1, 2, True)
+            waited = await beat_until(lambda s: s.prealloc[denoiser.instance] == PreallocCounts(2, 2, True))
+            assert waited >= 0.25, "released before the quarantine ended"
