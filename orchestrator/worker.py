@@ -3,8 +3,8 @@
 Three paths that never wait on each other:
 
 * compute: the stage's synchronous torch code, in ``compute_threads`` worker threads;
-* transfer: Mooncake writes, in one push thread of their own (a sync write busy-spins a
-  core, and one writer per engine is what Mooncake handles best);
+* transfer: Mooncake writes, in one push thread of their own (a write blocks, sleeping,
+  until the peer acks, and one writer per engine is what Mooncake handles best);
 * control: allocations, aborts and all socket traffic, on the event loop.
 
 So an ``Alloc`` or ``Push`` is answered while a long denoising loop runs.

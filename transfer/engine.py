@@ -4,25 +4,38 @@
 it over Mooncake's TransferEngine (TCP in CI, RDMA in production), and tests may supply a
 loopback fake. Facts this wrapper relies on are in MOONCAKE.md; the ones that shaped it:
 
-* Only ``transfer_sync_write`` is used. Batch and async ids are raw pointers: polling a
-  finished or bogus id segfaults the process, so we never hold one.
-* A sync write returning 0 means the bytes are in the peer's memory (TCP protocol v2 acks
-  after the last chunk lands; RDMA completion), so the caller may tell the receiver then.
+* A write is ``transfer_submit_write`` plus our own ``transfer_check_status`` poll, which
+  sleeps between checks. ``transfer_sync_write`` busy-spins a core in C++ until the TCP ack
+  arrives; on a 2-core box the peer whose ack it waits for needs that same CPU, so a 64-byte
+  push cost the sender ~2 ms of CPU and several ms of wall.
+* The id is a raw pointer that ``transfer_check_status`` frees when it returns 1 (done) or -1
+  (failed): re-polling it reads freed memory (``0`` forever, or SIGSEGV), as does a bogus id.
+  So an id is polled only by the ``write`` that submitted it, and never after 1 or -1. A failed
+  submit returns 0, which is not an id.
+* Status 1 means the bytes are in the peer's memory (TCP protocol v2 acks after the last chunk
+  lands; RDMA completion), so the caller may tell the receiver then.
+* A hung peer does not fail fast: the status stays 0 until Mooncake's TCP progress timeout
+  (30 s) turns it into -1. We stop polling at our own deadline (``MC_TRANSFER_TIMEOUT`` + 1 ns
+  per byte + 1 s) or on status -2, and then leave the id alone: Mooncake keeps that request in
+  flight (a small leak) and may still read the source bytes later, as a timed-out sync write
+  would too.
 * TCP accepts an unregistered local source that RDMA would reject, so we check the source
   range ourselves: a missing registration fails in CI, not first in production.
 * After a peer rejects a write the connection's lanes are torn down; once all are gone the
   next write fails at once with -1 and a retry succeeds after a ~1 s reconnect. Hence one
-  retry, and no more: a dead peer fails both attempts within about a millisecond.
+  retry after a failure (not after a timeout), and no more: a dead peer fails both attempts
+  within about a millisecond.
 
-Threads: transfer calls release the GIL and busy-spin a core until done, so ``write`` runs
+Threads: transfer calls release the GIL and ``write`` blocks (sleeping) until done, so it runs
 on a worker thread. Use at most one concurrent writer per engine (the worker runtime has one
-push thread): parallel sync writers on one engine were several times slower than one.
+push thread): parallel writers on one engine were several times slower than one.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Protocol, runtime_checkable
+import time
+from typing import Any, Protocol, runtime_checkable
 
 import structlog
 
@@ -31,6 +44,18 @@ from orchestrator.config import TransferConfig
 log = structlog.get_logger()
 
 P2P = "P2PHANDSHAKE"
+
+# transfer_check_status results (for single-entry ids only: it looks at task 0).
+_DONE, _PENDING, _FAILED, _TIMED_OUT = 1, 0, -1, -2
+# Poll backoff: check at once, then sleep 20 us, 40 us, ... up to 1 ms between checks. A small
+# loopback write lands in ~50 us, so most are seen done at the first or second check.
+_FIRST_SLEEP_S = 20e-6
+_MAX_SLEEP_S = 1e-3
+_GRACE_S = 1.0  # our deadline trails Mooncake's own timeout by this much
+_DEFAULT_TIMEOUT_S = 30.0  # Mooncake's default MC_TRANSFER_TIMEOUT
+# A batch id is a user-space pointer. Anything outside this range is a failure code (0 from
+# this wheel; some Mooncake builds return -1 as an unsigned id), and polling it would segfault.
+_MAX_ID = 1 << 57
 
 # Mooncake's register_memory codes we can explain (others are reported raw).
 _REGISTER_ERRORS = {
@@ -93,6 +118,8 @@ class MooncakeEngine:
         else:
             # With a metadata server the hostname string itself is the (unique) segment name.
             self.session = cfg.local_hostname
+        # Mooncake has just read MC_TRANSFER_TIMEOUT from the environment; our deadline follows it.
+        self._timeout_s = _parse_timeout(os.environ.get("MC_TRANSFER_TIMEOUT"))
         # Replaced, never mutated, so a writer thread always sees a consistent tuple.
         self._ranges: tuple[tuple[int, int], ...] = ()
         self._closed = False
@@ -127,16 +154,47 @@ class MooncakeEngine:
                 f"local source [{local_addr:#x}, +{nbytes}) is not inside one registered range "
                 f"(RDMA would reject it; registered: {[(hex(b), s) for b, s in self._ranges]})"
             )
-        rc = self._te.transfer_sync_write(session, local_addr, remote_addr, nbytes)
-        if rc != 0:
-            log.warning("transfer.retry", session=session, nbytes=nbytes, rc=rc)
-            rc = self._te.transfer_sync_write(session, local_addr, remote_addr, nbytes)
-        if rc != 0:
-            raise TransferError(
-                f"write of {nbytes} bytes from {local_addr:#x} to {session} at {remote_addr:#x} "
-                f"failed twice (rc={rc}): peer unreachable or dead, remote range not registered "
-                "there, or it timed out"
-            )
+        te = self._te  # held for the whole write, so a concurrent close() cannot pull it away
+        if not self._attempt(te, session, local_addr, remote_addr, nbytes):
+            log.warning("transfer.retry", session=session, nbytes=nbytes)
+            if not self._attempt(te, session, local_addr, remote_addr, nbytes):
+                raise TransferError(
+                    f"write of {nbytes} bytes from {local_addr:#x} to {session} at {remote_addr:#x} "
+                    "failed twice: peer unreachable or dead, or remote range not registered there"
+                )
+
+    def _attempt(self, te: Any, session: str, local_addr: int, remote_addr: int, nbytes: int) -> bool:
+        """Submit one write and poll it: True when done, False when it failed (worth one retry).
+
+        Raises TransferError when it times out, leaving the id to Mooncake untouched.
+        """
+        batch_id = te.transfer_submit_write(session, local_addr, remote_addr, nbytes)
+        if not 0 < batch_id < _MAX_ID:
+            return False  # nothing was submitted, so there is no id to poll
+        limit_s = self._timeout_s + nbytes * 1e-9 + _GRACE_S
+        deadline = time.monotonic() + limit_s
+        sleep_s = _FIRST_SLEEP_S
+        while True:
+            status = te.transfer_check_status(batch_id)
+            # _DONE and _FAILED have freed the id: return without touching it again.
+            if status == _DONE:
+                return True
+            if status == _FAILED:
+                return False
+            if status != _PENDING or time.monotonic() >= deadline:
+                if status == _PENDING:
+                    why = f"not done after {limit_s:.1f} s"
+                elif status == _TIMED_OUT:
+                    why = "Mooncake reported a timeout"
+                else:
+                    why = f"unexpected status {status}"
+                raise TransferError(
+                    f"write of {nbytes} bytes from {local_addr:#x} to {session} at {remote_addr:#x} "
+                    f"timed out ({why}): peer hung or overloaded. Mooncake may still hold the "
+                    "request and read the source bytes later"
+                )
+            time.sleep(sleep_s)
+            sleep_s = min(sleep_s * 2, _MAX_SLEEP_S)
 
     def close(self) -> None:
         """Unregister everything and drop the engine, which stops its RPC server.
@@ -157,3 +215,11 @@ class MooncakeEngine:
     def _check_open(self) -> None:
         if self._closed:
             raise TransferError(f"engine {self.session} is closed")
+
+
+def _parse_timeout(value: str | None) -> float:
+    """MC_TRANSFER_TIMEOUT in seconds; Mooncake's default when unset or unreadable."""
+    try:
+        return float(value) if value else _DEFAULT_TIMEOUT_S
+    except ValueError:
+        return _DEFAULT_TIMEOUT_S
