@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+import anyio
+import anyio.lowlevel
 import zmq
 
 
@@ -36,12 +38,40 @@ def bind_exclusive(sock: zmq.Socket, endpoint: str) -> str:
 
 
 @contextmanager
-def bound_router(ctx: zmq.Context, endpoint: str, *, send_hwm: int, close_linger_ms: int = 0) -> Iterator[tuple[zmq.Socket, str]]:
-    """A ROUTER bound exclusively to ``endpoint``, closed on exit; yields it and its address."""
-    sock = ctx.socket(zmq.ROUTER)
+def bound_router(ctx: zmq.Context, endpoint: str, *, send_hwm: int, close_linger_ms: int = 0,
+                 plain: bool = False) -> Iterator[tuple[zmq.Socket, str]]:
+    """A ROUTER bound exclusively to ``endpoint``, closed on exit; yields it and its address.
+
+    ``plain`` makes a plain socket even under an asyncio context, for ``pump_plain``.
+    """
+    sock = zmq.Socket(ctx, zmq.ROUTER) if plain else ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, send_hwm)
     try:
         yield sock, bind_exclusive(sock, endpoint)
     finally:
         sock.close(linger=close_linger_ms)
+
+
+# Messages taken back to back before letting other tasks run.
+PUMP_BATCH = 64
+
+
+async def pump_plain(sock: zmq.Socket, on_frames: Callable[[list[zmq.Frame]], None]) -> None:
+    """Read a plain socket from the event loop: wait for its FD, then take what is queued.
+
+    Cheaper than zmq.asyncio's future per message. ZMQ's FD is edge-triggered and only
+    says "re-read ZMQ_EVENTS", so the loop re-checks EVENTS before every wait; hence only
+    this task may use the socket (``on_frames`` may send on it: that happens before the
+    check), since a send from another task could swallow the edge and stall the loop.
+    """
+    fd = sock.getsockopt(zmq.FD)
+    while True:
+        taken = 0
+        while taken < PUMP_BATCH and sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            on_frames(sock.recv_multipart(zmq.NOBLOCK, copy=False))
+            taken += 1
+        if taken == PUMP_BATCH:
+            await anyio.lowlevel.checkpoint()
+        else:
+            await anyio.wait_readable(fd)

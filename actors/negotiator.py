@@ -33,7 +33,7 @@ import zmq.asyncio
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
 
 from actors.base import drain_with_pump, mailbox_depth, post, reply_once
-from actors.edges import bound_router
+from actors.edges import bound_router, pump_plain
 from actors.flight import Flight, FlightState
 from actors.mail import (
     AdmissionMail,
@@ -140,7 +140,7 @@ class TransferNegotiator:
         self._admission = admission
         self._tracker = tracker
         self._frontend = frontend
-        self._sock: zmq.asyncio.Socket | None = None
+        self._sock: zmq.Socket | None = None
         self._links: dict[bytes, Link] = {}
         self._by_instance: dict[str, Link] = {}
         self._slots = SlotBook()
@@ -153,18 +153,13 @@ class TransferNegotiator:
         self._log = log.bind(actor="negotiator")
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[str] = anyio.TASK_STATUS_IGNORED) -> None:
-        with bound_router(self._ctx, self._cfg.worker_endpoint, send_hwm=self._cfg.worker_send_hwm) as (sock, bound):
+        with bound_router(self._ctx, self._cfg.worker_endpoint, send_hwm=self._cfg.worker_send_hwm,
+                          plain=True) as (sock, bound):
             self._sock = sock
-            await drain_with_pump(self._inbox, self._handle, partial(self._pump_in, sock), task_status=task_status,
-                                  started=bound)
+            await drain_with_pump(self._inbox, self._handle, partial(pump_plain, sock, self._on_frames),
+                                  task_status=task_status, started=bound)
 
     # ------------------------------------------------------------------ worker socket
-
-    async def _pump_in(self, sock: zmq.asyncio.Socket) -> None:
-        # No extra non-blocking reads to drain a burst: each failed read costs syscalls,
-        # and zmq.asyncio already serves queued messages without waiting on the poller.
-        while True:
-            self._on_frames(await sock.recv_multipart(copy=False))
 
     def _on_frames(self, frames: list[zmq.Frame]) -> None:
         routing_id = frames[0].bytes
@@ -187,8 +182,8 @@ class TransferNegotiator:
 
     def _reply(self, routing_id: bytes, msg: Registered | RegisterRefused) -> None:
         assert self._sock is not None
-        # ROUTER drops (never blocks on) a reply to a peer that is gone or not reading.
-        self._sock.send_multipart([routing_id, encode(msg)])
+        # A ROUTER drops a reply to a peer that is gone or not reading; it never blocks.
+        self._sock.send_multipart([routing_id, encode(msg)], flags=zmq.NOBLOCK)
 
     def _register(self, routing_id: bytes, link: Link | None, msg: Register) -> None:
         if not hmac.compare_digest(msg.token.encode(), self._cfg.token.encode()):

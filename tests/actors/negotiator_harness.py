@@ -19,13 +19,14 @@ import zmq
 import zmq.asyncio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from actors.mail import Enqueue, Job, Join, LimitsChanged, NegotiatorMail, Placed, QueryStats, Send
+from actors.mail import Enqueue, Job, Join, LimitsChanged, NegotiatorMail, Placed, QueryStats, Release, Send
 from actors.negotiator import NegotiatorStats, PreallocCounts, TransferNegotiator
 from orchestrator.config import DaemonConfig
 from transfer.protocol import (
     DAEMON_TO_WORKER,
     PROTOCOL_VERSION,
     ROLES,
+    Abort,
     Alloc,
     Allocated,
     GenParams,
@@ -123,6 +124,19 @@ async def running_negotiator(ctx: zmq.asyncio.Context, tmp_path: Path, **setting
             inbox_tx.close()  # the inbox ends; run returns and closes the worker socket
 
 
+async def register(sock: zmq.asyncio.Socket, role: Role, session: str, slots: int) -> Registered:
+    """Send ``role``'s Register (``slots`` preallocated slots) on ``sock`` and await the Registered."""
+    await sock.send(encode(Register(
+        protocol=PROTOCOL_VERSION, token=TOKEN, role=role, name=f"{role}-worker", work_address="ipc://unused",
+        session=session, pool_base=POOL_BASE, pool_size=1 << 20,
+        slots=[SlotInfo(slot_id=i, address=POOL_BASE + i * SLOT_SIZE, size=SLOT_SIZE) for i in range(slots)],
+        capacity=2,
+    )))
+    registered = DAEMON_TO_WORKER.decode(await sock.recv())
+    assert isinstance(registered, Registered), registered
+    return registered
+
+
 @asynccontextmanager
 async def fake_worker(ctx: zmq.asyncio.Context, n: Negotiator, role: Role, *,
                       slots: int = 0) -> AsyncIterator[FakeWorker]:
@@ -132,14 +146,7 @@ async def fake_worker(ctx: zmq.asyncio.Context, n: Negotiator, role: Role, *,
     sock.connect(n.endpoint)
     try:
         session = f"{role}-session"
-        await sock.send(encode(Register(
-            protocol=PROTOCOL_VERSION, token=TOKEN, role=role, name=f"{role}-worker", work_address="ipc://unused",
-            session=session, pool_base=POOL_BASE, pool_size=1 << 20,
-            slots=[SlotInfo(slot_id=i, address=POOL_BASE + i * SLOT_SIZE, size=SLOT_SIZE) for i in range(slots)],
-            capacity=2,
-        )))
-        registered = DAEMON_TO_WORKER.decode(await sock.recv())
-        assert isinstance(registered, Registered), registered
+        registered = await register(sock, role, session, slots)
         # Posted before the reply went out, so both are there already.
         join = n.pools[role].receive_nowait()
         assert isinstance(join, Join) and join.instance == registered.instance and join.session == session
@@ -185,3 +192,23 @@ async def allocate_on_slow_path(n: Negotiator, encoder: FakeWorker, denoiser: Fa
     await denoiser.report(Allocated(request_id=rid, address=address))
     assert await n.pools["encoder"].receive() == Send(instance=encoder.instance, order=Push(
         request_id=rid, session=denoiser.session, address=address, nbytes=NBYTES))
+
+
+@asynccontextmanager
+async def encoder_and_denoiser(ctx: zmq.asyncio.Context, tmp_path: Path, *, slots: int,
+                               **settings: Any) -> AsyncIterator[tuple[Negotiator, FakeWorker, FakeWorker]]:
+    """A running negotiator with a registered encoder and a denoiser carrying ``slots`` slots."""
+    async with (
+        running_negotiator(ctx, tmp_path, **settings) as n,
+        fake_worker(ctx, n, "encoder") as encoder,
+        fake_worker(ctx, n, "denoiser", slots=slots) as denoiser,
+    ):
+        yield n, encoder, denoiser
+
+
+def released(rid: str, worker: FakeWorker, ok: bool | None = None) -> Release:
+    return Release(request_id=rid, instance=worker.instance, ok=ok)
+
+
+def aborted(rid: str, worker: FakeWorker) -> Send:
+    return Send(instance=worker.instance, order=Abort(request_id=rid))

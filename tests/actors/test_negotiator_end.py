@@ -18,29 +18,28 @@ import anyio
 import zmq
 import zmq.asyncio
 
-from actors.mail import Failed, Forget, HandedOff, Join, Leave, LimitsChanged, Placed, Release, Send, Tick
+from actors.mail import Failed, Forget, HandedOff, Join, Leave, LimitsChanged, Placed, Send, Tick
 from actors.negotiator import PreallocCounts
 from tests.actors.negotiator_harness import (
     MANIFEST,
     NBYTES,
     PARAMS,
     POOL_BASE,
-    SLOT_SIZE,
-    TOKEN,
     FakeWorker,
     Negotiator,
+    aborted,
     allocate_on_slow_path,
+    encoder_and_denoiser,
     fake_worker,
     job,
     push_on_fast_path,
+    register,
+    released,
     running_negotiator,
     stage_encoder_output,
     wait_late,
 )
 from transfer.protocol import (
-    DAEMON_TO_WORKER,
-    PROTOCOL_VERSION,
-    Abort,
     Alloc,
     Allocated,
     AllocRejected,
@@ -49,25 +48,13 @@ from transfer.protocol import (
     Pushed,
     Ready,
     Reason,
-    Register,
-    Registered,
     Role,
-    SlotInfo,
     Staged,
     TensorSpec,
     Work,
-    encode,
 )
 
 ALLOCATION = POOL_BASE + 8192
-
-
-def released(rid: str, worker: FakeWorker, ok: bool | None = None) -> Release:
-    return Release(request_id=rid, instance=worker.instance, ok=ok)
-
-
-def aborted(rid: str, worker: FakeWorker) -> Send:
-    return Send(instance=worker.instance, order=Abort(request_id=rid))
 
 
 async def forget(n: Negotiator, rid: str, times: int = 1) -> None:
@@ -119,11 +106,7 @@ async def test_forget_while_running_at_a_receiver_recycles_its_input_slot(
 ) -> None:
     """RUNNING at the denoiser, its input in a preallocated slot: slot back, Release to its pool, Abort."""
     with anyio.fail_after(5):
-        async with (
-            running_negotiator(ctx, tmp_path) as n,
-            fake_worker(ctx, n, "encoder") as encoder,
-            fake_worker(ctx, n, "denoiser", slots=2) as denoiser,
-        ):
+        async with encoder_and_denoiser(ctx, tmp_path, slots=2) as (n, encoder, denoiser):
             await deliver_to_denoiser(n, encoder, denoiser, "r1")
             assert (await n.stats()).prealloc[denoiser.instance] == PreallocCounts(1, 2, True)
             await forget(n, "r1")
@@ -141,11 +124,7 @@ async def test_forget_while_awaiting_a_receiver_releases_and_aborts_the_sender(
     ctx: zmq.asyncio.Context, tmp_path: Path
 ) -> None:
     with anyio.fail_after(5):
-        async with (
-            running_negotiator(ctx, tmp_path) as n,
-            fake_worker(ctx, n, "encoder") as encoder,
-            fake_worker(ctx, n, "denoiser", slots=2) as denoiser,
-        ):
+        async with encoder_and_denoiser(ctx, tmp_path, slots=2) as (n, encoder, denoiser):
             await stage_encoder_output(n, encoder, "r1")
             await forget(n, "r1")
             assert n.take("encoder") == [released("r1", encoder), aborted("r1", encoder)]
@@ -164,11 +143,7 @@ async def test_forget_while_allocating_releases_both_pools_and_aborts_both(
     ctx: zmq.asyncio.Context, tmp_path: Path
 ) -> None:
     with anyio.fail_after(5):
-        async with (
-            running_negotiator(ctx, tmp_path) as n,
-            fake_worker(ctx, n, "encoder") as encoder,
-            fake_worker(ctx, n, "denoiser", slots=0) as denoiser,
-        ):
+        async with encoder_and_denoiser(ctx, tmp_path, slots=0) as (n, encoder, denoiser):
             await stage_encoder_output(n, encoder, "r1")
             await n.inbox.send(Placed(job=job("r1", "denoiser"), instance=denoiser.instance))
             assert await n.pools["denoiser"].receive() == Send(instance=denoiser.instance,
@@ -189,11 +164,7 @@ async def test_forget_mid_push_releases_the_pools_now_and_the_slot_when_pushed(
     ctx: zmq.asyncio.Context, tmp_path: Path
 ) -> None:
     with anyio.fail_after(5):
-        async with (
-            running_negotiator(ctx, tmp_path) as n,
-            fake_worker(ctx, n, "encoder") as encoder,
-            fake_worker(ctx, n, "denoiser", slots=2) as denoiser,
-        ):
+        async with encoder_and_denoiser(ctx, tmp_path, slots=2) as (n, encoder, denoiser):
             await push_on_fast_path(n, encoder, denoiser, "r1")
             await forget(n, "r1")
             # Both pool slots free at once (no compute is left to run)...
@@ -222,11 +193,7 @@ async def test_forget_mid_push_into_an_allocation_aborts_it_only_when_pushed(
     ctx: zmq.asyncio.Context, tmp_path: Path
 ) -> None:
     with anyio.fail_after(5):
-        async with (
-            running_negotiator(ctx, tmp_path) as n,
-            fake_worker(ctx, n, "encoder") as encoder,
-            fake_worker(ctx, n, "denoiser", slots=0) as denoiser,
-        ):
+        async with encoder_and_denoiser(ctx, tmp_path, slots=0) as (n, encoder, denoiser):
             await stage_encoder_output(n, encoder, "r1")
             await allocate_on_slow_path(n, encoder, denoiser, "r1", ALLOCATION)
             await forget(n, "r1")
@@ -255,11 +222,7 @@ async def test_failed_stage_at_a_receiver_counts_as_failed_and_frees_its_input(
     ctx: zmq.asyncio.Context, tmp_path: Path
 ) -> None:
     with anyio.fail_after(5):
-        async with (
-            running_negotiator(ctx, tmp_path) as n,
-            fake_worker(ctx, n, "encoder") as encoder,
-            fake_worker(ctx, n, "denoiser", slots=2) as denoiser,
-        ):
+        async with encoder_and_denoiser(ctx, tmp_path, slots=2) as (n, encoder, denoiser):
             await deliver_to_denoiser(n, encoder, denoiser, "r1")
             await denoiser.report(Done(request_id="r1", ok=False, compute_ms=2.0, reason=Reason.STAGE_FAILED,
                                        error="nan"))
@@ -286,11 +249,7 @@ async def test_invalid_staged_output_fails_the_stage(ctx: zmq.asyncio.Context, t
 
 async def test_alloc_rejected_releases_both_pools_and_fails(ctx: zmq.asyncio.Context, tmp_path: Path) -> None:
     with anyio.fail_after(5):
-        async with (
-            running_negotiator(ctx, tmp_path) as n,
-            fake_worker(ctx, n, "encoder") as encoder,
-            fake_worker(ctx, n, "denoiser", slots=0) as denoiser,
-        ):
+        async with encoder_and_denoiser(ctx, tmp_path, slots=0) as (n, encoder, denoiser):
             await stage_encoder_output(n, encoder, "r1")
             await n.inbox.send(Placed(job=job("r1", "denoiser"), instance=denoiser.instance))
             await n.pools["denoiser"].receive()  # Alloc
@@ -307,11 +266,7 @@ async def test_allocation_outside_the_pool_releases_both_pools_and_fails(
     ctx: zmq.asyncio.Context, tmp_path: Path
 ) -> None:
     with anyio.fail_after(5):
-        async with (
-            running_negotiator(ctx, tmp_path) as n,
-            fake_worker(ctx, n, "encoder") as encoder,
-            fake_worker(ctx, n, "denoiser", slots=0) as denoiser,
-        ):
+        async with encoder_and_denoiser(ctx, tmp_path, slots=0) as (n, encoder, denoiser):
             await stage_encoder_output(n, encoder, "r1")
             await n.inbox.send(Placed(job=job("r1", "denoiser"), instance=denoiser.instance))
             await n.pools["denoiser"].receive()  # Alloc
@@ -336,14 +291,7 @@ async def reregister(ctx: zmq.asyncio.Context, n: Negotiator, role: Role, *, slo
     sock = stack.enter_context(ctx.socket(zmq.DEALER))
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(n.endpoint)
-    await sock.send(encode(Register(
-        protocol=PROTOCOL_VERSION, token=TOKEN, role=role, name=f"{role}-worker", work_address="ipc://unused",
-        session=f"{role}-session-2", pool_base=POOL_BASE, pool_size=1 << 20,
-        slots=[SlotInfo(slot_id=i, address=POOL_BASE + i * SLOT_SIZE, size=SLOT_SIZE) for i in range(slots)],
-        capacity=2,
-    )))
-    registered = DAEMON_TO_WORKER.decode(await sock.recv())
-    assert isinstance(registered, Registered), registered
+    registered = await register(sock, role, f"{role}-session-2", slots)
     posted = n.take(role)
     assert isinstance(posted[-1], Join) and posted[-1].instance == registered.instance
     assert isinstance(n.frontend.receive_nowait(), LimitsChanged)
@@ -354,11 +302,7 @@ async def test_a_dead_sender_mid_push_frees_the_receivers_slot_at_once(
     ctx: zmq.asyncio.Context, tmp_path: Path
 ) -> None:
     with anyio.fail_after(5), ExitStack() as stack:
-        async with (
-            running_negotiator(ctx, tmp_path) as n,
-            fake_worker(ctx, n, "encoder") as encoder,
-            fake_worker(ctx, n, "denoiser", slots=2) as denoiser,
-        ):
+        async with encoder_and_denoiser(ctx, tmp_path, slots=2) as (n, encoder, denoiser):
             await push_on_fast_path(n, encoder, denoiser, "r1")
             _, posted = await reregister(ctx, n, "encoder", slots=0, stack=stack)
             assert isinstance(posted[0], Leave) and posted[0].instance == encoder.instance
@@ -377,11 +321,7 @@ async def test_a_dead_receiver_mid_push_keeps_its_allocation_until_pushed(
     ctx: zmq.asyncio.Context, tmp_path: Path
 ) -> None:
     with anyio.fail_after(5), ExitStack() as stack:
-        async with (
-            running_negotiator(ctx, tmp_path) as n,
-            fake_worker(ctx, n, "encoder") as encoder,
-            fake_worker(ctx, n, "denoiser", slots=0) as denoiser,
-        ):
+        async with encoder_and_denoiser(ctx, tmp_path, slots=0) as (n, encoder, denoiser):
             await stage_encoder_output(n, encoder, "r1")
             await allocate_on_slow_path(n, encoder, denoiser, "r1", ALLOCATION)
             _, posted = await reregister(ctx, n, "denoiser", slots=0, stack=stack)
@@ -405,11 +345,8 @@ async def test_a_silent_sender_mid_push_keeps_the_receivers_slot_until_its_quara
 ) -> None:
     """Evicted for silence, a sender may still be alive and writing: the slot waits it out."""
     with anyio.fail_after(5):
-        async with (
-            running_negotiator(ctx, tmp_path, heartbeat_s=0.05, heartbeat_misses=2, push_quarantine_s=0.4) as n,
-            fake_worker(ctx, n, "encoder") as encoder,
-            fake_worker(ctx, n, "denoiser", slots=2) as denoiser,
-        ):
+        async with encoder_and_denoiser(ctx, tmp_path, slots=2, heartbeat_s=0.05, heartbeat_misses=2,
+                                        push_quarantine_s=0.4) as (n, encoder, denoiser):
             await push_on_fast_path(n, encoder, denoiser, "r1")
 
             async def beat_until(check) -> float:  # only the denoiser keeps beating

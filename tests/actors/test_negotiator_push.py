@@ -16,9 +16,11 @@ from tests.actors.negotiator_harness import (
     NBYTES,
     PARAMS,
     POOL_BASE,
-    fake_worker,
+    aborted,
+    encoder_and_denoiser,
     job,
     push_on_fast_path,
+    released,
     running_negotiator,
     stage_encoder_output,
     wait_late,
@@ -26,7 +28,6 @@ from tests.actors.negotiator_harness import (
 from transfer.protocol import (
     DAEMON_TO_WORKER,
     PROTOCOL_VERSION,
-    Abort,
     Alloc,
     Allocated,
     Push,
@@ -45,11 +46,7 @@ async def test_failed_push_frees_the_receivers_slot_and_fails_the_request(
     ctx: zmq.asyncio.Context, tmp_path: Path
 ) -> None:
     with anyio.fail_after(5):
-        async with (
-            running_negotiator(ctx, tmp_path) as n,
-            fake_worker(ctx, n, "encoder") as encoder,
-            fake_worker(ctx, n, "denoiser", slots=2) as denoiser,
-        ):
+        async with encoder_and_denoiser(ctx, tmp_path, slots=2) as (n, encoder, denoiser):
             assert (await n.stats()).prealloc[denoiser.instance] == PreallocCounts(2, 2, True)
             await push_on_fast_path(n, encoder, denoiser, "r1")
 
@@ -60,10 +57,10 @@ async def test_failed_push_frees_the_receivers_slot_and_fails_the_request(
             # The negotiator frees everything itself: the sender's slot (its stage failed) and
             # staged block, and the receiver's reservation (unused).
             assert n.take("encoder") == [
-                Release(request_id="r1", instance=encoder.instance, ok=False),
-                Send(instance=encoder.instance, order=Abort(request_id="r1")),
+                released("r1", encoder, ok=False),
+                aborted("r1", encoder),
             ]
-            assert n.take("denoiser") == [Release(request_id="r1", instance=denoiser.instance, ok=None)]
+            assert n.take("denoiser") == [released("r1", denoiser)]
             stats = await n.stats()
             assert stats.prealloc[denoiser.instance] == PreallocCounts(2, 2, True)  # back at once
             assert stats.handoffs_in_flight == 0
@@ -80,11 +77,7 @@ async def test_failed_push_frees_the_receivers_slot_and_fails_the_request(
 
 async def test_slot_freed_by_a_failed_push_serves_the_next_hand_off(ctx: zmq.asyncio.Context, tmp_path: Path) -> None:
     with anyio.fail_after(5):
-        async with (
-            running_negotiator(ctx, tmp_path) as n,
-            fake_worker(ctx, n, "encoder") as encoder,
-            fake_worker(ctx, n, "denoiser", slots=1) as denoiser,
-        ):
+        async with encoder_and_denoiser(ctx, tmp_path, slots=1) as (n, encoder, denoiser):
             await stage_encoder_output(n, encoder, "r1")
             await n.inbox.send(Placed(job=job("r1", "denoiser"), instance=denoiser.instance))
             assert isinstance((await n.pools["encoder"].receive()).order, Push)
@@ -104,11 +97,7 @@ async def test_failed_push_into_an_allocation_aborts_it_at_the_receiver(
 ) -> None:
     """Slow path: the receiver allocated for the push; once the push fails it is told to free it."""
     with anyio.fail_after(5):
-        async with (
-            running_negotiator(ctx, tmp_path) as n,
-            fake_worker(ctx, n, "encoder") as encoder,
-            fake_worker(ctx, n, "denoiser", slots=0) as denoiser,
-        ):
+        async with encoder_and_denoiser(ctx, tmp_path, slots=0) as (n, encoder, denoiser):
             await stage_encoder_output(n, encoder, "r1")
             await n.inbox.send(Placed(job=job("r1", "denoiser"), instance=denoiser.instance))
             assert await n.pools["denoiser"].receive() == Send(instance=denoiser.instance,
@@ -122,12 +111,12 @@ async def test_failed_push_into_an_allocation_aborts_it_at_the_receiver(
             failed = await n.tracker.receive()
             assert (failed.request_id, failed.reason) == ("r1", Reason.TRANSFER_FAILED)
             assert n.take("encoder") == [
-                Release(request_id="r1", instance=encoder.instance, ok=False),
-                Send(instance=encoder.instance, order=Abort(request_id="r1")),
+                released("r1", encoder, ok=False),
+                aborted("r1", encoder),
             ]
             assert n.take("denoiser") == [
-                Release(request_id="r1", instance=denoiser.instance, ok=None),
-                Send(instance=denoiser.instance, order=Abort(request_id="r1")),
+                released("r1", denoiser),
+                aborted("r1", denoiser),
             ]
             stats = await n.stats()
             assert (stats.handoffs_in_flight, stats.slow_path) == (0, {HOP: 1})
@@ -139,11 +128,7 @@ async def test_failed_push_into_an_allocation_aborts_it_at_the_receiver(
 
 async def test_report_after_a_failed_push_is_late(ctx: zmq.asyncio.Context, tmp_path: Path) -> None:
     with anyio.fail_after(5):
-        async with (
-            running_negotiator(ctx, tmp_path) as n,
-            fake_worker(ctx, n, "encoder") as encoder,
-            fake_worker(ctx, n, "denoiser", slots=2) as denoiser,
-        ):
+        async with encoder_and_denoiser(ctx, tmp_path, slots=2) as (n, encoder, denoiser):
             await push_on_fast_path(n, encoder, denoiser, "r1")
             await encoder.report(Pushed(request_id="r1", ok=False, transfer_ms=0.0, error="link down"))
             await n.tracker.receive()
@@ -152,7 +137,7 @@ async def test_report_after_a_failed_push_is_late(ctx: zmq.asyncio.Context, tmp_
             assert stats.late_reports == 1
             assert stats.prealloc[denoiser.instance] == PreallocCounts(2, 2, True)
             assert [type(m) for m in n.take("encoder")] == [Release, Send]  # the first report's
-            assert n.take("denoiser") == [Release(request_id="r1", instance=denoiser.instance, ok=None)]
+            assert n.take("denoiser") == [released("r1", denoiser)]
             n.assert_silent()
 
 
@@ -161,14 +146,10 @@ async def test_report_after_a_failed_push_is_late(ctx: zmq.asyncio.Context, tmp_
 
 async def test_successful_push_keeps_the_slot_as_the_receivers_input(ctx: zmq.asyncio.Context, tmp_path: Path) -> None:
     with anyio.fail_after(5):
-        async with (
-            running_negotiator(ctx, tmp_path) as n,
-            fake_worker(ctx, n, "encoder") as encoder,
-            fake_worker(ctx, n, "denoiser", slots=2) as denoiser,
-        ):
+        async with encoder_and_denoiser(ctx, tmp_path, slots=2) as (n, encoder, denoiser):
             await push_on_fast_path(n, encoder, denoiser, "r1")
             await encoder.report(Pushed(request_id="r1", ok=True, transfer_ms=1.0))
-            assert await n.pools["encoder"].receive() == Release(request_id="r1", instance=encoder.instance, ok=True)
+            assert await n.pools["encoder"].receive() == released("r1", encoder, ok=True)
             handed = await n.tracker.receive()
             assert isinstance(handed, HandedOff) and (handed.request_id, handed.fast_path) == ("r1", True)
             assert await n.pools["denoiser"].receive() == Send(instance=denoiser.instance, order=Ready(
@@ -182,27 +163,23 @@ async def test_successful_push_keeps_the_slot_as_the_receivers_input(ctx: zmq.as
             await n.inbox.send(Forget(request_id="r1"))
             assert (await n.stats()).prealloc[denoiser.instance] == PreallocCounts(2, 2, True)
             assert n.take("denoiser") == [
-                Release(request_id="r1", instance=denoiser.instance, ok=None),
-                Send(instance=denoiser.instance, order=Abort(request_id="r1")),
+                released("r1", denoiser),
+                aborted("r1", denoiser),
             ]
             n.assert_silent()
 
 
 async def test_forget_mid_push_keeps_the_slot_until_the_push_reports(ctx: zmq.asyncio.Context, tmp_path: Path) -> None:
     with anyio.fail_after(5):
-        async with (
-            running_negotiator(ctx, tmp_path) as n,
-            fake_worker(ctx, n, "encoder") as encoder,
-            fake_worker(ctx, n, "denoiser", slots=2) as denoiser,
-        ):
+        async with encoder_and_denoiser(ctx, tmp_path, slots=2) as (n, encoder, denoiser):
             await push_on_fast_path(n, encoder, denoiser, "r1")
             await n.inbox.send(Forget(request_id="r1"))
             assert (await n.stats()).prealloc[denoiser.instance] == PreallocCounts(1, 2, True)
             assert n.take("encoder") == [
-                Release(request_id="r1", instance=encoder.instance, ok=None),
-                Send(instance=encoder.instance, order=Abort(request_id="r1")),
+                released("r1", encoder),
+                aborted("r1", encoder),
             ]
-            assert n.take("denoiser") == [Release(request_id="r1", instance=denoiser.instance, ok=None)]
+            assert n.take("denoiser") == [released("r1", denoiser)]
             await encoder.report(Pushed(request_id="r1", ok=True, transfer_ms=1.0))
             while (stats := await n.stats()).prealloc[denoiser.instance].free == 1:
                 await anyio.sleep(0.005)

@@ -41,6 +41,7 @@ from tests.actors.negotiator_harness import (
     SLOT_SIZE,
     FakeWorker,
     Negotiator,
+    encoder_and_denoiser,
     fake_worker,
     job,
     push_on_fast_path,
@@ -136,9 +137,7 @@ async def test_race_a_the_receiver_pools_slot_always_comes_back(
 ) -> None:
     with anyio.fail_after(5):
         async with (
-            running_negotiator(ctx, tmp_path) as n,
-            fake_worker(ctx, n, "encoder") as encoder,
-            fake_worker(ctx, n, "denoiser", slots=2) as denoiser,
+            encoder_and_denoiser(ctx, tmp_path, slots=2) as (n, encoder, denoiser),
             real_pool(ctx, tmp_path, denoiser) as pool,
         ):
             await stage_encoder_output(n, encoder, "r#0")  # the denoiser job is on its way to admission
@@ -209,11 +208,7 @@ async def test_race_c_a_stale_placed_does_not_reserve_for_the_new_request(
     ctx: zmq.asyncio.Context, tmp_path: Path
 ) -> None:
     with anyio.fail_after(5):
-        async with (
-            running_negotiator(ctx, tmp_path) as n,
-            fake_worker(ctx, n, "encoder") as encoder,
-            fake_worker(ctx, n, "denoiser", slots=2) as denoiser,
-        ):
+        async with encoder_and_denoiser(ctx, tmp_path, slots=2) as (n, encoder, denoiser):
             await stage_encoder_output(n, encoder, "r#0")
             await n.inbox.send(Forget(request_id="r#0"))
             await n.stats()
@@ -235,11 +230,7 @@ async def test_race_c_a_stale_placed_does_not_reserve_for_the_new_request(
 async def test_race_c_the_old_push_report_frees_only_its_own_slot(ctx: zmq.asyncio.Context, tmp_path: Path) -> None:
     """"r#0" was forgotten mid-push; "r#1" pushes to the same receiver before "r#0"'s push reports."""
     with anyio.fail_after(5):
-        async with (
-            running_negotiator(ctx, tmp_path) as n,
-            fake_worker(ctx, n, "encoder") as encoder,
-            fake_worker(ctx, n, "denoiser", slots=2) as denoiser,
-        ):
+        async with encoder_and_denoiser(ctx, tmp_path, slots=2) as (n, encoder, denoiser):
             await push_on_fast_path(n, encoder, denoiser, "r#0")  # into slot 0
             await n.inbox.send(Forget(request_id="r#0"))
             await n.stats()
