@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import itertools
 import uuid
-from functools import partial
 
 import anyio
 import msgspec
@@ -23,7 +22,7 @@ import zmq.asyncio
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
 
 from actors.base import drain_with_pump, mailbox_depth, post, reply_once
-from actors.edges import bound_router
+from actors.edges import PlainPump, bound_router
 from actors.mail import Admit, CancelRequest, Deliver, FrontendMail, LimitsChanged, QueryStats, SetDraining, TrackerMail
 from orchestrator.config import DaemonConfig
 from orchestrator.limits import limits_violation
@@ -67,7 +66,8 @@ class FrontendActor:
         self._ctx = ctx
         self._cfg = cfg
         self._tracker = tracker
-        self._sock: zmq.asyncio.Socket | None = None
+        self._sock: zmq.Socket | None = None
+        self._pump: PlainPump | None = None
         # Each admission gets its own internal key, never reused, so news about an ended
         # request can never be mistaken for a later one that reuses the client's id.
         self._keys = itertools.count()
@@ -80,16 +80,12 @@ class FrontendActor:
     async def run(self, *, task_status: anyio.abc.TaskStatus[str] = anyio.TASK_STATUS_IGNORED) -> None:
         # Replies already handed to ZMQ get a bounded moment to leave on shutdown.
         with bound_router(self._ctx, self._cfg.client_endpoint, send_hwm=self._cfg.client_send_hwm,
-                          close_linger_ms=FLUSH_ON_CLOSE_MS) as (sock, bound):
+                          close_linger_ms=FLUSH_ON_CLOSE_MS, plain=True) as (sock, bound):
             self._sock = sock
-            await drain_with_pump(self._inbox, self._handle, partial(self._pump_in, sock), task_status=task_status,
-                                  started=bound)
+            self._pump = PlainPump(sock, self._on_frames, copy=True)
+            await drain_with_pump(self._inbox, self._handle, self._pump.run, task_status=task_status, started=bound)
 
     # ------------------------------------------------------------------ inbound
-
-    async def _pump_in(self, sock: zmq.asyncio.Socket) -> None:
-        while True:
-            self._on_frames(await sock.recv_multipart())
 
     def _on_frames(self, frames: list[bytes]) -> None:
         identity = frames[0]
@@ -158,7 +154,8 @@ class FrontendActor:
                 reply_once(reply, FrontendStats(len(self._clients), self._draining, mailbox_depth(self._inbox)))
 
     def _send(self, identity: bytes, message: ClientReply, frames: tuple | list = ()) -> None:
-        assert self._sock is not None
+        assert self._sock is not None and self._pump is not None
         # A ROUTER never blocks on send: a client that left or stopped reading past its
         # high-water mark has the reply dropped, and nobody else waits for it.
-        self._sock.send_multipart([identity, b"", encode(message), *frames], copy=False)
+        self._sock.send_multipart([identity, b"", encode(message), *frames], flags=zmq.NOBLOCK, copy=False)
+        self._pump.after_send()

@@ -23,7 +23,6 @@ import secrets
 import time
 from collections import deque
 from dataclasses import dataclass
-from functools import partial
 
 import anyio
 import msgspec
@@ -33,7 +32,7 @@ import zmq.asyncio
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
 
 from actors.base import drain_with_pump, mailbox_depth, post, reply_once
-from actors.edges import bound_router, pump_plain
+from actors.edges import PlainPump, bound_router
 from actors.flight import Flight, FlightState
 from actors.mail import (
     AdmissionMail,
@@ -156,7 +155,7 @@ class TransferNegotiator:
         with bound_router(self._ctx, self._cfg.worker_endpoint, send_hwm=self._cfg.worker_send_hwm,
                           plain=True) as (sock, bound):
             self._sock = sock
-            await drain_with_pump(self._inbox, self._handle, partial(pump_plain, sock, self._on_frames),
+            await drain_with_pump(self._inbox, self._handle, PlainPump(sock, self._on_frames, copy=False).run,
                                   task_status=task_status, started=bound)
 
     # ------------------------------------------------------------------ worker socket
