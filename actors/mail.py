@@ -203,10 +203,4 @@ class Placed(Mail):
     instance: str
 
 
-class Unplaceable(Mail):
-    """``job``'s role has no live instance left to take it."""
-
-    job: Job
-
-
-NegotiatorMail = Placed | Unplaceable | Forget | Tick | QueryStats
+NegotiatorMail = Placed | Forget | Tick | QueryStats

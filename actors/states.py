@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 
-from transfer.protocol import Reason, Role
+from transfer.protocol import Role
 
 
 class RequestState(enum.StrEnum):
@@ -32,19 +32,6 @@ ALLOWED: dict[RequestState, frozenset[RequestState]] = {
     RequestState.DONE: frozenset(),
     RequestState.FAILED: frozenset(),
 }
-
-# Reasons a request can fail with once admitted (the rest are answered at the door).
-ADMITTED_FAILURES = frozenset(
-    {
-        Reason.TIMED_OUT,
-        Reason.STAGE_FAILED,
-        Reason.TRANSFER_FAILED,
-        Reason.WORKER_LOST,
-        Reason.CANCELLED,
-        Reason.INVALID,
-    }
-)
-
 
 class IllegalTransition(RuntimeError):
     pass

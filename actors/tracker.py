@@ -1,8 +1,8 @@
 """TrackerActor: the table of live requests, their deadlines, and how each one ends.
 
 Every request ends here exactly once: with a ``Result``, or with a ``Rejected`` followed by
-a ``Forget`` to every owner (admission, pools, negotiator), which each free what the
-request holds. Deadlines sit in a heap checked on each ``Tick``: expiry costs
+a ``Forget`` that travels admission -> pools -> negotiator, which frees what the request
+holds. Deadlines sit in a heap checked on each ``Tick``: expiry costs
 O(log n) per request, never a scan of the table.
 """
 

@@ -1,0 +1,75 @@
+"""The command line and the control socket against a real cluster."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import anyio
+import pytest
+import torch
+
+from orchestrator.client import AsyncClient, Client
+from orchestrator.stages.images import decode_png
+from orchestrator.stages.null import expected_outputs
+from tests.e2e.conftest import StartCluster, all_free, wait_for
+from transfer.protocol import GenParams
+
+SMALL = {"encoder": 1, "denoiser": 1, "decoder": 1}
+
+
+def triptych(*args: str, config) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "orchestrator", *args, "--config", str(config)],
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_submit_writes_the_png_and_stats_report_it(start_cluster: StartCluster, tmp_path) -> None:
+    cluster = start_cluster(layout=SMALL)
+    out = tmp_path / "out"
+    done = triptych("submit", "--prompt", "a harbour", "--seed", "4", "--width", "32", "--height", "24",
+                    "--request-id", "cli-1", "--out", str(out), config=cluster.config_path)
+    assert done.returncode == 0, done.stderr
+    png = (out / "image_0.png").read_bytes()
+    expected = expected_outputs(GenParams(prompt="a harbour", seed=4, width=32, height=24, output="raw"),
+                                cluster.config.model.null)["images"][0]
+    assert torch.equal(torch.from_numpy(decode_png(png).copy()), expected)
+    assert "denoiser" in done.stdout and "compute" in done.stdout
+
+    stats = json.loads(triptych("stats", "--json", config=cluster.config_path).stdout)
+    assert stats["completed"] == 1 and len(stats["instances"]) == 3
+    table = triptych("stats", config=cluster.config_path).stdout
+    assert "completed=1" in table and "denoiser" in table
+
+
+def test_submit_reports_a_rejection_and_exits_nonzero(start_cluster: StartCluster, tmp_path) -> None:
+    cluster = start_cluster(layout=SMALL)
+    done = triptych("submit", "--prompt", "x", "--width", "30", "--out", str(tmp_path), config=cluster.config_path)
+    assert done.returncode == 2
+    assert "rejected (invalid)" in done.stderr and "multiple of 8" in done.stderr
+
+
+async def test_drain_over_the_control_socket_finishes_work_and_exits(start_cluster: StartCluster) -> None:
+    cluster = start_cluster(layout=SMALL, **{"model.null": {"denoiser_ms": 800.0}})
+    assert {i.role for i in cluster.control.workers().instances} == {"encoder", "denoiser", "decoder"}
+    with anyio.fail_after(60):
+        async with AsyncClient(cluster.config.daemon.client_endpoint) as client, anyio.create_task_group() as tg:
+            tg.start_soon(client.submit, GenParams(prompt="slow", output="raw"))
+            await anyio.to_thread.run_sync(wait_for, cluster, lambda s: sum(s.requests_by_state.values()) == 1)
+            assert cluster.control.drain().in_flight == 1
+        assert cluster.daemon is not None
+        assert await anyio.to_thread.run_sync(lambda: cluster.daemon.wait(timeout=30)) == 0
+
+
+@pytest.mark.parametrize("policy", ["round_robin", "power_of_two"])
+def test_every_dispatch_policy_serves_correctly_over_both_denoisers(start_cluster: StartCluster, policy: str) -> None:
+    cluster = start_cluster(**{"daemon": {"dispatch": policy}})
+    served: set[str] = set()
+    with Client(cluster.config.daemon.client_endpoint) as client:
+        for i in range(16):  # power of two: all on one denoiser has odds 2^-15
+            params = GenParams(prompt=f"p{i}", seed=i, output="raw")
+            generation = client.submit(params, timeout_s=20)
+            assert torch.equal(generation.outputs["images"], expected_outputs(params, cluster.config.model.null)["images"])
+            served.update(s.instance for s in generation.result.stages if s.role == "denoiser")
+    assert len(served) == 2
+    wait_for(cluster, all_free)
