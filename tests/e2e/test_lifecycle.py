@@ -185,3 +185,20 @@ def test_a_taken_port_stops_the_daemon_loudly(start_cluster: StartCluster) -> No
     assert second.returncode != 0
     assert "Address already in use" in second.stdout + second.stderr
     cluster.control.stats()  # the first daemon is unaffected
+
+
+async def test_allocs_and_pushes_are_answered_while_the_worker_computes(start_cluster: StartCluster) -> None:
+    """One denoiser busy for 1.5 s still takes the next request's input at once (slow path)."""
+    cluster = start_cluster(layout={"encoder": 1, "denoiser": 1, "decoder": 1}, **SLOW,
+                            **{"workers.denoiser": {"prealloc_slots": 0, "capacity": 2}})
+    generations = []
+    with anyio.fail_after(30):
+        async with AsyncClient(cluster.config.daemon.client_endpoint) as client, anyio.create_task_group() as tg:
+            tg.start_soon(_append, generations, client.submit(p(1), request_id="first"))
+            await anyio.to_thread.run_sync(wait_for, cluster, lambda s: s.requests_by_state.get("denoising") == 1)
+            tg.start_soon(_append, generations, client.submit(p(2), request_id="second"))
+    second = next(g for g in generations if g.result.request_id == "second")
+    encoder_stage = second.result.stages[0]
+    assert encoder_stage.fast_path is False
+    # The hand-off (alloc round trip + push) did not wait for the 1.5 s computation.
+    assert encoder_stage.queued_ms + encoder_stage.transfer_ms < 500, encoder_stage
