@@ -112,7 +112,16 @@ def main(argv: list[str] | None = None) -> int:
     p = command("stats", _stats, "print the daemon's stats")
     p.add_argument("--endpoint", default="")
     p.add_argument("--json", action="store_true")
-    args = parser.parse_args(argv)
+    # Whole programs of their own; everything after the name is passed through.
+    sub.add_parser("demo", help="run the local demo cluster (see --help)", add_help=False)
+    sub.add_parser("bench", help="run the control-plane benchmark (see --help)", add_help=False)
+    args, rest = parser.parse_known_args(argv)
+    if args.command in ("demo", "bench"):
+        from orchestrator import bench, demo
+
+        return {"demo": demo.main, "bench": bench.main}[args.command](rest)
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     return args.func(args)
 
 
