@@ -59,7 +59,8 @@ class WorkerConfig(Section):
     prealloc_slot_bytes: PositiveInt = 16 * MiB
     alloc_timeout_s: PositiveFloat = 10.0
     bind_host: str = "127.0.0.1"
-    advertise_host: str = "127.0.0.1"  # what the daemon and peers dial
+    # What the daemon dials: a real address, never a wildcard like 0.0.0.0.
+    advertise_host: Annotated[str, msgspec.Meta(pattern=r"^(?!0\.0\.0\.0$|\*$|::$)\S+$")] = "127.0.0.1"
     connect_timeout_s: PositiveFloat = 60.0  # retrying the daemon until it is up
 
 

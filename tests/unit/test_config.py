@@ -75,3 +75,12 @@ def test_bad_value_names_its_path(tmp_path: Path, text: str, path: str) -> None:
 def test_malformed_toml_is_a_decode_error(tmp_path: Path) -> None:
     with pytest.raises(msgspec.DecodeError):
         load_config(write(tmp_path, "[daemon\n"))
+
+
+@pytest.mark.parametrize("wildcard", ["0.0.0.0", "*", "::"])
+def test_a_wildcard_advertise_host_is_refused(tmp_path: Path, wildcard: str) -> None:
+    """The daemon dials what a worker advertises, so a wildcard would never reach it."""
+    path = tmp_path / "c.toml"
+    path.write_text(f'[workers.denoiser]\nadvertise_host = "{wildcard}"\n')
+    with pytest.raises(msgspec.ValidationError, match=r"\$\.workers\.denoiser\.advertise_host"):
+        load_config(path)
