@@ -22,7 +22,7 @@ import zmq.asyncio
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
 
 from actors.base import drain_with_pump, mailbox_depth, post, reply_once
-from actors.edges import PlainPump, bound_router
+from actors.edges import bound_router
 from actors.mail import Admit, CancelRequest, Deliver, FrontendMail, LimitsChanged, QueryStats, SetDraining, TrackerMail
 from orchestrator.config import DaemonConfig
 from orchestrator.limits import limits_violation
@@ -39,6 +39,7 @@ from transfer.protocol import (
     Submit,
     encode,
 )
+from transfer.sockets import PlainPump
 
 log = structlog.get_logger()
 

@@ -32,7 +32,7 @@ import zmq.asyncio
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
 
 from actors.base import drain_with_pump, mailbox_depth, post, reply_once
-from actors.edges import PlainPump, bound_router
+from actors.edges import bound_router
 from actors.flight import Flight, FlightState
 from actors.mail import (
     AdmissionMail,
@@ -82,6 +82,7 @@ from transfer.protocol import (
     hop_name,
     next_role,
 )
+from transfer.sockets import PlainPump
 
 log = structlog.get_logger()
 

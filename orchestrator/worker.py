@@ -16,6 +16,7 @@ import hmac
 import os
 import socket
 import time
+from functools import partial
 from typing import Any
 
 import anyio
@@ -51,6 +52,7 @@ from transfer.protocol import (
     Work,
     encode,
 )
+from transfer.sockets import PlainPump
 
 log = structlog.get_logger()
 
@@ -96,7 +98,7 @@ class WorkerRuntime:
             self._engine = MooncakeEngine(self._cfg.transfer)
         self._engine.register(pool.base, pool.size)
         ctx = zmq.asyncio.Context()
-        work = ctx.socket(zmq.PULL)
+        work = zmq.Socket(ctx, zmq.PULL)
         work.setsockopt(zmq.LINGER, 0)
         dealer = self._dealer = ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
@@ -113,7 +115,8 @@ class WorkerRuntime:
                 tg.start_soon(self._heartbeat, registered.heartbeat_s)
                 tg.start_soon(self._watch_daemon, dealer)
                 task_status.started(registered.instance)
-                await self._serve(work, tg)
+                # Read on the loop without zmq.asyncio; nothing else uses this socket.
+                await PlainPump(work, partial(self._on_order, tg=tg), copy=True).run()
         finally:
             work.close(linger=0)
             dealer.close(linger=0)
@@ -158,28 +161,26 @@ class WorkerRuntime:
 
     # ------------------------------------------------------------------ orders
 
-    async def _serve(self, work: zmq.asyncio.Socket, tg: anyio.abc.TaskGroup) -> None:
-        while True:
-            parts = await work.recv_multipart()
-            if len(parts) != 2 or not hmac.compare_digest(parts[0], self._key):
-                self._log.warning("worker.order_refused", why="missing or wrong key")
-                continue
-            try:
-                order = WORK_ORDER.decode(parts[1])
-            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-                self._log.warning("worker.bad_order", error=str(exc))
-                continue
-            match order:
-                case Work() | Ready():
-                    tg.start_soon(self._guarded, order.request_id, self._cancel_scope(order.request_id),
-                                  self._run_stage, order)
-                case Alloc():
-                    tg.start_soon(self._guarded, order.request_id, self._cancel_scope(order.request_id),
-                                  self._alloc, order)
-                case Push():
-                    tg.start_soon(self._push, order)  # never cancelled: the daemon awaits Pushed
-                case Abort(request_id=rid):
-                    self._abort(rid)
+    def _on_order(self, parts: list[bytes], tg: anyio.abc.TaskGroup) -> None:
+        if len(parts) != 2 or not hmac.compare_digest(parts[0], self._key):
+            self._log.warning("worker.order_refused", why="missing or wrong key")
+            return
+        try:
+            order = WORK_ORDER.decode(parts[1])
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            self._log.warning("worker.bad_order", error=str(exc))
+            return
+        match order:
+            case Work() | Ready():
+                tg.start_soon(self._guarded, order.request_id, self._cancel_scope(order.request_id),
+                              self._run_stage, order)
+            case Alloc():
+                tg.start_soon(self._guarded, order.request_id, self._cancel_scope(order.request_id),
+                              self._alloc, order)
+            case Push():
+                tg.start_soon(self._push, order)  # never cancelled: the daemon awaits Pushed
+            case Abort(request_id=rid):
+                self._abort(rid)
 
     def _cancel_scope(self, rid: str) -> anyio.CancelScope:
         # Made and recorded before the task starts, so an Abort right behind the order
