@@ -88,10 +88,13 @@ class ControlActor:
 
     async def _ask(self, owner: str) -> Any:
         reply_tx, reply_rx = anyio.create_memory_object_stream[Any](1)
-        with reply_rx:
-            await self._owners[owner].send(QueryStats(reply=reply_tx))
-            with anyio.fail_after(QUERY_TIMEOUT_S):
-                return await reply_rx.receive()
+        with reply_rx, anyio.fail_after(QUERY_TIMEOUT_S):
+            try:
+                await self._owners[owner].send(QueryStats(reply=reply_tx))
+            except BaseException:
+                reply_tx.close()  # never delivered, so the replier will not close it
+                raise
+            return await reply_rx.receive()
 
     async def stats(self) -> Stats:
         answers: dict[str, Any] = {}

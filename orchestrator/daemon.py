@@ -117,10 +117,10 @@ async def _drain_on_request(
     """On the first signal or ``Drain``: refuse new work, let in-flight work finish, stop."""
     with frontend, tracker:
         await drain_requested.wait()
-        await frontend.send(SetDraining())
-        drained = anyio.Event()
-        await tracker.send(StartDrain(drained=drained))
         with anyio.move_on_after(timeout_s) as waited:
+            await frontend.send(SetDraining())
+            drained = anyio.Event()
+            await tracker.send(StartDrain(drained=drained))
             await drained.wait()
             # The frontend's inbox is FIFO: once it answers a query, the last results
             # posted before the drain completed have been handed to its socket.
