@@ -7,6 +7,8 @@ queued request never spins and an idle pool never waits on a poll.
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import anyio
 import msgspec
 import structlog
@@ -28,20 +30,19 @@ class AdmissionStats(msgspec.Struct, frozen=True):
 class RoleQueue:
     """FIFO of jobs for one role with O(1) removal from anywhere (timeouts, cancels).
 
-    A dict keeps insertion order, so its first key is the oldest job.
+    An OrderedDict keeps insertion order, so its first key is the oldest job.
     """
 
     def __init__(self) -> None:
-        self._jobs: dict[str, Job] = {}
+        self._jobs: OrderedDict[str, Job] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._jobs)
 
     def push(self, job: Job, *, front: bool = False) -> None:
         self._jobs[job.request_id] = job
-        if front:
-            # Rare (a pool lost the instance it was going to use): rebuild with it first.
-            self._jobs = {job.request_id: job, **self._jobs}
+        if front:  # a pool lost the instance it was going to use
+            self._jobs.move_to_end(job.request_id, last=False)
 
     def pop(self) -> Job:
         rid = next(iter(self._jobs))

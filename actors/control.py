@@ -54,11 +54,13 @@ class ControlActor:
         endpoint: str,
         owners: dict[str, ObjectSendStream[Any]],
         drain_requested: anyio.Event,
+        query_timeout_s: float = QUERY_TIMEOUT_S,
     ) -> None:
         self._ctx = ctx
         self._endpoint = endpoint
         self._owners = owners  # "frontend", "tracker", "admission", "negotiator", "pool.<role>"
         self._drain_requested = drain_requested
+        self._query_timeout_s = query_timeout_s
         self._started = time.monotonic()
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[str] = anyio.TASK_STATUS_IGNORED) -> None:
@@ -66,7 +68,12 @@ class ControlActor:
             task_status.started(bound)
             while True:
                 frames = await sock.recv_multipart()
-                reply = await self._answer(frames)
+                try:
+                    reply = await self._answer(frames)
+                except TimeoutError:
+                    # An actor too busy to answer in time is news for the operator, not a crash.
+                    reply = Rejected(request_id="", reason=Reason.OVERLOADED,
+                                     message=f"an actor did not answer the stats query within {self._query_timeout_s}s")
                 await sock.send_multipart([frames[0], b"", encode(reply)])
 
     async def _answer(self, frames: list[bytes]) -> ControlReply:
@@ -88,7 +95,7 @@ class ControlActor:
 
     async def _ask(self, owner: str) -> Any:
         reply_tx, reply_rx = anyio.create_memory_object_stream[Any](1)
-        with reply_rx, anyio.fail_after(QUERY_TIMEOUT_S):
+        with reply_rx:
             try:
                 await self._owners[owner].send(QueryStats(reply=reply_tx))
             except BaseException:
@@ -102,9 +109,11 @@ class ControlActor:
         async def ask(owner: str) -> None:
             answers[owner] = await self._ask(owner)
 
-        async with anyio.create_task_group() as tg:
-            for owner in self._owners:
-                tg.start_soon(ask, owner)
+        # One deadline around the whole fan-out, so a slow owner surfaces as TimeoutError.
+        with anyio.fail_after(self._query_timeout_s):
+            async with anyio.create_task_group() as tg:
+                for owner in self._owners:
+                    tg.start_soon(ask, owner)
         frontend: FrontendStats = answers["frontend"]
         tracker: TrackerStats = answers["tracker"]
         admission: AdmissionStats = answers["admission"]

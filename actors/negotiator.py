@@ -107,7 +107,6 @@ class Link:
 class PreallocCounts(msgspec.Struct, frozen=True):
     free: int
     total: int
-    alive: bool
 
 
 class NegotiatorStats(msgspec.Struct, frozen=True):
@@ -162,9 +161,9 @@ class TransferNegotiator:
     # ------------------------------------------------------------------ worker socket
 
     def _on_frames(self, frames: list[zmq.Frame]) -> None:
-        routing_id = frames[0].bytes
         if len(frames) < 2:
-            return
+            return  # a routing frame with no body
+        routing_id = frames[0].bytes
         try:
             msg = WORKER_MESSAGE.decode(frames[1].buffer)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
@@ -196,6 +195,12 @@ class TransferNegotiator:
         bad = [s.slot_id for s in msg.slots if not msg.pool_base <= s.address <= msg.pool_base + msg.pool_size - s.size]
         if bad:
             self._reply(routing_id, RegisterRefused(message=f"slots {bad} lie outside the registered pool"))
+            return
+        spans = sorted((s.address, s.address + s.size) for s in msg.slots)
+        if len({s.slot_id for s in msg.slots}) != len(msg.slots) or any(
+            end > start for (_, end), (start, _) in zip(spans, spans[1:], strict=False)
+        ):
+            self._reply(routing_id, RegisterRefused(message="slot ids repeat or slots overlap"))
             return
         if link is not None:
             return  # a retried Register on a live connection: the first answer stands
@@ -334,7 +339,11 @@ class TransferNegotiator:
         if not msg.ok:
             self._fail(flight, msg.reason, f"{link.instance}: {msg.error}", outcome=False)
             return
-        if link.role != "decoder" or len(frames) != len(msg.outputs):
+        if link.role != "decoder":
+            self._fail(flight, Reason.STAGE_FAILED, f"{link.instance} ({link.role}) answered Done; only decoders do",
+                       outcome=False)
+            return
+        if len(frames) != len(msg.outputs):
             self._fail(flight, Reason.STAGE_FAILED,
                        f"{link.instance} reported {len(frames)} frames for {len(msg.outputs)} outputs", outcome=False)
             return
@@ -360,7 +369,7 @@ class TransferNegotiator:
                 prealloc = {}
                 for instance in self._by_instance:
                     free, total = self._slots.counts(instance)
-                    prealloc[instance] = PreallocCounts(free, total, True)
+                    prealloc[instance] = PreallocCounts(free, total)
                 in_flight = sum(1 for f in self._flights.values() if f.state != FlightState.RUNNING)
                 reply_once(reply, NegotiatorStats(prealloc, in_flight, dict(self._fast), dict(self._slow),
                                                   self._late, mailbox_depth(self._inbox)))
@@ -383,7 +392,10 @@ class TransferNegotiator:
         if flight.receiver is not None:
             post(self._pools[flight.receiver_role], Release(request_id=rid, instance=flight.receiver, ok=None))
             if pushing:
+                # Normally the sender's Pushed releases it; the quarantine bounds the wait
+                # should that report never come.
                 flight.doomed = True
+                self._quarantine.append((time.monotonic() + self._cfg.push_quarantine_s, flight))
                 return
             self._release_receiver(flight)
         del self._flights[rid]
@@ -417,8 +429,9 @@ class TransferNegotiator:
             self._evict(link, f"{link.instance} missed heartbeats for {now - link.last_seen:.1f}s", gone=False)
         while self._quarantine and self._quarantine[0][0] <= now:
             _, flight = self._quarantine.popleft()
-            self._release_receiver(flight)
-            self._flights.pop(flight.request_id, None)
+            if self._flights.get(flight.request_id) is flight:  # not already released by its Pushed
+                self._release_receiver(flight)
+                del self._flights[flight.request_id]
 
     def _evict(self, link: Link, why: str, *, gone: bool = True) -> None:
         """Forget a worker. ``gone``: its process is known dead (it re-registered anew);
@@ -436,8 +449,6 @@ class TransferNegotiator:
                 # A dead sender writes nothing more: the receiver's memory is free at once.
                 self._release_receiver(flight)
                 self._flights.pop(flight.request_id, None)
-            elif sender_lost:
-                # A silent sender may wake and finish its write; past Mooncake's own transfer
-                # timeout it cannot, so the memory is released after the quarantine.
-                self._quarantine.append((time.monotonic() + self._cfg.push_quarantine_s, flight))
+            # A silent sender may wake and finish its write: its flight stays doomed until
+            # the quarantine (set when it was doomed) ends, past Mooncake's transfer timeout.
         self._log.warning("worker.evicted", instance=link.instance, why=why)

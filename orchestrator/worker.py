@@ -63,6 +63,14 @@ class WorkerRefused(RuntimeError):
     """The daemon refused this worker (bad token, protocol, or it forgot us)."""
 
 
+def _decode_reply(body: bytes) -> Registered | RegisterRefused | None:
+    try:
+        return DAEMON_TO_WORKER.decode(body)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        log.warning("worker.bad_reply", error=str(exc))
+        return None
+
+
 class WorkerRuntime:
     """Owns one stage, one registered memory pool, one engine and two sockets."""
 
@@ -137,10 +145,11 @@ class WorkerRuntime:
         while time.monotonic() < deadline:
             await dealer.send(encode(hello))
             with anyio.move_on_after(REGISTER_RETRY_S):
-                reply = DAEMON_TO_WORKER.decode(await dealer.recv())
+                reply = _decode_reply(await dealer.recv())
                 if isinstance(reply, RegisterRefused):
                     raise WorkerRefused(reply.message)
-                return reply
+                if reply is not None:
+                    return reply
         raise TimeoutError(
             f"no answer from the daemon at {self._cfg.daemon.worker_endpoint} within "
             f"{self._wcfg.connect_timeout_s}s (workers.{self.role}.connect_timeout_s)"
@@ -155,7 +164,7 @@ class WorkerRuntime:
 
     async def _watch_daemon(self, dealer: zmq.asyncio.Socket) -> None:
         while True:
-            reply = DAEMON_TO_WORKER.decode(await dealer.recv())
+            reply = _decode_reply(await dealer.recv())
             if isinstance(reply, RegisterRefused):
                 raise WorkerRefused(f"the daemon dropped this worker: {reply.message}")
 
@@ -292,6 +301,9 @@ class WorkerRuntime:
                                            order.address, order.nbytes, limiter=self._transfer)
         except TransferError as exc:
             error = str(exc)
+        except Exception as exc:  # noqa: BLE001 - the daemon must hear Pushed, whatever happened
+            self._log.exception("worker.push_crashed", request_id=rid)
+            error = f"{type(exc).__name__}: {exc}"
         finally:
             self._pushing.discard(rid)
             del self._staged[rid]

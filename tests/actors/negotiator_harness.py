@@ -179,7 +179,7 @@ async def push_on_fast_path(n: Negotiator, encoder: FakeWorker, denoiser: FakeWo
     assert await n.pools["encoder"].receive() == Send(instance=encoder.instance, order=Push(
         request_id=rid, session=denoiser.session, address=POOL_BASE, nbytes=NBYTES))  # best fit: slot 0
     stats = await n.stats()
-    assert stats.prealloc[denoiser.instance] == PreallocCounts(1, 2, True)
+    assert stats.prealloc[denoiser.instance] == PreallocCounts(1, 2)
     assert (stats.handoffs_in_flight, stats.fast_path, stats.slow_path) == (1, {HOP: 1}, {})
 
 

@@ -108,15 +108,15 @@ async def test_forget_while_running_at_a_receiver_recycles_its_input_slot(
     with anyio.fail_after(5):
         async with encoder_and_denoiser(ctx, tmp_path, slots=2) as (n, encoder, denoiser):
             await deliver_to_denoiser(n, encoder, denoiser, "r1")
-            assert (await n.stats()).prealloc[denoiser.instance] == PreallocCounts(1, 2, True)
+            assert (await n.stats()).prealloc[denoiser.instance] == PreallocCounts(1, 2)
             await forget(n, "r1")
             stats = await n.stats()
-            assert stats.prealloc[denoiser.instance] == PreallocCounts(2, 2, True)
+            assert stats.prealloc[denoiser.instance] == PreallocCounts(2, 2)
             assert stats.handoffs_in_flight == 0
             assert n.take("denoiser") == [released("r1", denoiser), aborted("r1", denoiser)]
             n.assert_silent()  # the encoder's part was over at the hand-off
             await forget(n, "r1", times=2)  # a second recycle of the slot would raise in the actor
-            assert (await n.stats()).prealloc[denoiser.instance] == PreallocCounts(2, 2, True)
+            assert (await n.stats()).prealloc[denoiser.instance] == PreallocCounts(2, 2)
             n.assert_silent()
 
 
@@ -134,7 +134,7 @@ async def test_forget_while_awaiting_a_receiver_releases_and_aborts_the_sender(
             await n.stats()
             assert n.take("denoiser") == [released("r1", denoiser, ok=None)]
             stats = await n.stats()
-            assert stats.prealloc[denoiser.instance] == PreallocCounts(2, 2, True)
+            assert stats.prealloc[denoiser.instance] == PreallocCounts(2, 2)
             assert (stats.handoffs_in_flight, stats.fast_path, stats.slow_path) == (0, {}, {})
             n.assert_silent()
 
@@ -172,7 +172,7 @@ async def test_forget_mid_push_releases_the_pools_now_and_the_slot_when_pushed(
             assert n.take("denoiser") == [released("r1", denoiser)]
             # ...but the encoder may be writing into slot 0 right now: it stays taken.
             stats = await n.stats()
-            assert stats.prealloc[denoiser.instance] == PreallocCounts(1, 2, True)
+            assert stats.prealloc[denoiser.instance] == PreallocCounts(1, 2)
             assert stats.handoffs_in_flight == 1
             await forget(n, "r1", times=2)  # the other pools' copies: nothing more is released
             n.assert_silent()
@@ -180,12 +180,12 @@ async def test_forget_mid_push_releases_the_pools_now_and_the_slot_when_pushed(
             await encoder.report(Pushed(request_id="r1", ok=True, transfer_ms=1.0))
             await wait_prealloc(n, denoiser, 2)
             stats = await n.stats()
-            assert stats.prealloc[denoiser.instance] == PreallocCounts(2, 2, True)
+            assert stats.prealloc[denoiser.instance] == PreallocCounts(2, 2)
             assert (stats.handoffs_in_flight, stats.late_reports) == (0, 0)
             n.assert_silent()  # no Ready, no HandedOff, no second Release
 
             await encoder.report(Pushed(request_id="r1", ok=True, transfer_ms=1.0))  # a duplicate: late
-            assert (await wait_late(n, 1)).prealloc[denoiser.instance] == PreallocCounts(2, 2, True)
+            assert (await wait_late(n, 1)).prealloc[denoiser.instance] == PreallocCounts(2, 2)
             n.assert_silent()
 
 
@@ -211,7 +211,7 @@ async def test_forget_of_an_unknown_request_changes_nothing(ctx: zmq.asyncio.Con
     with anyio.fail_after(5):
         async with running_negotiator(ctx, tmp_path) as n, fake_worker(ctx, n, "denoiser", slots=2) as denoiser:
             await forget(n, "nobody", times=3)
-            assert (await n.stats()).prealloc[denoiser.instance] == PreallocCounts(2, 2, True)
+            assert (await n.stats()).prealloc[denoiser.instance] == PreallocCounts(2, 2)
             n.assert_silent()
 
 
@@ -229,7 +229,7 @@ async def test_failed_stage_at_a_receiver_counts_as_failed_and_frees_its_input(
             assert await n.tracker.receive() == Failed(request_id="r1", reason=Reason.STAGE_FAILED,
                                                        message=f"{denoiser.instance}: nan")
             assert n.take("denoiser") == [released("r1", denoiser, ok=False), aborted("r1", denoiser)]
-            assert (await n.stats()).prealloc[denoiser.instance] == PreallocCounts(2, 2, True)
+            assert (await n.stats()).prealloc[denoiser.instance] == PreallocCounts(2, 2)
             await forget(n, "r1", times=3)
             n.assert_silent()
 
@@ -311,7 +311,7 @@ async def test_a_dead_sender_mid_push_frees_the_receivers_slot_at_once(
             failed = await n.tracker.receive()
             assert (failed.request_id, failed.reason) == ("r1", Reason.WORKER_LOST)
             stats = await n.stats()
-            assert stats.prealloc[denoiser.instance] == PreallocCounts(2, 2, True)  # nobody writes any more
+            assert stats.prealloc[denoiser.instance] == PreallocCounts(2, 2)  # nobody writes any more
             assert stats.handoffs_in_flight == 0
             await forget(n, "r1", times=3)
             n.assert_silent()
@@ -360,6 +360,6 @@ async def test_a_silent_sender_mid_push_keeps_the_receivers_slot_until_its_quara
             await beat_until(lambda s: encoder.instance not in s.prealloc)
             failed = await n.tracker.receive()
             assert (failed.request_id, failed.reason) == ("r1", Reason.WORKER_LOST)
-            assert (await n.stats()).prealloc[denoiser.instance] == PreallocCounts(1, 2, True)
-            waited = await beat_until(lambda s: s.prealloc[denoiser.instance] == PreallocCounts(2, 2, True))
+            assert (await n.stats()).prealloc[denoiser.instance] == PreallocCounts(1, 2)
+            waited = await beat_until(lambda s: s.prealloc[denoiser.instance] == PreallocCounts(2, 2))
             assert waited >= 0.25, "released before the quarantine ended"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import anyio
 import zmq
@@ -16,6 +17,8 @@ from tests.actors.negotiator_harness import (
     NBYTES,
     PARAMS,
     POOL_BASE,
+    TOKEN,
+    Negotiator,
     aborted,
     encoder_and_denoiser,
     job,
@@ -36,6 +39,7 @@ from transfer.protocol import (
     Reason,
     Register,
     RegisterRefused,
+    SlotInfo,
     encode,
 )
 
@@ -47,7 +51,7 @@ async def test_failed_push_frees_the_receivers_slot_and_fails_the_request(
 ) -> None:
     with anyio.fail_after(5):
         async with encoder_and_denoiser(ctx, tmp_path, slots=2) as (n, encoder, denoiser):
-            assert (await n.stats()).prealloc[denoiser.instance] == PreallocCounts(2, 2, True)
+            assert (await n.stats()).prealloc[denoiser.instance] == PreallocCounts(2, 2)
             await push_on_fast_path(n, encoder, denoiser, "r1")
 
             await encoder.report(Pushed(request_id="r1", ok=False, transfer_ms=0.0, error="link down"))
@@ -62,7 +66,7 @@ async def test_failed_push_frees_the_receivers_slot_and_fails_the_request(
             ]
             assert n.take("denoiser") == [released("r1", denoiser)]
             stats = await n.stats()
-            assert stats.prealloc[denoiser.instance] == PreallocCounts(2, 2, True)  # back at once
+            assert stats.prealloc[denoiser.instance] == PreallocCounts(2, 2)  # back at once
             assert stats.handoffs_in_flight == 0
             n.assert_silent()  # a preallocated slot needs no abort; no Ready goes out
 
@@ -71,7 +75,7 @@ async def test_failed_push_frees_the_receivers_slot_and_fails_the_request(
             for _ in range(3):
                 await n.inbox.send(Forget(request_id="r1"))
             stats = await n.stats()
-            assert stats.prealloc[denoiser.instance] == PreallocCounts(2, 2, True)
+            assert stats.prealloc[denoiser.instance] == PreallocCounts(2, 2)
             n.assert_silent()
 
 
@@ -135,7 +139,7 @@ async def test_report_after_a_failed_push_is_late(ctx: zmq.asyncio.Context, tmp_
             await encoder.report(Pushed(request_id="r1", ok=True, transfer_ms=1.0))
             stats = await wait_late(n, 1)
             assert stats.late_reports == 1
-            assert stats.prealloc[denoiser.instance] == PreallocCounts(2, 2, True)
+            assert stats.prealloc[denoiser.instance] == PreallocCounts(2, 2)
             assert [type(m) for m in n.take("encoder")] == [Release, Send]  # the first report's
             assert n.take("denoiser") == [released("r1", denoiser)]
             n.assert_silent()
@@ -155,13 +159,13 @@ async def test_successful_push_keeps_the_slot_as_the_receivers_input(ctx: zmq.as
             assert await n.pools["denoiser"].receive() == Send(instance=denoiser.instance, order=Ready(
                 request_id="r1", params=PARAMS, address=POOL_BASE, manifest=MANIFEST, slot_id=0))
             stats = await n.stats()
-            assert stats.prealloc[denoiser.instance] == PreallocCounts(1, 2, True)
+            assert stats.prealloc[denoiser.instance] == PreallocCounts(1, 2)
             assert stats.handoffs_in_flight == 0
             n.assert_silent()
             # Forgotten while the denoiser runs: its input slot goes back, and the denoiser
             # (now the flight's instance) is aborted and its pool slot released.
             await n.inbox.send(Forget(request_id="r1"))
-            assert (await n.stats()).prealloc[denoiser.instance] == PreallocCounts(2, 2, True)
+            assert (await n.stats()).prealloc[denoiser.instance] == PreallocCounts(2, 2)
             assert n.take("denoiser") == [
                 released("r1", denoiser),
                 aborted("r1", denoiser),
@@ -174,7 +178,7 @@ async def test_forget_mid_push_keeps_the_slot_until_the_push_reports(ctx: zmq.as
         async with encoder_and_denoiser(ctx, tmp_path, slots=2) as (n, encoder, denoiser):
             await push_on_fast_path(n, encoder, denoiser, "r1")
             await n.inbox.send(Forget(request_id="r1"))
-            assert (await n.stats()).prealloc[denoiser.instance] == PreallocCounts(1, 2, True)
+            assert (await n.stats()).prealloc[denoiser.instance] == PreallocCounts(1, 2)
             assert n.take("encoder") == [
                 released("r1", encoder),
                 aborted("r1", encoder),
@@ -183,25 +187,41 @@ async def test_forget_mid_push_keeps_the_slot_until_the_push_reports(ctx: zmq.as
             await encoder.report(Pushed(request_id="r1", ok=True, transfer_ms=1.0))
             while (stats := await n.stats()).prealloc[denoiser.instance].free == 1:
                 await anyio.sleep(0.005)
-            assert stats.prealloc[denoiser.instance] == PreallocCounts(2, 2, True)
+            assert stats.prealloc[denoiser.instance] == PreallocCounts(2, 2)
             assert stats.handoffs_in_flight == 0
             n.assert_silent()  # no Ready, no HandedOff, nothing released twice
+
+
+async def refused(ctx: zmq.asyncio.Context, n: Negotiator, **register: Any) -> RegisterRefused:
+    """Register with ``register`` overriding a valid denoiser's fields; expect a refusal."""
+    fields = dict(protocol=PROTOCOL_VERSION, token=TOKEN, role="denoiser", name="w", work_address="ipc://unused",
+                  session="s", pool_base=0, pool_size=4096, slots=[], capacity=1)
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(n.endpoint)
+        await sock.send(encode(Register(**{**fields, **register})))
+        reply = DAEMON_TO_WORKER.decode(await sock.recv())
+    finally:
+        sock.close(linger=0)
+    assert isinstance(reply, RegisterRefused), reply
+    assert (await n.stats()).prealloc == {}
+    n.assert_silent()
+    return reply
 
 
 async def test_registration_with_a_wrong_token_is_refused(ctx: zmq.asyncio.Context, tmp_path: Path) -> None:
     """The fake workers above register for real: the token they carry is the one checked."""
     with anyio.fail_after(5):
         async with running_negotiator(ctx, tmp_path) as n:
-            sock = ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            try:
-                sock.connect(n.endpoint)
-                await sock.send(encode(Register(
-                    protocol=PROTOCOL_VERSION, token="wrong", role="denoiser", name="w", work_address="ipc://unused",
-                    session="s", pool_base=0, pool_size=0, slots=[], capacity=1)))
-                reply = DAEMON_TO_WORKER.decode(await sock.recv())
-                assert reply == RegisterRefused(message="bad token")
-            finally:
-                sock.close(linger=0)
-            assert (await n.stats()).prealloc == {}
-            n.assert_silent()
+            assert (await refused(ctx, n, token="wrong")).message == "bad token"
+
+
+async def test_slots_that_repeat_an_id_or_overlap_are_refused(ctx: zmq.asyncio.Context, tmp_path: Path) -> None:
+    """Two records for one piece of memory would let two hand-offs land in it at once."""
+    with anyio.fail_after(5):
+        async with running_negotiator(ctx, tmp_path) as n:
+            same_id = [SlotInfo(slot_id=0, address=0, size=256), SlotInfo(slot_id=0, address=512, size=256)]
+            overlapping = [SlotInfo(slot_id=0, address=0, size=512), SlotInfo(slot_id=1, address=256, size=256)]
+            for slots in (same_id, overlapping):
+                assert "overlap" in (await refused(ctx, n, slots=slots)).message

@@ -166,10 +166,10 @@ async def test_race_a_the_receiver_pools_slot_always_comes_back(
             if forget_first:
                 # The flight ended before the Placed came: no push was ever ordered.
                 assert encoder_mail == encoder_mail[-2:]
-                assert (await n.stats()).prealloc[denoiser.instance] == PreallocCounts(2, 2, True)
+                assert (await n.stats()).prealloc[denoiser.instance] == PreallocCounts(2, 2)
             else:
                 assert isinstance(encoder_mail[0].order, Push)  # the push went out before the Forget
-                assert (await n.stats()).prealloc[denoiser.instance] == PreallocCounts(1, 2, True)
+                assert (await n.stats()).prealloc[denoiser.instance] == PreallocCounts(1, 2)
                 await encoder.report(Pushed(request_id="r#0", ok=True, transfer_ms=1.0))
                 while (await n.stats()).prealloc[denoiser.instance].free != 2:
                     await anyio.sleep(0.005)
@@ -219,7 +219,7 @@ async def test_race_c_a_stale_placed_does_not_reserve_for_the_new_request(
             await n.stats()
             assert n.take("denoiser") == [Release(request_id="r#0", instance=denoiser.instance, ok=None)]
             stats = await n.stats()
-            assert stats.prealloc[denoiser.instance] == PreallocCounts(2, 2, True)
+            assert stats.prealloc[denoiser.instance] == PreallocCounts(2, 2)
             assert (stats.handoffs_in_flight, stats.fast_path) == (1, {})  # "r#1" still awaits its own receiver
             n.assert_silent()
             await n.inbox.send(Placed(job=job("r#1", "denoiser"), instance=denoiser.instance))
@@ -240,7 +240,7 @@ async def test_race_c_the_old_push_report_frees_only_its_own_slot(ctx: zmq.async
             await n.inbox.send(Placed(job=job("r#1", "denoiser"), instance=denoiser.instance))
             assert await n.pools["encoder"].receive() == Send(instance=encoder.instance, order=Push(
                 request_id="r#1", session=denoiser.session, address=POOL_BASE + SLOT_SIZE, nbytes=NBYTES))
-            assert (await n.stats()).prealloc[denoiser.instance] == PreallocCounts(0, 2, True)
+            assert (await n.stats()).prealloc[denoiser.instance] == PreallocCounts(0, 2)
 
             await encoder.report(Pushed(request_id="r#0", ok=True, transfer_ms=1.0))
             while (stats := await n.stats()).prealloc[denoiser.instance].free != 1:
@@ -255,6 +255,6 @@ async def test_race_c_the_old_push_report_frees_only_its_own_slot(ctx: zmq.async
             assert await n.pools["denoiser"].receive() == Send(instance=denoiser.instance, order=Ready(
                 request_id="r#1", params=PARAMS, address=POOL_BASE + SLOT_SIZE, manifest=MANIFEST, slot_id=1))
             stats = await n.stats()
-            assert stats.prealloc[denoiser.instance] == PreallocCounts(1, 2, True)  # slot 1: r#1's input
+            assert stats.prealloc[denoiser.instance] == PreallocCounts(1, 2)  # slot 1: r#1's input
             assert (stats.fast_path, stats.late_reports) == ({HOP: 2}, 0)
             n.assert_silent()
