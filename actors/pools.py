@@ -180,7 +180,8 @@ class PoolActor:
             # Never block the loop on one worker: a full queue (SNDHWM) means it is stuck.
             inst.socket.send_multipart([inst.key, encode(order)], flags=zmq.NOBLOCK)
         except zmq.Again:
-            self._log.error("pool.worker_stuck", instance=inst.instance, order=type(order).__name__)
+            self._log.error("pool.worker_stuck", request_id=order.request_id, instance=inst.instance,
+                            order=type(order).__name__)
             if not isinstance(order, Abort):
                 post(self._tracker, Failed(request_id=order.request_id, reason=Reason.WORKER_LOST,
                                            message=f"{self.role} {inst.instance} is not taking work"))
