@@ -14,6 +14,8 @@ from typing import Any, TypeVar
 import anyio
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
 
+from actors.mail import QueryStats
+
 M = TypeVar("M")
 
 # Mails handled back to back before yielding to the event loop, so sockets and timers
@@ -78,3 +80,20 @@ async def drain_with_pump(
         task_status.started(started)
         await drain(inbox, handle)
         tg.cancel_scope.cancel()
+
+
+async def ask_stats(owner: ObjectSendStream[Any]) -> Any:
+    """Send ``QueryStats`` to an actor and await its answer.
+
+    An actor's inbox is FIFO, so the answer also proves that every mail sent to it
+    earlier has been handled. A query that never got delivered never reaches a replier,
+    so its reply stream is closed here.
+    """
+    reply_tx, reply_rx = anyio.create_memory_object_stream[Any](1)
+    with reply_rx:
+        try:
+            await owner.send(QueryStats(reply=reply_tx))
+        except BaseException:
+            reply_tx.close()
+            raise
+        return await reply_rx.receive()

@@ -17,9 +17,9 @@ import zmq.asyncio
 from anyio.abc import ObjectSendStream
 
 from actors.admission import AdmissionStats
+from actors.base import ask_stats
 from actors.edges import bound_router
 from actors.frontend import FrontendStats
-from actors.mail import QueryStats
 from actors.negotiator import NegotiatorStats
 from actors.pools import PoolStats
 from actors.tracker import TrackerStats
@@ -93,21 +93,11 @@ class ControlActor:
                 self._drain_requested.set()
                 return Draining(in_flight=sum(stats.requests_by_state.values()))
 
-    async def _ask(self, owner: str) -> Any:
-        reply_tx, reply_rx = anyio.create_memory_object_stream[Any](1)
-        with reply_rx:
-            try:
-                await self._owners[owner].send(QueryStats(reply=reply_tx))
-            except BaseException:
-                reply_tx.close()  # never delivered, so the replier will not close it
-                raise
-            return await reply_rx.receive()
-
     async def stats(self) -> Stats:
         answers: dict[str, Any] = {}
 
         async def ask(owner: str) -> None:
-            answers[owner] = await self._ask(owner)
+            answers[owner] = await ask_stats(self._owners[owner])
 
         # One deadline around the whole fan-out, so a slow owner surfaces as TimeoutError.
         with anyio.fail_after(self._query_timeout_s):

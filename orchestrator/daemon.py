@@ -23,9 +23,10 @@ import zmq.asyncio
 from anyio.abc import ObjectSendStream
 
 from actors.admission import AdmissionActor
+from actors.base import ask_stats
 from actors.control import ControlActor
 from actors.frontend import FrontendActor
-from actors.mail import QueryStats, SetDraining, StartDrain, Tick
+from actors.mail import SetDraining, StartDrain, Tick
 from actors.negotiator import TransferNegotiator
 from actors.pools import PoolActor
 from actors.tracker import TrackerActor
@@ -122,12 +123,9 @@ async def _drain_on_request(
             drained = anyio.Event()
             await tracker.send(StartDrain(drained=drained))
             await drained.wait()
-            # The frontend's inbox is FIFO: once it answers a query, the last results
-            # posted before the drain completed have been handed to its socket.
-            reply_tx, reply_rx = anyio.create_memory_object_stream[Any](1)
-            with reply_rx:
-                await frontend.send(QueryStats(reply=reply_tx))
-                await reply_rx.receive()
+            # Once the frontend answers a query, the last results posted before the drain
+            # completed have been handed to its socket.
+            await ask_stats(frontend)
         if waited.cancelled_caught:
             log.warning("daemon.drain_timeout", timeout_s=timeout_s)
         else:

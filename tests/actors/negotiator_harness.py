@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -19,9 +20,11 @@ import zmq
 import zmq.asyncio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from actors.mail import Enqueue, Job, Join, LimitsChanged, NegotiatorMail, Placed, QueryStats, Release, Send
+from actors.base import ask_stats
+from actors.mail import Enqueue, Job, Join, LimitsChanged, NegotiatorMail, Placed, Release, Send
 from actors.negotiator import NegotiatorStats, PreallocCounts, TransferNegotiator
 from orchestrator.config import DaemonConfig
+from tests.actors.streams import open_stream
 from transfer.protocol import (
     DAEMON_TO_WORKER,
     PROTOCOL_VERSION,
@@ -66,10 +69,7 @@ class Negotiator:
 
     async def stats(self) -> NegotiatorStats:
         """Ask for stats; the answer also proves every earlier mail was handled."""
-        reply_tx, reply_rx = anyio.create_memory_object_stream[Any](1)
-        with reply_rx:
-            await self.inbox.send(QueryStats(reply=reply_tx))
-            return await reply_rx.receive()
+        return await ask_stats(self.inbox)
 
     def take(self, name: str) -> list[Any]:
         """Every mail posted so far to ``name`` (a role, "admission", "tracker" or "frontend")."""
@@ -107,12 +107,7 @@ async def running_negotiator(ctx: zmq.asyncio.Context, tmp_path: Path, **setting
     cfg = DaemonConfig(worker_endpoint=f"ipc://{tmp_path}/workers", token=TOKEN, **settings)
     async with AsyncExitStack() as stack:
 
-        def stream() -> tuple[MemoryObjectSendStream[Any], MemoryObjectReceiveStream[Any]]:
-            tx, rx = anyio.create_memory_object_stream[Any](32)
-            stack.enter_context(tx)
-            stack.enter_context(rx)
-            return tx, rx
-
+        stream = partial(open_stream, stack)
         inbox_tx, inbox_rx = stream()
         (ad_tx, ad_rx), (tr_tx, tr_rx), (fe_tx, fe_rx) = stream(), stream(), stream()
         pools = {role: stream() for role in ROLES}

@@ -12,7 +12,8 @@ import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from actors.admission import AdmissionActor, AdmissionStats
-from actors.mail import AdmissionMail, Credit, Dispatch, Enqueue, Forget, Job, QueryStats
+from actors.base import ask_stats
+from actors.mail import AdmissionMail, Credit, Dispatch, Enqueue, Forget, Job
 from transfer.protocol import ROLES, GenParams, Role
 
 PARAMS = GenParams(prompt="p")
@@ -25,10 +26,7 @@ class Admission:
 
     async def stats(self) -> AdmissionStats:
         """Ask for stats; the answer also proves every earlier mail was handled."""
-        reply_tx, reply_rx = anyio.create_memory_object_stream[Any](1)
-        with reply_rx:
-            await self.inbox.send(QueryStats(reply=reply_tx))
-            return await reply_rx.receive()
+        return await ask_stats(self.inbox)
 
     async def enqueue(self, *rids: str, role: Role = "encoder", front: bool = False) -> None:
         for rid in rids:

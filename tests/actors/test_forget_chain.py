@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -18,18 +19,17 @@ import zmq.asyncio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from actors.admission import AdmissionActor, AdmissionStats
-from actors.mail import Dispatch, Enqueue, Forget, Join, Leave, Placed, QueryStats, Send
+from actors.base import ask_stats
+from actors.mail import Dispatch, Enqueue, Forget, Join, Leave, Placed, Send
 from actors.pools import PoolActor
 from tests.actors.negotiator_harness import PARAMS, fake_worker, job, running_negotiator
+from tests.actors.streams import open_stream
 from transfer.protocol import ROLES, Reason, Role, Work
 
 
 async def settle(inbox: MemoryObjectSendStream[Any]) -> None:
     """Every mail sent to ``inbox`` so far has been handled."""
-    reply_tx, reply_rx = anyio.create_memory_object_stream[Any](1)
-    with reply_rx:
-        await inbox.send(QueryStats(reply=reply_tx))
-        await reply_rx.receive()
+    await ask_stats(inbox)
 
 
 def taken(outbox: MemoryObjectReceiveStream[Any]) -> list[Any]:
@@ -42,10 +42,7 @@ def taken(outbox: MemoryObjectReceiveStream[Any]) -> list[Any]:
 
 
 async def settle_stats(c: Chain) -> AdmissionStats:
-    reply_tx, reply_rx = anyio.create_memory_object_stream[Any](1)
-    with reply_rx:
-        await c.admission.send(QueryStats(reply=reply_tx))
-        return await reply_rx.receive()
+    return await ask_stats(c.admission)
 
 
 @dataclass
@@ -69,12 +66,7 @@ class Chain:
 async def running_chain(ctx: zmq.asyncio.Context) -> AsyncIterator[Chain]:
     async with AsyncExitStack() as stack:
 
-        def stream() -> tuple[MemoryObjectSendStream[Any], MemoryObjectReceiveStream[Any]]:
-            tx, rx = anyio.create_memory_object_stream[Any](32)
-            stack.enter_context(tx)
-            stack.enter_context(rx)
-            return tx, rx
-
+        stream = partial(open_stream, stack)
         ad_tx, ad_rx = stream()
         to_pools = {role: stream() for role in ROLES}
         (pool_tx, pool_rx), (pa_tx, pa_rx), (pt_tx, pt_rx), (pn_tx, pn_rx) = stream(), stream(), stream(), stream()

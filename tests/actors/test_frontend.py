@@ -19,8 +19,9 @@ import zmq
 import zmq.asyncio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
+from actors.base import ask_stats
 from actors.frontend import FrontendActor, FrontendStats
-from actors.mail import Admit, CancelRequest, Deliver, FrontendMail, QueryStats
+from actors.mail import Admit, CancelRequest, Deliver, FrontendMail
 from orchestrator.config import DaemonConfig
 from transfer.protocol import (
     CLIENT_REPLY,
@@ -50,10 +51,7 @@ class Frontend:
 
     async def stats(self) -> FrontendStats:
         """Ask for stats; the answer also proves every earlier mail was handled."""
-        reply_tx, reply_rx = anyio.create_memory_object_stream[Any](1)
-        with reply_rx:
-            await self.inbox.send(QueryStats(reply=reply_tx))
-            return await reply_rx.receive()
+        return await ask_stats(self.inbox)
 
     async def ask(self, request: Submit | Cancel) -> None:
         await self.client.send_multipart([b"", encode(request)])

@@ -20,7 +20,8 @@ import pytest
 import zmq.asyncio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from actors.mail import Job, Placed, QueryStats, Release
+from actors.base import ask_stats
+from actors.mail import Job, Placed, Release
 from actors.negotiator import TransferNegotiator
 from orchestrator.config import DaemonConfig
 from transfer.protocol import ROLES, GenParams
@@ -49,10 +50,7 @@ async def test_placed_for_an_ended_request_frees_the_reserved_slot(tmp_path: Pat
                     await tg.start(negotiator.run)
                     job = Job(request_id="ended", role="denoiser", params=GenParams(prompt="p"))
                     await inbox.send(Placed(job=job, instance="denoiser-1"))
-                    reply_tx, reply_rx = anyio.create_memory_object_stream[Any](1)
-                    with reply_rx:
-                        await inbox.send(QueryStats(reply=reply_tx))
-                        await reply_rx.receive()  # the Placed was handled
+                    await ask_stats(inbox)  # the Placed was handled
                     inbox.close()
                 assert streams["denoiser"][1].receive_nowait() == Release(request_id="ended", instance="denoiser-1",
                                                                           ok=None)

@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +30,8 @@ import zmq
 import zmq.asyncio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from actors.mail import Credit, Dispatch, Enqueue, Forget, HandedOff, Join, Placed, QueryStats, Release, Send
+from actors.base import ask_stats
+from actors.mail import Credit, Dispatch, Enqueue, Forget, HandedOff, Join, Placed, Release, Send
 from actors.negotiator import PreallocCounts
 from actors.pools import PoolActor, PoolStats
 from tests.actors.negotiator_harness import (
@@ -48,6 +50,7 @@ from tests.actors.negotiator_harness import (
     running_negotiator,
     stage_encoder_output,
 )
+from tests.actors.streams import open_stream
 from transfer.protocol import Abort, Push, Pushed, Ready, Staged, Work
 
 KEY = b"k" * 16
@@ -64,10 +67,7 @@ class RealPool:
     work: zmq.asyncio.Socket  # the worker's end of the pool's PUSH socket
 
     async def stats(self) -> PoolStats:
-        reply_tx, reply_rx = anyio.create_memory_object_stream[Any](1)
-        with reply_rx:
-            await self.inbox.send(QueryStats(reply=reply_tx))
-            return await reply_rx.receive()
+        return await ask_stats(self.inbox)
 
     async def to_negotiator(self, n: Negotiator) -> list[Any]:
         """Carry everything this pool has posted to the negotiator so far, in order."""
@@ -97,12 +97,7 @@ async def real_pool(ctx: zmq.asyncio.Context, tmp_path: Path, worker: FakeWorker
     """The denoiser pool, with ``worker``'s instance joined (as the negotiator's Join would have it)."""
     async with AsyncExitStack() as stack:
 
-        def stream() -> tuple[MemoryObjectSendStream[Any], MemoryObjectReceiveStream[Any]]:
-            tx, rx = anyio.create_memory_object_stream[Any](32)
-            stack.enter_context(tx)
-            stack.enter_context(rx)
-            return tx, rx
-
+        stream = partial(open_stream, stack)
         (inbox_tx, inbox_rx), (ad_tx, ad_rx), (tr_tx, tr_rx), (ng_tx, ng_rx) = stream(), stream(), stream(), stream()
         work = stack.enter_context(ctx.socket(zmq.PULL))
         work.setsockopt(zmq.LINGER, 0)

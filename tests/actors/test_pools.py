@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,7 @@ import zmq
 import zmq.asyncio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
+from actors.base import ask_stats
 from actors.mail import (
     Credit,
     Dispatch,
@@ -25,11 +27,11 @@ from actors.mail import (
     Leave,
     Placed,
     PoolMail,
-    QueryStats,
     Release,
     Send,
 )
 from actors.pools import PoolActor, PoolStats
+from tests.actors.streams import open_stream
 from transfer.protocol import WORK_ORDER, Abort, Alloc, GenParams, Ready, Reason, Role, Work, WorkOrder
 
 PARAMS = GenParams(prompt="p")
@@ -46,10 +48,7 @@ class Pool:
 
     async def stats(self) -> PoolStats:
         """Ask for stats; the answer also proves every earlier mail was handled."""
-        reply_tx, reply_rx = anyio.create_memory_object_stream[Any](1)
-        with reply_rx:
-            await self.inbox.send(QueryStats(reply=reply_tx))
-            return await reply_rx.receive()
+        return await ask_stats(self.inbox)
 
     async def join(self, address: str, instance: str | None = None, capacity: int = 2) -> str:
         instance = instance or f"{self.role}-1"
@@ -80,12 +79,7 @@ async def running_pool(role: Role, ctx: zmq.Context, *, policy: str = "round_rob
                        send_hwm: int = 100) -> AsyncIterator[Pool]:
     async with AsyncExitStack() as stack:
 
-        def stream() -> tuple[MemoryObjectSendStream[Any], MemoryObjectReceiveStream[Any]]:
-            tx, rx = anyio.create_memory_object_stream[Any](32)
-            stack.enter_context(tx)
-            stack.enter_context(rx)
-            return tx, rx
-
+        stream = partial(open_stream, stack)
         (inbox_tx, inbox_rx), (ad_tx, ad_rx), (tr_tx, tr_rx), (ng_tx, ng_rx) = stream(), stream(), stream(), stream()
         actor = PoolActor(role, inbox_rx, ctx=ctx, policy=policy, send_hwm=send_hwm, admission=ad_tx,
                           tracker=tr_tx, negotiator=ng_tx)

@@ -10,6 +10,7 @@ from typing import Any
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
+from actors.base import ask_stats
 from actors.mail import (
     Admit,
     CancelRequest,
@@ -20,7 +21,6 @@ from actors.mail import (
     Forget,
     HandedOff,
     Job,
-    QueryStats,
     StartDrain,
     Tick,
     TrackerMail,
@@ -43,10 +43,7 @@ class Tracker:
 
     async def stats(self) -> TrackerStats:
         """Ask for stats; the answer also proves every earlier mail was handled."""
-        reply_tx, reply_rx = anyio.create_memory_object_stream[Any](1)
-        with reply_rx:
-            await self.inbox.send(QueryStats(reply=reply_tx))
-            return await reply_rx.receive()
+        return await ask_stats(self.inbox)
 
     def assert_silent(self) -> None:
         for outbox in (self.frontend, self.admission):
