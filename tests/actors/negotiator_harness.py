@@ -24,7 +24,7 @@ from actors.base import ask_stats
 from actors.mail import Enqueue, Job, Join, LimitsChanged, NegotiatorMail, Placed, Release, Send
 from actors.negotiator import NegotiatorStats, PreallocCounts, TransferNegotiator
 from orchestrator.config import DaemonConfig
-from tests.actors.streams import open_stream
+from tests.actors.streams import open_stream, queued
 from transfer.protocol import (
     DAEMON_TO_WORKER,
     PROTOCOL_VERSION,
@@ -75,12 +75,7 @@ class Negotiator:
         """Every mail posted so far to ``name`` (a role, "admission", "tracker" or "frontend")."""
         outbox = {"admission": self.admission, "tracker": self.tracker, "frontend": self.frontend,
                   **self.pools}[name]
-        out = []
-        while True:
-            try:
-                out.append(outbox.receive_nowait())
-            except anyio.WouldBlock:
-                return out
+        return queued(outbox)
 
     def assert_silent(self) -> None:
         for name, outbox in (("admission", self.admission), ("tracker", self.tracker),

@@ -23,7 +23,7 @@ from actors.base import ask_stats
 from actors.mail import Dispatch, Enqueue, Forget, Join, Leave, Placed, Send
 from actors.pools import PoolActor
 from tests.actors.negotiator_harness import PARAMS, fake_worker, job, running_negotiator
-from tests.actors.streams import open_stream
+from tests.actors.streams import open_stream, queued
 from transfer.protocol import ROLES, Reason, Role, Work
 
 
@@ -31,14 +31,6 @@ async def settle(inbox: MemoryObjectSendStream[Any]) -> None:
     """Every mail sent to ``inbox`` so far has been handled."""
     await ask_stats(inbox)
 
-
-def taken(outbox: MemoryObjectReceiveStream[Any]) -> list[Any]:
-    out = []
-    while True:
-        try:
-            out.append(outbox.receive_nowait())
-        except anyio.WouldBlock:
-            return out
 
 
 async def settle_stats(c: Chain) -> AdmissionStats:
@@ -55,7 +47,7 @@ class Chain:
     pool_to_negotiator: MemoryObjectReceiveStream[Any]
 
     async def carry(self, src: MemoryObjectReceiveStream[Any], dst: MemoryObjectSendStream[Any]) -> list[Any]:
-        mails = taken(src)
+        mails = queued(src)
         for mail in mails:
             await dst.send(mail)
         await settle(dst)

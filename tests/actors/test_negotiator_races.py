@@ -50,7 +50,7 @@ from tests.actors.negotiator_harness import (
     running_negotiator,
     stage_encoder_output,
 )
-from tests.actors.streams import open_stream
+from tests.actors.streams import open_stream, queued
 from transfer.protocol import Abort, Push, Pushed, Ready, Staged, Work
 
 KEY = b"k" * 16
@@ -114,14 +114,6 @@ async def real_pool(ctx: zmq.asyncio.Context, tmp_path: Path, worker: FakeWorker
             inbox_tx.close()
 
 
-def drained(outbox: MemoryObjectReceiveStream[Any]) -> list[Any]:
-    out = []
-    while True:
-        try:
-            out.append(outbox.receive_nowait())
-        except anyio.WouldBlock:
-            return out
-
 
 # --------------------------------------------------------------------------- race A
 
@@ -169,9 +161,9 @@ async def test_race_a_the_receiver_pools_slot_always_comes_back(
                 while (await n.stats()).prealloc[denoiser.instance].free != 2:
                     await anyio.sleep(0.005)
             n.assert_silent()
-            assert drained(pool.tracker) == []
-            assert drained(pool.negotiator) == []
-            assert drained(pool.admission) == []
+            assert queued(pool.tracker) == []
+            assert queued(pool.negotiator) == []
+            assert queued(pool.admission) == []
 
 
 # --------------------------------------------------------------------------- race C
