@@ -12,10 +12,10 @@ from collections import OrderedDict
 import anyio
 import msgspec
 import structlog
-from anyio.abc import ObjectReceiveStream, ObjectSendStream
 
-from actors.base import drain, mailbox_depth, post, reply_once
+from actors.base import reply_once, serve_mailbox
 from actors.mail import AdmissionMail, Credit, Dispatch, Enqueue, Forget, Job, PoolMail, QueryStats
+from actors.mailbox import Mailbox
 from transfer.protocol import ROLES, Role
 
 log = structlog.get_logger()
@@ -55,7 +55,7 @@ class RoleQueue:
 class AdmissionActor:
     """Owns the waiting queues and each role's count of unclaimed free slots."""
 
-    def __init__(self, inbox: ObjectReceiveStream[AdmissionMail], pools: dict[Role, ObjectSendStream[PoolMail]]) -> None:
+    def __init__(self, inbox: Mailbox[AdmissionMail], pools: dict[Role, Mailbox[PoolMail]]) -> None:
         self._inbox = inbox
         self._pools = pools
         self._queues: dict[Role, RoleQueue] = {role: RoleQueue() for role in ROLES}
@@ -64,9 +64,7 @@ class AdmissionActor:
         self._credits: dict[Role, int] = {role: 0 for role in ROLES}
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
-        async with self._inbox:
-            task_status.started()
-            await drain(self._inbox, self._handle)
+        await serve_mailbox(self._inbox, self._handle, task_status=task_status)
 
     def _handle(self, mail: AdmissionMail) -> None:
         match mail:
@@ -81,14 +79,14 @@ class AdmissionActor:
                     if queue.remove(rid):
                         break
                 for pool in self._pools.values():
-                    post(pool, mail)
+                    pool.post(mail)
             case QueryStats(reply=reply):
                 reply_once(
                     reply,
                     AdmissionStats(
                         {role: len(q) for role, q in self._queues.items()},
                         dict(self._credits),
-                        mailbox_depth(self._inbox),
+                        self._inbox.peak,
                     ),
                 )
 
@@ -96,4 +94,4 @@ class AdmissionActor:
         queue = self._queues[role]
         while queue and self._credits[role] > 0:
             self._credits[role] -= 1
-            post(self._pools[role], Dispatch(job=queue.pop()))
+            self._pools[role].post(Dispatch(job=queue.pop()))

@@ -14,12 +14,12 @@ import msgspec
 import structlog
 import zmq
 import zmq.asyncio
-from anyio.abc import ObjectSendStream
 
 from actors.admission import AdmissionStats
 from actors.base import ask_stats
 from actors.edges import bound_router
 from actors.frontend import FrontendStats
+from actors.mailbox import Mailbox
 from actors.negotiator import NegotiatorStats
 from actors.pools import PoolStats
 from actors.tracker import TrackerStats
@@ -52,7 +52,7 @@ class ControlActor:
         *,
         ctx: zmq.asyncio.Context,
         endpoint: str,
-        owners: dict[str, ObjectSendStream[Any]],
+        owners: dict[str, Mailbox[Any]],
         drain_requested: anyio.Event,
         query_timeout_s: float = QUERY_TIMEOUT_S,
     ) -> None:

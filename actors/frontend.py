@@ -19,11 +19,11 @@ import msgspec
 import structlog
 import zmq
 import zmq.asyncio
-from anyio.abc import ObjectReceiveStream, ObjectSendStream
 
-from actors.base import drain_with_pump, mailbox_depth, post, reply_once
+from actors.base import reply_once, serve_mailbox
 from actors.edges import bound_router
 from actors.mail import Admit, CancelRequest, Deliver, FrontendMail, LimitsChanged, QueryStats, SetDraining, TrackerMail
+from actors.mailbox import Mailbox
 from orchestrator.config import DaemonConfig
 from orchestrator.limits import limits_violation
 from transfer.protocol import (
@@ -39,7 +39,7 @@ from transfer.protocol import (
     Submit,
     encode,
 )
-from transfer.sockets import PlainPump
+from transfer.sockets import NOBLOCK, PlainPump
 
 log = structlog.get_logger()
 
@@ -57,11 +57,11 @@ class FrontendActor:
 
     def __init__(
         self,
-        inbox: ObjectReceiveStream[FrontendMail],
+        inbox: Mailbox[FrontendMail],
         *,
         ctx: zmq.asyncio.Context,
         cfg: DaemonConfig,
-        tracker: ObjectSendStream[TrackerMail],
+        tracker: Mailbox[TrackerMail],
     ) -> None:
         self._inbox = inbox
         self._ctx = ctx
@@ -84,7 +84,7 @@ class FrontendActor:
                           close_linger_ms=FLUSH_ON_CLOSE_MS, plain=True) as (sock, bound):
             self._sock = sock
             self._pump = PlainPump(sock, self._on_frames, copy=True)
-            await drain_with_pump(self._inbox, self._handle, self._pump.run, task_status=task_status, started=bound)
+            await serve_mailbox(self._inbox, self._handle, pump=self._pump.run, task_status=task_status, started=bound)
 
     # ------------------------------------------------------------------ inbound
 
@@ -110,7 +110,7 @@ class FrontendActor:
             case Cancel(request_id=rid):
                 key = self._in_flight.get(rid)
                 if key is not None:
-                    post(self._tracker, CancelRequest(request_id=key))
+                    self._tracker.post(CancelRequest(request_id=key))
                 self._send(identity, Cancelled(request_id=rid, found=key is not None))
 
     def _submit(self, identity: bytes, msg: Submit) -> None:
@@ -135,7 +135,7 @@ class FrontendActor:
         key = f"{rid}#{next(self._keys)}"
         self._clients[key] = (identity, rid)
         self._in_flight[rid] = key
-        post(self._tracker, Admit(request_id=key, params=msg.params, timeout_s=timeout_s))
+        self._tracker.post(Admit(request_id=key, params=msg.params, timeout_s=timeout_s))
 
     # ------------------------------------------------------------------ outbound
 
@@ -152,11 +152,11 @@ class FrontendActor:
             case LimitsChanged(role=role, limits=limits):
                 self._limits[role] = limits
             case QueryStats(reply=reply):
-                reply_once(reply, FrontendStats(len(self._clients), self._draining, mailbox_depth(self._inbox)))
+                reply_once(reply, FrontendStats(len(self._clients), self._draining, self._inbox.peak))
 
     def _send(self, identity: bytes, message: ClientReply, frames: tuple | list = ()) -> None:
         assert self._sock is not None and self._pump is not None
         # A ROUTER never blocks on send: a client that left or stopped reading past its
         # high-water mark has the reply dropped, and nobody else waits for it.
-        self._sock.send_multipart([identity, b"", encode(message), *frames], flags=zmq.NOBLOCK, copy=False)
+        self._sock.send_multipart([identity, b"", encode(message), *frames], flags=NOBLOCK, copy=False)
         self._pump.after_send()

@@ -29,9 +29,8 @@ import msgspec
 import structlog
 import zmq
 import zmq.asyncio
-from anyio.abc import ObjectReceiveStream, ObjectSendStream
 
-from actors.base import drain_with_pump, mailbox_depth, post, reply_once
+from actors.base import reply_once, serve_mailbox
 from actors.edges import bound_router
 from actors.flight import Flight, FlightState
 from actors.mail import (
@@ -55,6 +54,7 @@ from actors.mail import (
     Tick,
     TrackerMail,
 )
+from actors.mailbox import Mailbox
 from actors.slots import SlotBook
 from orchestrator.config import DaemonConfig
 from transfer.protocol import (
@@ -82,7 +82,7 @@ from transfer.protocol import (
     hop_name,
     next_role,
 )
-from transfer.sockets import PlainPump
+from transfer.sockets import NOBLOCK, PlainPump
 
 log = structlog.get_logger()
 
@@ -123,14 +123,14 @@ class TransferNegotiator:
 
     def __init__(
         self,
-        inbox: ObjectReceiveStream[NegotiatorMail],
+        inbox: Mailbox[NegotiatorMail],
         *,
         ctx: zmq.asyncio.Context,
         cfg: DaemonConfig,
-        pools: dict[Role, ObjectSendStream[PoolMail]],
-        admission: ObjectSendStream[AdmissionMail],
-        tracker: ObjectSendStream[TrackerMail],
-        frontend: ObjectSendStream[FrontendMail],
+        pools: dict[Role, Mailbox[PoolMail]],
+        admission: Mailbox[AdmissionMail],
+        tracker: Mailbox[TrackerMail],
+        frontend: Mailbox[FrontendMail],
     ) -> None:
         self._inbox = inbox
         self._ctx = ctx
@@ -155,8 +155,8 @@ class TransferNegotiator:
         with bound_router(self._ctx, self._cfg.worker_endpoint, send_hwm=self._cfg.worker_send_hwm,
                           plain=True) as (sock, bound):
             self._sock = sock
-            await drain_with_pump(self._inbox, self._handle, PlainPump(sock, self._on_frames, copy=False).run,
-                                  task_status=task_status, started=bound)
+            await serve_mailbox(self._inbox, self._handle, pump=PlainPump(sock, self._on_frames, copy=False).run,
+                                task_status=task_status, started=bound)
 
     # ------------------------------------------------------------------ worker socket
 
@@ -182,7 +182,7 @@ class TransferNegotiator:
     def _reply(self, routing_id: bytes, msg: Registered | RegisterRefused) -> None:
         assert self._sock is not None
         # A ROUTER drops a reply to a peer that is gone or not reading; it never blocks.
-        self._sock.send_multipart([routing_id, encode(msg)], flags=zmq.NOBLOCK)
+        self._sock.send_multipart([routing_id, encode(msg)], flags=NOBLOCK)
 
     def _register(self, routing_id: bytes, link: Link | None, msg: Register) -> None:
         if not hmac.compare_digest(msg.token.encode(), self._cfg.token.encode()):
@@ -216,9 +216,9 @@ class TransferNegotiator:
         if msg.role != "encoder":
             self._slots.add_instance(instance, msg.slots)
         key = secrets.token_bytes(16)
-        post(self._pools[msg.role], Join(instance=instance, name=msg.name, work_address=msg.work_address,
+        self._pools[msg.role].post(Join(instance=instance, name=msg.name, work_address=msg.work_address,
                                          session=msg.session, key=key, capacity=msg.capacity))
-        post(self._frontend, LimitsChanged(role=msg.role, limits=msg.limits))
+        self._frontend.post(LimitsChanged(role=msg.role, limits=msg.limits))
         self._reply(routing_id, Registered(instance=instance, key=key, heartbeat_s=self._cfg.heartbeat_s))
         self._log.info("worker.registered", instance=instance, name=msg.name, role=msg.role,
                        session=msg.session, slots=[s.size for s in msg.slots], capacity=msg.capacity)
@@ -261,7 +261,7 @@ class TransferNegotiator:
             return
         self._recycle_input(flight)
         flight.stage_output(msg.nbytes, msg.manifest, msg.compute_ms)
-        post(self._admission, Enqueue(job=Job(request_id=rid, role=following, params=flight.params)))
+        self._admission.post(Enqueue(job=Job(request_id=rid, role=following, params=flight.params)))
 
     def _placed(self, job: Job, instance: str) -> None:
         rid = job.request_id
@@ -274,7 +274,7 @@ class TransferNegotiator:
             # Ended while queued: its Forget may have reached the pool before this dispatch
             # did, so the slot just reserved would never be freed: hand it back here. (Not a
             # Forget: the pool would forward it and kill a newer request reusing the id.)
-            post(self._pools[job.role], Release(request_id=rid, instance=instance, ok=None))
+            self._pools[job.role].post(Release(request_id=rid, instance=instance, ok=None))
             return
         hop = hop_name(flight.role, job.role)
         slot = self._slots.take(instance, flight.nbytes)
@@ -321,8 +321,8 @@ class TransferNegotiator:
             self._fail(flight, Reason.TRANSFER_FAILED, f"{flight.instance} -> {flight.receiver}: {msg.error}",
                        outcome=False)
             return
-        post(self._pools[flight.role], Release(request_id=rid, instance=flight.instance, ok=True))
-        post(self._tracker, HandedOff(request_id=rid, role=flight.role, instance=flight.instance,
+        self._pools[flight.role].post(Release(request_id=rid, instance=flight.instance, ok=True))
+        self._tracker.post(HandedOff(request_id=rid, role=flight.role, instance=flight.instance,
                                       compute_ms=flight.compute_ms, transfer_ms=msg.transfer_ms,
                                       nbytes=flight.nbytes, fast_path=flight.slot is not None))
         ready = Ready(request_id=rid, params=flight.params, address=flight.address, manifest=flight.manifest,
@@ -349,8 +349,8 @@ class TransferNegotiator:
             return
         self._recycle_input(flight)
         del self._flights[rid]
-        post(self._pools[link.role], Release(request_id=rid, instance=link.instance, ok=True))
-        post(self._tracker, Finished(request_id=rid, instance=link.instance, compute_ms=msg.compute_ms,
+        self._pools[link.role].post(Release(request_id=rid, instance=link.instance, ok=True))
+        self._tracker.post(Finished(request_id=rid, instance=link.instance, compute_ms=msg.compute_ms,
                                      outputs=msg.outputs, frames=frames))
 
     # ------------------------------------------------------------------ mail
@@ -372,7 +372,7 @@ class TransferNegotiator:
                     prealloc[instance] = PreallocCounts(free, total)
                 in_flight = sum(1 for f in self._flights.values() if f.state != FlightState.RUNNING)
                 reply_once(reply, NegotiatorStats(prealloc, in_flight, dict(self._fast), dict(self._slow),
-                                                  self._late, mailbox_depth(self._inbox)))
+                                                  self._late, self._inbox.peak))
             case _:
                 raise AssertionError(f"unexpected mail {mail!r}")
 
@@ -386,11 +386,11 @@ class TransferNegotiator:
         current instance's stage ended (None: the request ended elsewhere).
         """
         rid = flight.request_id
-        post(self._pools[flight.role], Release(request_id=rid, instance=flight.instance, ok=outcome))
+        self._pools[flight.role].post(Release(request_id=rid, instance=flight.instance, ok=outcome))
         self._order(flight.role, flight.instance, Abort(request_id=rid))
         self._recycle_input(flight)
         if flight.receiver is not None:
-            post(self._pools[flight.receiver_role], Release(request_id=rid, instance=flight.receiver, ok=None))
+            self._pools[flight.receiver_role].post(Release(request_id=rid, instance=flight.receiver, ok=None))
             if pushing:
                 # Normally the sender's Pushed releases it; the quarantine bounds the wait
                 # should that report never come.
@@ -404,7 +404,7 @@ class TransferNegotiator:
               outcome: bool | None = None) -> None:
         """End ``flight`` here and now, and tell the tracker why."""
         self._end(flight, pushing=pushing, outcome=outcome)
-        post(self._tracker, Failed(request_id=flight.request_id, reason=reason, message=message))
+        self._tracker.post(Failed(request_id=flight.request_id, reason=reason, message=message))
 
     def _release_receiver(self, flight: Flight) -> None:
         if flight.slot is not None:
@@ -419,7 +419,7 @@ class TransferNegotiator:
 
     def _order(self, role: Role, instance: str | None, order: WorkOrder) -> None:
         assert instance is not None
-        post(self._pools[role], Send(instance=instance, order=order))
+        self._pools[role].post(Send(instance=instance, order=order))
 
     # ------------------------------------------------------------------ liveness
 
@@ -439,7 +439,7 @@ class TransferNegotiator:
         del self._links[link.routing_id]
         del self._by_instance[link.instance]
         self._slots.remove_instance(link.instance)
-        post(self._pools[link.role], Leave(instance=link.instance, reason=Reason.WORKER_LOST, message=why))
+        self._pools[link.role].post(Leave(instance=link.instance, reason=Reason.WORKER_LOST, message=why))
         # Eviction is rare, so a pass over the flights is fine here (never on the hot path).
         for flight in [f for f in self._flights.values() if link.instance in (f.instance, f.receiver)]:
             sender_lost = flight.state == FlightState.PUSHING and flight.instance == link.instance

@@ -14,9 +14,8 @@ import anyio
 import msgspec
 import structlog
 import zmq
-from anyio.abc import ObjectReceiveStream, ObjectSendStream
 
-from actors.base import drain, mailbox_depth, post, reply_once
+from actors.base import reply_once, serve_mailbox
 from actors.dispatch import make_policy
 from actors.mail import (
     AdmissionMail,
@@ -35,7 +34,9 @@ from actors.mail import (
     Send,
     TrackerMail,
 )
+from actors.mailbox import Mailbox
 from transfer.protocol import Abort, Reason, Role, WorkOrder, encode
+from transfer.sockets import NOBLOCK
 
 log = structlog.get_logger()
 
@@ -78,14 +79,14 @@ class PoolActor:
     def __init__(
         self,
         role: Role,
-        inbox: ObjectReceiveStream[PoolMail],
+        inbox: Mailbox[PoolMail],
         *,
         ctx: zmq.Context,
         policy: str,
         send_hwm: int,
-        admission: ObjectSendStream[AdmissionMail],
-        tracker: ObjectSendStream[TrackerMail],
-        negotiator: ObjectSendStream[NegotiatorMail],
+        admission: Mailbox[AdmissionMail],
+        tracker: Mailbox[TrackerMail],
+        negotiator: Mailbox[NegotiatorMail],
     ) -> None:
         self.role = role
         self._inbox = inbox
@@ -102,9 +103,7 @@ class PoolActor:
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         try:
-            async with self._inbox:
-                task_status.started()
-                await drain(self._inbox, self._handle)
+            await serve_mailbox(self._inbox, self._handle, task_status=task_status)
         finally:
             for inst in self._instances.values():
                 inst.socket.close(linger=0)
@@ -117,19 +116,19 @@ class PoolActor:
                     # The slot admission counted on left with its worker: requeue the job
                     # first in line and give back the credit spent on it.
                     self._bounced.add(job.request_id)
-                    post(self._admission, Enqueue(job=job, front=True))
-                    post(self._admission, Credit(role=self.role, delta=1))
+                    self._admission.post(Enqueue(job=job, front=True))
+                    self._admission.post(Credit(role=self.role, delta=1))
                     return
                 self._bounced.discard(job.request_id)
                 self._take(self._instances[picked], job.request_id)
                 # The negotiator records the request's flight before any order goes out,
                 # so even an instant worker's first report finds it.
-                post(self._negotiator, Placed(job=job, instance=picked))
+                self._negotiator.post(Placed(job=job, instance=picked))
             case Send(instance=instance, order=order):
                 inst = self._instances.get(instance)
                 if inst is None:
                     if not isinstance(order, Abort):
-                        post(self._tracker, Failed(request_id=order.request_id, reason=Reason.WORKER_LOST,
+                        self._tracker.post(Failed(request_id=order.request_id, reason=Reason.WORKER_LOST,
                                                    message=f"{self.role} {instance} left before {type(order).__name__}"))
                     return
                 self._send(inst, order)
@@ -146,12 +145,12 @@ class PoolActor:
                 # Slots stay held: the negotiator frees them once the request's transfers
                 # are safely over. Passing the Forget on after any Placed this pool posted
                 # keeps the negotiator from ever restarting a request that ended.
-                post(self._negotiator, mail)
+                self._negotiator.post(mail)
                 if rid in self._bounced:
                     # Admission may have handled this Forget before the job came back to
                     # it; this copy arrives behind the requeue and removes it.
                     self._bounced.discard(rid)
-                    post(self._admission, mail)
+                    self._admission.post(mail)
             case Join():
                 self._join(mail)
             case Leave(instance=instance, reason=reason, message=message):
@@ -160,7 +159,7 @@ class PoolActor:
                 reply_once(reply, PoolStats(self.role, [
                     InstanceSlots(i.instance, i.name, i.address, i.session, i.free, i.capacity, i.served, i.failed)
                     for i in self._instances.values()
-                ], mailbox_depth(self._inbox)))
+                ], self._inbox.peak))
 
     def _take(self, inst: Instance, rid: str) -> None:
         inst.free -= 1
@@ -173,17 +172,17 @@ class PoolActor:
         inst.holding.discard(rid)
         inst.free += 1
         self._policy.update(inst.instance, inst.free)
-        post(self._admission, Credit(role=self.role, delta=1))
+        self._admission.post(Credit(role=self.role, delta=1))
 
     def _send(self, inst: Instance, order: WorkOrder) -> None:
         try:
             # Never block the loop on one worker: a full queue (SNDHWM) means it is stuck.
-            inst.socket.send_multipart([inst.key, encode(order)], flags=zmq.NOBLOCK)
+            inst.socket.send_multipart([inst.key, encode(order)], flags=NOBLOCK)
         except zmq.Again:
             self._log.error("pool.worker_stuck", request_id=order.request_id, instance=inst.instance,
                             order=type(order).__name__)
             if not isinstance(order, Abort):
-                post(self._tracker, Failed(request_id=order.request_id, reason=Reason.WORKER_LOST,
+                self._tracker.post(Failed(request_id=order.request_id, reason=Reason.WORKER_LOST,
                                            message=f"{self.role} {inst.instance} is not taking work"))
 
     def _join(self, mail: Join) -> None:
@@ -197,7 +196,7 @@ class PoolActor:
                         free=mail.capacity)
         self._instances[mail.instance] = inst
         self._policy.update(mail.instance, inst.free)
-        post(self._admission, Credit(role=self.role, delta=mail.capacity))
+        self._admission.post(Credit(role=self.role, delta=mail.capacity))
         self._log.info("pool.joined", instance=mail.instance, name=mail.name, address=mail.work_address,
                        capacity=mail.capacity)
 
@@ -206,10 +205,10 @@ class PoolActor:
         if inst is None:
             return
         self._policy.remove(instance)
-        post(self._admission, Credit(role=self.role, delta=-inst.free))
+        self._admission.post(Credit(role=self.role, delta=-inst.free))
         for rid in inst.holding:
             del self._holds[rid]
-            post(self._tracker, Failed(request_id=rid, reason=reason, message=message))
+            self._tracker.post(Failed(request_id=rid, reason=reason, message=message))
         inst.socket.close(linger=0)
         self._log.warning("pool.left", instance=instance, reason=str(reason), message=message,
                           lost=len(inst.holding))

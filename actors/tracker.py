@@ -15,9 +15,8 @@ from dataclasses import dataclass, field
 import anyio
 import msgspec
 import structlog
-from anyio.abc import ObjectReceiveStream, ObjectSendStream
 
-from actors.base import drain, mailbox_depth, post, reply_once
+from actors.base import reply_once, serve_mailbox
 from actors.mail import (
     AdmissionMail,
     Admit,
@@ -34,6 +33,7 @@ from actors.mail import (
     Tick,
     TrackerMail,
 )
+from actors.mailbox import Mailbox
 from actors.states import ACTIVE_BY_ROLE, RequestState, check_move
 from transfer.protocol import Reason, Rejected, Result, StageTiming, next_role
 
@@ -61,10 +61,10 @@ class TrackerActor:
 
     def __init__(
         self,
-        inbox: ObjectReceiveStream[TrackerMail],
+        inbox: Mailbox[TrackerMail],
         *,
-        frontend: ObjectSendStream,
-        admission: ObjectSendStream[AdmissionMail],
+        frontend: Mailbox,
+        admission: Mailbox[AdmissionMail],
     ) -> None:
         self._inbox = inbox
         self._frontend = frontend
@@ -77,9 +77,7 @@ class TrackerActor:
         self._log = log.bind(actor="tracker")
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
-        async with self._inbox:
-            task_status.started()
-            await drain(self._inbox, self._handle)
+        await serve_mailbox(self._inbox, self._handle, task_status=task_status)
 
     def _handle(self, mail: TrackerMail) -> None:
         match mail:
@@ -89,7 +87,7 @@ class TrackerActor:
                 self._table[rid] = Entry(RequestState.ENCODING, deadline, now, now)
                 heapq.heappush(self._deadlines, (deadline, rid))
                 self._compact_deadlines()
-                post(self._admission, Enqueue(job=Job(request_id=rid, role="encoder", params=params)))
+                self._admission.post(Enqueue(job=Job(request_id=rid, role="encoder", params=params)))
             case HandedOff():
                 self._handed_off(mail)
             case Finished():
@@ -107,7 +105,7 @@ class TrackerActor:
                 by_state: dict[str, int] = {}
                 for entry in self._table.values():
                     by_state[entry.state] = by_state.get(entry.state, 0) + 1
-                reply_once(reply, TrackerStats(by_state, self._completed, dict(self._failed), mailbox_depth(self._inbox)))
+                reply_once(reply, TrackerStats(by_state, self._completed, dict(self._failed), self._inbox.peak))
 
     def _handed_off(self, mail: HandedOff) -> None:
         entry = self._table.get(mail.request_id)
@@ -151,7 +149,7 @@ class TrackerActor:
         self._completed += 1
         total_ms = (now - entry.admitted_at) * 1000
         result = Result(request_id=rid, outputs=mail.outputs, stages=entry.stages, total_ms=total_ms)
-        post(self._frontend, Deliver(request_id=rid, message=result, frames=mail.frames))
+        self._frontend.post(Deliver(request_id=rid, message=result, frames=mail.frames))
         self._log.info("request.done", request_id=rid, total_ms=round(total_ms, 3), stages=entry.stages)
         self._check_drained()
 
@@ -161,11 +159,11 @@ class TrackerActor:
             return  # already ended: a second failure report changes nothing
         check_move(entry.state, RequestState.FAILED)
         self._failed[reason] = self._failed.get(reason, 0) + 1
-        post(self._frontend, Deliver(request_id=rid, message=Rejected(request_id=rid, reason=reason, message=message)))
+        self._frontend.post(Deliver(request_id=rid, message=Rejected(request_id=rid, reason=reason, message=message)))
         # Every owner frees its own part. The Forget travels admission -> pools ->
         # negotiator, so at each hop it arrives after anything the previous owner said
         # about the request (a dispatch, a reservation): nothing can restart it.
-        post(self._admission, Forget(request_id=rid))
+        self._admission.post(Forget(request_id=rid))
         self._log.warning("request.failed", request_id=rid, reason=str(reason), message=message, state=str(entry.state))
         self._check_drained()
 

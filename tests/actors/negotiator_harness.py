@@ -2,8 +2,8 @@
 
 Each fake worker is a DEALER on the negotiator's ``ipc://`` worker endpoint (in tmp_path)
 that registers with the configured token and then reports as a real worker would. Mail in
-(``Placed``, ``Forget``) goes through the inbox; what the negotiator orders comes out on the
-fake pools' streams as ``Send`` mail, never on a work socket.
+(``Placed``, ``Forget``) is posted to its mailbox; what the negotiator orders comes out on
+the fake pools' streams as ``Send`` mail, never on a work socket.
 """
 
 from __future__ import annotations
@@ -18,10 +18,11 @@ from typing import Any
 import anyio
 import zmq
 import zmq.asyncio
-from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+from anyio.streams.memory import MemoryObjectReceiveStream
 
 from actors.base import ask_stats
 from actors.mail import Enqueue, Job, Join, LimitsChanged, NegotiatorMail, Placed, Release, Send
+from actors.mailbox import Mailbox, Switchboard
 from actors.negotiator import NegotiatorStats, PreallocCounts, TransferNegotiator
 from orchestrator.config import DaemonConfig
 from tests.actors.streams import open_stream, queued
@@ -60,7 +61,7 @@ def job(rid: str, role: Role) -> Job:
 
 @dataclass
 class Negotiator:
-    inbox: MemoryObjectSendStream[NegotiatorMail]
+    inbox: Mailbox[NegotiatorMail]
     endpoint: str
     pools: dict[Role, MemoryObjectReceiveStream[Any]]
     admission: MemoryObjectReceiveStream[Any]
@@ -102,16 +103,17 @@ async def running_negotiator(ctx: zmq.asyncio.Context, tmp_path: Path, **setting
     cfg = DaemonConfig(worker_endpoint=f"ipc://{tmp_path}/workers", token=TOKEN, **settings)
     async with AsyncExitStack() as stack:
 
-        stream = partial(open_stream, stack)
-        inbox_tx, inbox_rx = stream()
-        (ad_tx, ad_rx), (tr_tx, tr_rx), (fe_tx, fe_rx) = stream(), stream(), stream()
-        pools = {role: stream() for role in ROLES}
-        actor = TransferNegotiator(inbox_rx, ctx=ctx, cfg=cfg, pools={r: tx for r, (tx, _) in pools.items()},
-                                   admission=ad_tx, tracker=tr_tx, frontend=fe_tx)
+        board = Switchboard()
+        stream = partial(open_stream, stack, board)
+        inbox = board.mailbox("negotiator", 32)
+        (ad_box, ad_rx), (tr_box, tr_rx), (fe_box, fe_rx) = stream("admission"), stream("tracker"), stream("frontend")
+        pools = {role: stream(f"pool.{role}") for role in ROLES}
+        actor = TransferNegotiator(inbox, ctx=ctx, cfg=cfg, pools={r: box for r, (box, _) in pools.items()},
+                                   admission=ad_box, tracker=tr_box, frontend=fe_box)
         async with anyio.create_task_group() as tg:
             endpoint = await tg.start(actor.run)
-            yield Negotiator(inbox_tx, endpoint, {r: rx for r, (_, rx) in pools.items()}, ad_rx, tr_rx, fe_rx)
-            inbox_tx.close()  # the inbox ends; run returns and closes the worker socket
+            yield Negotiator(inbox, endpoint, {r: rx for r, (_, rx) in pools.items()}, ad_rx, tr_rx, fe_rx)
+            tg.cancel_scope.cancel()  # run is cancelled and closes the worker socket
 
 
 async def register(sock: zmq.asyncio.Socket, role: Role, session: str, slots: int) -> Registered:
@@ -155,7 +157,7 @@ async def wait_late(n: Negotiator, count: int) -> NegotiatorStats:
 
 async def stage_encoder_output(n: Negotiator, encoder: FakeWorker, rid: str) -> None:
     """The encoder pool placed ``rid``; the negotiator ordered the work; the encoder staged its output."""
-    await n.inbox.send(Placed(job=job(rid, "encoder"), instance=encoder.instance))
+    n.inbox.post(Placed(job=job(rid, "encoder"), instance=encoder.instance))
     assert await n.pools["encoder"].receive() == Send(instance=encoder.instance,
                                                       order=Work(request_id=rid, params=PARAMS))
     await encoder.report(Staged(request_id=rid, nbytes=NBYTES, manifest=MANIFEST, compute_ms=1.0))
@@ -165,7 +167,7 @@ async def stage_encoder_output(n: Negotiator, encoder: FakeWorker, rid: str) -> 
 async def push_on_fast_path(n: Negotiator, encoder: FakeWorker, denoiser: FakeWorker, rid: str) -> None:
     """The denoiser pool placed ``rid``: a free slot fits, so the encoder is told to push at once."""
     await stage_encoder_output(n, encoder, rid)
-    await n.inbox.send(Placed(job=job(rid, "denoiser"), instance=denoiser.instance))
+    n.inbox.post(Placed(job=job(rid, "denoiser"), instance=denoiser.instance))
     assert await n.pools["encoder"].receive() == Send(instance=encoder.instance, order=Push(
         request_id=rid, session=denoiser.session, address=POOL_BASE, nbytes=NBYTES))  # best fit: slot 0
     stats = await n.stats()
@@ -176,7 +178,7 @@ async def push_on_fast_path(n: Negotiator, encoder: FakeWorker, denoiser: FakeWo
 async def allocate_on_slow_path(n: Negotiator, encoder: FakeWorker, denoiser: FakeWorker, rid: str,
                                 address: int) -> None:
     """No preallocated slot fits: the denoiser is asked to allocate, answers, and the encoder is told to push."""
-    await n.inbox.send(Placed(job=job(rid, "denoiser"), instance=denoiser.instance))
+    n.inbox.post(Placed(job=job(rid, "denoiser"), instance=denoiser.instance))
     assert await n.pools["denoiser"].receive() == Send(instance=denoiser.instance,
                                                        order=Alloc(request_id=rid, nbytes=NBYTES))
     await denoiser.report(Allocated(request_id=rid, address=address))

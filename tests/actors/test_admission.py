@@ -9,11 +9,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import anyio
-from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+from anyio.streams.memory import MemoryObjectReceiveStream
 
 from actors.admission import AdmissionActor, AdmissionStats
 from actors.base import ask_stats
 from actors.mail import AdmissionMail, Credit, Dispatch, Enqueue, Forget, Job
+from actors.mailbox import Mailbox, Switchboard
+from tests.actors.streams import open_stream
 from transfer.protocol import ROLES, GenParams, Role
 
 PARAMS = GenParams(prompt="p")
@@ -21,7 +23,7 @@ PARAMS = GenParams(prompt="p")
 
 @dataclass
 class Admission:
-    inbox: MemoryObjectSendStream[AdmissionMail]
+    inbox: Mailbox[AdmissionMail]
     pools: dict[Role, MemoryObjectReceiveStream[Any]]
 
     async def stats(self) -> AdmissionStats:
@@ -30,7 +32,7 @@ class Admission:
 
     async def enqueue(self, *rids: str, role: Role = "encoder", front: bool = False) -> None:
         for rid in rids:
-            await self.inbox.send(Enqueue(job=job(rid, role), front=front))
+            self.inbox.post(Enqueue(job=job(rid, role), front=front))
 
     async def posted(self, role: Role = "encoder") -> list[Any]:
         """Every mail posted to ``role``'s pool so far, in order."""
@@ -58,15 +60,14 @@ def job(rid: str, role: Role = "encoder") -> Job:
 @asynccontextmanager
 async def running_admission() -> AsyncIterator[Admission]:
     async with AsyncExitStack() as stack:
-        inbox_tx, inbox_rx = anyio.create_memory_object_stream[AdmissionMail](32)
-        pools = {role: anyio.create_memory_object_stream[Any](32) for role in ROLES}
-        for stream in (inbox_tx, inbox_rx, *(s for pair in pools.values() for s in pair)):
-            stack.enter_context(stream)
-        actor = AdmissionActor(inbox_rx, {role: tx for role, (tx, _) in pools.items()})
+        board = Switchboard()
+        inbox = board.mailbox("admission", 32)
+        pools = {role: open_stream(stack, board, f"pool.{role}") for role in ROLES}
+        actor = AdmissionActor(inbox, {role: box for role, (box, _) in pools.items()})
         async with anyio.create_task_group() as tg:
             await tg.start(actor.run)
-            yield Admission(inbox_tx, {role: rx for role, (_, rx) in pools.items()})
-            inbox_tx.close()
+            yield Admission(inbox, {role: rx for role, (_, rx) in pools.items()})
+            tg.cancel_scope.cancel()
 
 
 async def test_jobs_wait_without_credit() -> None:
@@ -81,7 +82,7 @@ async def test_credit_dispatches_that_many_jobs_oldest_first() -> None:
     with anyio.fail_after(5):
         async with running_admission() as a:
             await a.enqueue("r1", "r2", "r3")
-            await a.inbox.send(Credit(role="encoder", delta=2))
+            a.inbox.post(Credit(role="encoder", delta=2))
             assert await a.dispatched() == ["r1", "r2"]
             stats = await a.stats()
             assert (stats.queue_depths["encoder"], stats.credits["encoder"]) == (1, 0)
@@ -90,7 +91,7 @@ async def test_credit_dispatches_that_many_jobs_oldest_first() -> None:
 async def test_spare_credit_dispatches_a_later_job_at_once() -> None:
     with anyio.fail_after(5):
         async with running_admission() as a:
-            await a.inbox.send(Credit(role="encoder", delta=1))
+            a.inbox.post(Credit(role="encoder", delta=1))
             await a.enqueue("r1")
             assert await a.dispatched() == ["r1"]
 
@@ -100,7 +101,7 @@ async def test_credit_is_per_role() -> None:
         async with running_admission() as a:
             await a.enqueue("e1", role="encoder")
             await a.enqueue("d1", role="denoiser")
-            await a.inbox.send(Credit(role="denoiser", delta=5))
+            a.inbox.post(Credit(role="denoiser", delta=5))
             assert await a.dispatched("denoiser") == ["d1"]
             assert await a.dispatched("encoder") == []
 
@@ -109,9 +110,9 @@ async def test_forget_removes_a_queued_job() -> None:
     with anyio.fail_after(5):
         async with running_admission() as a:
             await a.enqueue("r1", "r2", "r3")
-            await a.inbox.send(Forget(request_id="r2"))
+            a.inbox.post(Forget(request_id="r2"))
             assert (await a.stats()).queue_depths["encoder"] == 2
-            await a.inbox.send(Credit(role="encoder", delta=3))
+            a.inbox.post(Credit(role="encoder", delta=3))
             assert await a.posted() == [Forget(request_id="r2"), Dispatch(job=job("r1")), Dispatch(job=job("r3"))]
             assert (await a.stats()).credits["encoder"] == 1
 
@@ -121,7 +122,7 @@ async def test_forget_removes_the_job_from_whichever_role_queues_it() -> None:
         async with running_admission() as a:
             await a.enqueue("e1", role="encoder")
             await a.enqueue("d1", "d2", role="denoiser")
-            await a.inbox.send(Forget(request_id="d1"))
+            a.inbox.post(Forget(request_id="d1"))
             assert (await a.stats()).queue_depths == {"encoder": 1, "denoiser": 1, "decoder": 0}
 
 
@@ -130,11 +131,11 @@ async def test_forget_is_forwarded_to_every_pool_after_removing_the_job() -> Non
     with anyio.fail_after(5):
         async with running_admission() as a:
             await a.enqueue("r1", role="denoiser")
-            await a.inbox.send(Forget(request_id="r1"))
+            a.inbox.post(Forget(request_id="r1"))
             for role in ROLES:
                 assert await a.posted(role) == [Forget(request_id="r1")]
             # Removed before it was passed on: credit arriving now finds nothing to dispatch.
-            await a.inbox.send(Credit(role="denoiser", delta=1))
+            a.inbox.post(Credit(role="denoiser", delta=1))
             assert await a.dispatched("denoiser") == []
             assert (await a.stats()).queue_depths["denoiser"] == 0
 
@@ -143,9 +144,9 @@ async def test_forget_of_a_dispatched_request_follows_its_dispatch() -> None:
     """The pool sees the Dispatch before the Forget, so it can free the slot it reserved."""
     with anyio.fail_after(5):
         async with running_admission() as a:
-            await a.inbox.send(Credit(role="encoder", delta=1))
+            a.inbox.post(Credit(role="encoder", delta=1))
             await a.enqueue("r1")
-            await a.inbox.send(Forget(request_id="r1"))
+            a.inbox.post(Forget(request_id="r1"))
             assert await a.posted("encoder") == [Dispatch(job=job("r1")), Forget(request_id="r1")]
             assert await a.posted("denoiser") == [Forget(request_id="r1")]
             assert await a.posted("decoder") == [Forget(request_id="r1")]
@@ -155,7 +156,7 @@ async def test_forget_of_an_unqueued_request_is_still_forwarded() -> None:
     with anyio.fail_after(5):
         async with running_admission() as a:
             await a.enqueue("r1")
-            await a.inbox.send(Forget(request_id="nobody"))
+            a.inbox.post(Forget(request_id="nobody"))
             assert (await a.stats()).queue_depths["encoder"] == 1
             for role in ROLES:
                 assert await a.posted(role) == [Forget(request_id="nobody")]
@@ -166,7 +167,7 @@ async def test_enqueue_front_goes_first() -> None:
         async with running_admission() as a:
             await a.enqueue("r1", "r2")
             await a.enqueue("lost", front=True)
-            await a.inbox.send(Credit(role="encoder", delta=3))
+            a.inbox.post(Credit(role="encoder", delta=3))
             assert await a.dispatched() == ["lost", "r1", "r2"]
 
 
@@ -175,10 +176,10 @@ async def test_negative_credit_holds_dispatch() -> None:
     with anyio.fail_after(5):
         async with running_admission() as a:
             await a.enqueue("r1", "r2")
-            await a.inbox.send(Credit(role="encoder", delta=-2))
-            await a.inbox.send(Credit(role="encoder", delta=1))
+            a.inbox.post(Credit(role="encoder", delta=-2))
+            a.inbox.post(Credit(role="encoder", delta=1))
             assert await a.dispatched() == []
-            await a.inbox.send(Credit(role="encoder", delta=2))
+            a.inbox.post(Credit(role="encoder", delta=2))
             assert await a.dispatched() == ["r1"]
             assert (await a.stats()).credits["encoder"] == 0
 

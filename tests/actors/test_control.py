@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import anyio
 import zmq
 import zmq.asyncio
 
 from actors.control import ControlActor
+from actors.mail import QueryStats
+from actors.mailbox import Switchboard
 from transfer.protocol import CONTROL_REPLY, GetStats, Reason, Rejected, encode
 
 
@@ -17,9 +18,10 @@ async def test_an_owner_too_slow_to_answer_gets_overloaded_and_control_keeps_ser
     ctx: zmq.asyncio.Context, tmp_path: Path
 ) -> None:
     with anyio.fail_after(5):
-        silent_tx, silent_rx = anyio.create_memory_object_stream[Any](8)  # nobody ever answers
-        with silent_tx, silent_rx:
-            control = ControlActor(ctx=ctx, endpoint=f"ipc://{tmp_path}/control", owners={"frontend": silent_tx},
+        silent = Switchboard().mailbox("frontend", 8)
+        unanswered: list[QueryStats] = []
+        with silent.owned_by(unanswered.append):  # takes every query, never answers one
+            control = ControlActor(ctx=ctx, endpoint=f"ipc://{tmp_path}/control", owners={"frontend": silent},
                                    drain_requested=anyio.Event(), query_timeout_s=0.1)
             async with anyio.create_task_group() as tg:
                 endpoint = await tg.start(control.run)
@@ -34,8 +36,5 @@ async def test_an_owner_too_slow_to_answer_gets_overloaded_and_control_keeps_ser
                 finally:
                     client.close(linger=0)
                 tg.cancel_scope.cancel()
-            while True:  # the queries the silent owner never read hold reply streams: close them
-                try:
-                    silent_rx.receive_nowait().reply.close()
-                except anyio.WouldBlock:
-                    break
+        for query in unanswered:  # the queries the silent owner never answered hold reply streams: close them
+            query.reply.close()

@@ -16,19 +16,20 @@ from typing import Any
 import anyio
 import zmq
 import zmq.asyncio
-from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+from anyio.streams.memory import MemoryObjectReceiveStream
 
 from actors.admission import AdmissionActor, AdmissionStats
 from actors.base import ask_stats
 from actors.mail import Dispatch, Enqueue, Forget, Join, Leave, Placed, Send
+from actors.mailbox import Mailbox, Switchboard
 from actors.pools import PoolActor
 from tests.actors.negotiator_harness import PARAMS, fake_worker, job, running_negotiator
 from tests.actors.streams import open_stream, queued
 from transfer.protocol import ROLES, Reason, Role, Work
 
 
-async def settle(inbox: MemoryObjectSendStream[Any]) -> None:
-    """Every mail sent to ``inbox`` so far has been handled."""
+async def settle(inbox: Mailbox[Any]) -> None:
+    """Every mail posted to ``inbox`` so far has been handled."""
     await ask_stats(inbox)
 
 
@@ -39,17 +40,17 @@ async def settle_stats(c: Chain) -> AdmissionStats:
 
 @dataclass
 class Chain:
-    admission: MemoryObjectSendStream[Any]
+    admission: Mailbox[Any]
     to_pools: dict[Role, MemoryObjectReceiveStream[Any]]  # what admission posts to each pool
-    pool: MemoryObjectSendStream[Any]  # the real encoder pool's inbox
+    pool: Mailbox[Any]  # the real encoder pool's inbox
     pool_to_admission: MemoryObjectReceiveStream[Any]
     pool_to_tracker: MemoryObjectReceiveStream[Any]
     pool_to_negotiator: MemoryObjectReceiveStream[Any]
 
-    async def carry(self, src: MemoryObjectReceiveStream[Any], dst: MemoryObjectSendStream[Any]) -> list[Any]:
+    async def carry(self, src: MemoryObjectReceiveStream[Any], dst: Mailbox[Any]) -> list[Any]:
         mails = queued(src)
         for mail in mails:
-            await dst.send(mail)
+            dst.post(mail)
         await settle(dst)
         return mails
 
@@ -58,19 +59,19 @@ class Chain:
 async def running_chain(ctx: zmq.asyncio.Context) -> AsyncIterator[Chain]:
     async with AsyncExitStack() as stack:
 
-        stream = partial(open_stream, stack)
-        ad_tx, ad_rx = stream()
-        to_pools = {role: stream() for role in ROLES}
-        (pool_tx, pool_rx), (pa_tx, pa_rx), (pt_tx, pt_rx), (pn_tx, pn_rx) = stream(), stream(), stream(), stream()
-        admission = AdmissionActor(ad_rx, {role: tx for role, (tx, _) in to_pools.items()})
-        pool = PoolActor("encoder", pool_rx, ctx=ctx, policy="round_robin", send_hwm=100, admission=pa_tx,
-                         tracker=pt_tx, negotiator=pn_tx)
+        board = Switchboard()
+        stream = partial(open_stream, stack, board)
+        ad_inbox, pool_inbox = board.mailbox("admission", 32), board.mailbox("pool.encoder", 32)
+        to_pools = {role: stream(f"pool.{role}") for role in ROLES}
+        (pa_box, pa_rx), (pt_box, pt_rx), (pn_box, pn_rx) = stream("admission"), stream("tracker"), stream("negotiator")
+        admission = AdmissionActor(ad_inbox, {role: box for role, (box, _) in to_pools.items()})
+        pool = PoolActor("encoder", pool_inbox, ctx=ctx, policy="round_robin", send_hwm=100, admission=pa_box,
+                         tracker=pt_box, negotiator=pn_box)
         async with anyio.create_task_group() as tg:
             await tg.start(admission.run)
             await tg.start(pool.run)
-            yield Chain(ad_tx, {role: rx for role, (_, rx) in to_pools.items()}, pool_tx, pa_rx, pt_rx, pn_rx)
-            ad_tx.close()
-            pool_tx.close()
+            yield Chain(ad_inbox, {role: rx for role, (_, rx) in to_pools.items()}, pool_inbox, pa_rx, pt_rx, pn_rx)
+            tg.cancel_scope.cancel()
 
 
 async def test_a_bounced_dispatch_does_not_restart_a_forgotten_request(ctx: zmq.asyncio.Context, tmp_path: Path) -> None:
@@ -81,19 +82,19 @@ async def test_a_bounced_dispatch_does_not_restart_a_forgotten_request(ctx: zmq.
             running_chain(ctx) as c,
         ):
             # An encoder of capacity 1 joins; its credit reaches admission.
-            await c.pool.send(Join(instance="encoder-9", name="old", work_address=f"ipc://{tmp_path}/old",
-                                   session="s", key=b"k" * 16, capacity=1))
+            c.pool.post(Join(instance="encoder-9", name="old", work_address=f"ipc://{tmp_path}/old",
+                             session="s", key=b"k" * 16, capacity=1))
             await settle(c.pool)
             await c.carry(c.pool_to_admission, c.admission)
             # The tracker admits "r#0": admission dispatches it to the encoder pool at once...
-            await c.admission.send(Enqueue(job=job("r#0", "encoder")))
+            c.admission.post(Enqueue(job=job("r#0", "encoder")))
             await settle(c.admission)
             # ...but the pool hears first that its only instance was evicted...
-            await c.pool.send(Leave(instance="encoder-9", reason=Reason.WORKER_LOST, message="evicted"))
+            c.pool.post(Leave(instance="encoder-9", reason=Reason.WORKER_LOST, message="evicted"))
             await settle(c.pool)
             # ...and the request ends (its deadline, or the client cancels) before the pool
             # gets to the Dispatch: admission finds nothing queued and tells every pool.
-            await c.admission.send(Forget(request_id="r#0"))
+            c.admission.post(Forget(request_id="r#0"))
             await settle(c.admission)
             assert await c.carry(c.to_pools["encoder"], c.pool) == [Dispatch(job=job("r#0", "encoder")),
                                                                     Forget(request_id="r#0")]
@@ -102,8 +103,8 @@ async def test_a_bounced_dispatch_does_not_restart_a_forgotten_request(ctx: zmq.
             assert await c.carry(c.pool_to_negotiator, n.inbox) == [Forget(request_id="r#0")]
 
             # A new encoder joins (the restarted worker): its credit reaches admission.
-            await c.pool.send(Join(instance=encoder.instance, name="new", work_address=f"ipc://{tmp_path}/new",
-                                   session="s", key=b"k" * 16, capacity=1))
+            c.pool.post(Join(instance=encoder.instance, name="new", work_address=f"ipc://{tmp_path}/new",
+                             session="s", key=b"k" * 16, capacity=1))
             await settle(c.pool)
             await c.carry(c.pool_to_admission, c.admission)
             await c.carry(c.to_pools["encoder"], c.pool)

@@ -17,12 +17,14 @@ import anyio
 import pytest
 import zmq
 import zmq.asyncio
-from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+from anyio.streams.memory import MemoryObjectReceiveStream
 
 from actors.base import ask_stats
 from actors.frontend import FrontendActor, FrontendStats
 from actors.mail import Admit, CancelRequest, Deliver, FrontendMail
+from actors.mailbox import Mailbox, Switchboard
 from orchestrator.config import DaemonConfig
+from tests.actors.streams import open_stream
 from transfer.protocol import (
     CLIENT_REPLY,
     PROTOCOL_VERSION,
@@ -44,7 +46,7 @@ OUTPUTS = [TensorSpec(name="image", dtype="uint8", shape=(4,), offset=0, nbytes=
 
 @dataclass
 class Frontend:
-    inbox: MemoryObjectSendStream[FrontendMail]
+    inbox: Mailbox[FrontendMail]
     tracker: MemoryObjectReceiveStream[Any]
     client: zmq.asyncio.Socket
     cfg: DaemonConfig
@@ -74,21 +76,20 @@ class Frontend:
 async def running_frontend(ctx: zmq.asyncio.Context, tmp_path: Path) -> AsyncIterator[Frontend]:
     cfg = DaemonConfig(client_endpoint=f"ipc://{tmp_path}/clients")
     async with AsyncExitStack() as stack:
-        inbox_tx, inbox_rx = anyio.create_memory_object_stream[Any](32)
-        tracker_tx, tracker_rx = anyio.create_memory_object_stream[Any](32)
-        for stream in (inbox_tx, inbox_rx, tracker_tx, tracker_rx):
-            stack.enter_context(stream)
-        actor = FrontendActor(inbox_rx, ctx=ctx, cfg=cfg, tracker=tracker_tx)
+        board = Switchboard()
+        inbox = board.mailbox("frontend", 32)
+        tracker_box, tracker_rx = open_stream(stack, board, "tracker")
+        actor = FrontendActor(inbox, ctx=ctx, cfg=cfg, tracker=tracker_box)
         async with anyio.create_task_group() as tg:
             endpoint = await tg.start(actor.run)
             client = ctx.socket(zmq.DEALER)
             client.setsockopt(zmq.LINGER, 0)
             try:
                 client.connect(endpoint)
-                yield Frontend(inbox_tx, tracker_rx, client, cfg)
+                yield Frontend(inbox, tracker_rx, client, cfg)
             finally:
                 client.close(linger=0)
-                inbox_tx.close()  # run returns and closes the ROUTER
+                tg.cancel_scope.cancel()  # run is cancelled and closes the ROUTER
 
 
 def assert_empty(outbox: MemoryObjectReceiveStream[Any]) -> None:
@@ -113,7 +114,7 @@ async def test_each_admission_gets_its_own_key_and_replies_carry_the_clients_id(
 
             # The result comes back under the key; the client sees its own id, frames untouched.
             result = Result(request_id="rid#0", outputs=OUTPUTS, stages=[], total_ms=1.0)
-            await f.inbox.send(Deliver(request_id="rid#0", message=result, frames=[b"\x01\x02\x03\x04"]))
+            f.inbox.post(Deliver(request_id="rid#0", message=result, frames=[b"\x01\x02\x03\x04"]))
             reply, frames = await f.reply()
             assert reply == Result(request_id="rid", outputs=OUTPUTS, stages=[], total_ms=1.0)
             assert frames == [b"\x01\x02\x03\x04"]
@@ -133,13 +134,13 @@ async def test_news_about_an_earlier_admission_never_reaches_the_reused_id(
         async with running_frontend(ctx, tmp_path) as f:
             first = await f.admitted("rid")
             failed = Rejected(request_id=first, reason=Reason.TIMED_OUT, message="deadline passed")
-            await f.inbox.send(Deliver(request_id=first, message=failed))
+            f.inbox.post(Deliver(request_id=first, message=failed))
             reply, _ = await f.reply()
             assert reply == Rejected(request_id="rid", reason=Reason.TIMED_OUT, message="deadline passed")
             second = await f.admitted("rid")
             assert second != first
 
-            await f.inbox.send(Deliver(request_id=first, message=failed))  # stale: dropped
+            f.inbox.post(Deliver(request_id=first, message=failed))  # stale: dropped
             assert (await f.stats()).in_flight == 1
             await f.ask(Submit(protocol=PROTOCOL_VERSION, params=PARAMS, request_id="rid"))
             duplicate, _ = await f.reply()  # the first thing the client hears: "rid#1" is still in flight
@@ -150,7 +151,7 @@ async def test_news_about_an_earlier_admission_never_reaches_the_reused_id(
             assert await f.reply() == (Cancelled(request_id="rid", found=True), [])
             assert await f.tracker.receive() == CancelRequest(request_id=second)
             cancelled = Rejected(request_id=second, reason=Reason.CANCELLED, message="cancelled by the client")
-            await f.inbox.send(Deliver(request_id=second, message=cancelled))
+            f.inbox.post(Deliver(request_id=second, message=cancelled))
             reply, _ = await f.reply()
             assert reply == Rejected(request_id="rid", reason=Reason.CANCELLED, message="cancelled by the client")
 
@@ -166,7 +167,7 @@ async def test_a_submit_without_an_id_gets_one(ctx: zmq.asyncio.Context, tmp_pat
             key = await f.admitted("")
             rid, n = key.rsplit("#", 1)
             assert len(rid) == 32 and n == "0"
-            await f.inbox.send(Deliver(request_id=key, message=Rejected(request_id=key, reason=Reason.WORKER_LOST,
-                                                                        message="gone")))
+            f.inbox.post(Deliver(request_id=key, message=Rejected(request_id=key, reason=Reason.WORKER_LOST,
+                                                                  message="gone")))
             reply, _ = await f.reply()
             assert reply.request_id == rid

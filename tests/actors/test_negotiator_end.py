@@ -60,7 +60,7 @@ ALLOCATION = POOL_BASE + 8192
 async def forget(n: Negotiator, rid: str, times: int = 1) -> None:
     """``rid``'s Forget, as each pool passes it on (admission tells every pool), all handled."""
     for _ in range(times):
-        await n.inbox.send(Forget(request_id=rid))
+        n.inbox.post(Forget(request_id=rid))
     await n.stats()
 
 
@@ -86,7 +86,7 @@ async def wait_prealloc(n: Negotiator, worker: FakeWorker, free: int) -> None:
 async def test_forget_while_the_encoder_runs_releases_and_aborts_it(ctx: zmq.asyncio.Context, tmp_path: Path) -> None:
     with anyio.fail_after(5):
         async with running_negotiator(ctx, tmp_path) as n, fake_worker(ctx, n, "encoder") as encoder:
-            await n.inbox.send(Placed(job=job("r1", "encoder"), instance=encoder.instance))
+            n.inbox.post(Placed(job=job("r1", "encoder"), instance=encoder.instance))
             assert await n.pools["encoder"].receive() == Send(instance=encoder.instance,
                                                               order=Work(request_id="r1", params=PARAMS))
             await forget(n, "r1")
@@ -130,7 +130,7 @@ async def test_forget_while_awaiting_a_receiver_releases_and_aborts_the_sender(
             assert n.take("encoder") == [released("r1", encoder), aborted("r1", encoder)]
             n.assert_silent()  # no receiver yet: nothing for the denoiser pool
             # The denoiser job admission had already dispatched: its slot goes back unused.
-            await n.inbox.send(Placed(job=job("r1", "denoiser"), instance=denoiser.instance))
+            n.inbox.post(Placed(job=job("r1", "denoiser"), instance=denoiser.instance))
             await n.stats()
             assert n.take("denoiser") == [released("r1", denoiser, ok=None)]
             stats = await n.stats()
@@ -145,7 +145,7 @@ async def test_forget_while_allocating_releases_both_pools_and_aborts_both(
     with anyio.fail_after(5):
         async with encoder_and_denoiser(ctx, tmp_path, slots=0) as (n, encoder, denoiser):
             await stage_encoder_output(n, encoder, "r1")
-            await n.inbox.send(Placed(job=job("r1", "denoiser"), instance=denoiser.instance))
+            n.inbox.post(Placed(job=job("r1", "denoiser"), instance=denoiser.instance))
             assert await n.pools["denoiser"].receive() == Send(instance=denoiser.instance,
                                                                order=Alloc(request_id="r1", nbytes=NBYTES))
             await forget(n, "r1")
@@ -237,7 +237,7 @@ async def test_failed_stage_at_a_receiver_counts_as_failed_and_frees_its_input(
 async def test_invalid_staged_output_fails_the_stage(ctx: zmq.asyncio.Context, tmp_path: Path) -> None:
     with anyio.fail_after(5):
         async with running_negotiator(ctx, tmp_path) as n, fake_worker(ctx, n, "encoder") as encoder:
-            await n.inbox.send(Placed(job=job("r1", "encoder"), instance=encoder.instance))
+            n.inbox.post(Placed(job=job("r1", "encoder"), instance=encoder.instance))
             await n.pools["encoder"].receive()  # Work
             bad = [TensorSpec(name="embeds", dtype="float32", shape=(128,), offset=NBYTES, nbytes=NBYTES)]
             await encoder.report(Staged(request_id="r1", nbytes=NBYTES, manifest=bad, compute_ms=1.0))
@@ -251,7 +251,7 @@ async def test_alloc_rejected_releases_both_pools_and_fails(ctx: zmq.asyncio.Con
     with anyio.fail_after(5):
         async with encoder_and_denoiser(ctx, tmp_path, slots=0) as (n, encoder, denoiser):
             await stage_encoder_output(n, encoder, "r1")
-            await n.inbox.send(Placed(job=job("r1", "denoiser"), instance=denoiser.instance))
+            n.inbox.post(Placed(job=job("r1", "denoiser"), instance=denoiser.instance))
             await n.pools["denoiser"].receive()  # Alloc
             await denoiser.report(AllocRejected(request_id="r1", message="pool full"))
             failed = await n.tracker.receive()
@@ -268,7 +268,7 @@ async def test_allocation_outside_the_pool_releases_both_pools_and_fails(
     with anyio.fail_after(5):
         async with encoder_and_denoiser(ctx, tmp_path, slots=0) as (n, encoder, denoiser):
             await stage_encoder_output(n, encoder, "r1")
-            await n.inbox.send(Placed(job=job("r1", "denoiser"), instance=denoiser.instance))
+            n.inbox.post(Placed(job=job("r1", "denoiser"), instance=denoiser.instance))
             await n.pools["denoiser"].receive()  # Alloc
             await denoiser.report(Allocated(request_id="r1", address=0))  # below pool_base
             failed = await n.tracker.receive()
@@ -353,7 +353,7 @@ async def test_a_silent_sender_mid_push_keeps_the_receivers_slot_until_its_quara
                 started = time.monotonic()
                 while not check(await n.stats()):
                     await denoiser.report(Heartbeat())
-                    await n.inbox.send(Tick())
+                    n.inbox.post(Tick())
                     await anyio.sleep(0.02)
                 return time.monotonic() - started
 

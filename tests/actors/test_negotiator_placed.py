@@ -12,55 +12,49 @@ which the pool would pass on and which could end a newer request reusing the id.
 
 from __future__ import annotations
 
+from contextlib import ExitStack
 from pathlib import Path
-from typing import Any
 
 import anyio
 import pytest
 import zmq.asyncio
-from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from actors.base import ask_stats
 from actors.mail import Job, Placed, Release
+from actors.mailbox import Switchboard
 from actors.negotiator import TransferNegotiator
 from orchestrator.config import DaemonConfig
+from tests.actors.streams import open_stream
 from transfer.protocol import ROLES, GenParams
 
 
 async def test_placed_for_an_ended_request_frees_the_reserved_slot(tmp_path: Path) -> None:
     ctx = zmq.asyncio.Context()
     try:
-        with anyio.fail_after(5):
-            streams: dict[str, tuple[MemoryObjectSendStream[Any], MemoryObjectReceiveStream[Any]]] = {
-                name: anyio.create_memory_object_stream[Any](32)
-                for name in ("inbox", "admission", "tracker", "frontend", *ROLES)
-            }
-            try:
-                inbox, _ = streams["inbox"]
-                negotiator = TransferNegotiator(
-                    streams["inbox"][1],
-                    ctx=ctx,
-                    cfg=DaemonConfig(worker_endpoint=f"ipc://{tmp_path}/workers"),
-                    pools={role: streams[role][0] for role in ROLES},
-                    admission=streams["admission"][0],
-                    tracker=streams["tracker"][0],
-                    frontend=streams["frontend"][0],
-                )
-                async with anyio.create_task_group() as tg:
-                    await tg.start(negotiator.run)
-                    job = Job(request_id="ended", role="denoiser", params=GenParams(prompt="p"))
-                    await inbox.send(Placed(job=job, instance="denoiser-1"))
-                    await ask_stats(inbox)  # the Placed was handled
-                    inbox.close()
-                assert streams["denoiser"][1].receive_nowait() == Release(request_id="ended", instance="denoiser-1",
-                                                                          ok=None)
-                for name in ("admission", "tracker", "frontend", *ROLES):
-                    with pytest.raises(anyio.WouldBlock):
-                        mail = streams[name][1].receive_nowait()
-                        raise AssertionError(f"unexpected mail to {name}: {mail!r}")
-            finally:
-                for tx, rx in streams.values():
-                    tx.close()
-                    rx.close()
+        with anyio.fail_after(5), ExitStack() as stack:
+            board = Switchboard()
+            inbox = board.mailbox("negotiator", 32)
+            streams = {name: open_stream(stack, board, name) for name in ("admission", "tracker", "frontend", *ROLES)}
+            negotiator = TransferNegotiator(
+                inbox,
+                ctx=ctx,
+                cfg=DaemonConfig(worker_endpoint=f"ipc://{tmp_path}/workers"),
+                pools={role: streams[role][0] for role in ROLES},
+                admission=streams["admission"][0],
+                tracker=streams["tracker"][0],
+                frontend=streams["frontend"][0],
+            )
+            async with anyio.create_task_group() as tg:
+                await tg.start(negotiator.run)
+                job = Job(request_id="ended", role="denoiser", params=GenParams(prompt="p"))
+                inbox.post(Placed(job=job, instance="denoiser-1"))
+                await ask_stats(inbox)  # the Placed was handled
+                tg.cancel_scope.cancel()
+            assert streams["denoiser"][1].receive_nowait() == Release(request_id="ended", instance="denoiser-1",
+                                                                      ok=None)
+            for name in ("admission", "tracker", "frontend", *ROLES):
+                with pytest.raises(anyio.WouldBlock):
+                    mail = streams[name][1].receive_nowait()
+                    raise AssertionError(f"unexpected mail to {name}: {mail!r}")
     finally:
         ctx.destroy(linger=0)

@@ -73,7 +73,7 @@ async def test_failed_push_frees_the_receivers_slot_and_fails_the_request(
             # The tracker's Forget comes back through admission and every pool: nothing left to
             # free (recycling the slot twice would raise inside the actor).
             for _ in range(3):
-                await n.inbox.send(Forget(request_id="r1"))
+                n.inbox.post(Forget(request_id="r1"))
             stats = await n.stats()
             assert stats.prealloc[denoiser.instance] == PreallocCounts(2, 2)
             n.assert_silent()
@@ -83,14 +83,14 @@ async def test_slot_freed_by_a_failed_push_serves_the_next_hand_off(ctx: zmq.asy
     with anyio.fail_after(5):
         async with encoder_and_denoiser(ctx, tmp_path, slots=1) as (n, encoder, denoiser):
             await stage_encoder_output(n, encoder, "r1")
-            await n.inbox.send(Placed(job=job("r1", "denoiser"), instance=denoiser.instance))
+            n.inbox.post(Placed(job=job("r1", "denoiser"), instance=denoiser.instance))
             assert isinstance((await n.pools["encoder"].receive()).order, Push)
             await encoder.report(Pushed(request_id="r1", ok=False, transfer_ms=0.0, error="link down"))
             await n.tracker.receive()  # Failed
             n.take("encoder")  # Release, Abort
             n.take("denoiser")  # Release
             await stage_encoder_output(n, encoder, "r2")
-            await n.inbox.send(Placed(job=job("r2", "denoiser"), instance=denoiser.instance))
+            n.inbox.post(Placed(job=job("r2", "denoiser"), instance=denoiser.instance))
             send = await n.pools["encoder"].receive()
             assert send.order == Push(request_id="r2", session=denoiser.session, address=POOL_BASE, nbytes=NBYTES)
             assert (await n.stats()).fast_path == {HOP: 2}
@@ -103,7 +103,7 @@ async def test_failed_push_into_an_allocation_aborts_it_at_the_receiver(
     with anyio.fail_after(5):
         async with encoder_and_denoiser(ctx, tmp_path, slots=0) as (n, encoder, denoiser):
             await stage_encoder_output(n, encoder, "r1")
-            await n.inbox.send(Placed(job=job("r1", "denoiser"), instance=denoiser.instance))
+            n.inbox.post(Placed(job=job("r1", "denoiser"), instance=denoiser.instance))
             assert await n.pools["denoiser"].receive() == Send(instance=denoiser.instance,
                                                                order=Alloc(request_id="r1", nbytes=NBYTES))
             address = POOL_BASE + 8192
@@ -125,7 +125,7 @@ async def test_failed_push_into_an_allocation_aborts_it_at_the_receiver(
             stats = await n.stats()
             assert (stats.handoffs_in_flight, stats.slow_path) == (0, {HOP: 1})
             n.assert_silent()
-            await n.inbox.send(Forget(request_id="r1"))  # no second Abort: the flight is gone
+            n.inbox.post(Forget(request_id="r1"))  # no second Abort: the flight is gone
             await n.stats()
             n.assert_silent()
 
@@ -164,7 +164,7 @@ async def test_successful_push_keeps_the_slot_as_the_receivers_input(ctx: zmq.as
             n.assert_silent()
             # Forgotten while the denoiser runs: its input slot goes back, and the denoiser
             # (now the flight's instance) is aborted and its pool slot released.
-            await n.inbox.send(Forget(request_id="r1"))
+            n.inbox.post(Forget(request_id="r1"))
             assert (await n.stats()).prealloc[denoiser.instance] == PreallocCounts(2, 2)
             assert n.take("denoiser") == [
                 released("r1", denoiser),
@@ -177,7 +177,7 @@ async def test_forget_mid_push_keeps_the_slot_until_the_push_reports(ctx: zmq.as
     with anyio.fail_after(5):
         async with encoder_and_denoiser(ctx, tmp_path, slots=2) as (n, encoder, denoiser):
             await push_on_fast_path(n, encoder, denoiser, "r1")
-            await n.inbox.send(Forget(request_id="r1"))
+            n.inbox.post(Forget(request_id="r1"))
             assert (await n.stats()).prealloc[denoiser.instance] == PreallocCounts(1, 2)
             assert n.take("encoder") == [
                 released("r1", encoder),

@@ -28,10 +28,11 @@ import anyio
 import pytest
 import zmq
 import zmq.asyncio
-from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+from anyio.streams.memory import MemoryObjectReceiveStream
 
 from actors.base import ask_stats
 from actors.mail import Credit, Dispatch, Enqueue, Forget, HandedOff, Join, Placed, Release, Send
+from actors.mailbox import Mailbox, Switchboard
 from actors.negotiator import PreallocCounts
 from actors.pools import PoolActor, PoolStats
 from tests.actors.negotiator_harness import (
@@ -60,7 +61,7 @@ KEY = b"k" * 16
 class RealPool:
     """A real PoolActor whose mail to and from the negotiator the test carries by hand."""
 
-    inbox: MemoryObjectSendStream[Any]
+    inbox: Mailbox[Any]
     admission: MemoryObjectReceiveStream[Any]
     tracker: MemoryObjectReceiveStream[Any]
     negotiator: MemoryObjectReceiveStream[Any]
@@ -78,7 +79,7 @@ class RealPool:
                 mail = self.negotiator.receive_nowait()
             except anyio.WouldBlock:
                 break
-            await n.inbox.send(mail)
+            n.inbox.post(mail)
             carried.append(mail)
         await n.stats()
         return carried
@@ -87,7 +88,7 @@ class RealPool:
         """Carry everything the negotiator has posted to this pool so far, in order."""
         carried = n.take(role)
         for mail in carried:
-            await self.inbox.send(mail)
+            self.inbox.post(mail)
         await self.stats()
         return carried
 
@@ -97,21 +98,23 @@ async def real_pool(ctx: zmq.asyncio.Context, tmp_path: Path, worker: FakeWorker
     """The denoiser pool, with ``worker``'s instance joined (as the negotiator's Join would have it)."""
     async with AsyncExitStack() as stack:
 
-        stream = partial(open_stream, stack)
-        (inbox_tx, inbox_rx), (ad_tx, ad_rx), (tr_tx, tr_rx), (ng_tx, ng_rx) = stream(), stream(), stream(), stream()
+        board = Switchboard()
+        stream = partial(open_stream, stack, board)
+        inbox = board.mailbox("pool.denoiser", 32)
+        (ad_box, ad_rx), (tr_box, tr_rx), (ng_box, ng_rx) = stream("admission"), stream("tracker"), stream("negotiator")
         work = stack.enter_context(ctx.socket(zmq.PULL))
         work.setsockopt(zmq.LINGER, 0)
         address = f"ipc://{tmp_path}/denoiser-work"
         work.bind(address)
-        actor = PoolActor("denoiser", inbox_rx, ctx=ctx, policy="round_robin", send_hwm=100, admission=ad_tx,
-                          tracker=tr_tx, negotiator=ng_tx)
+        actor = PoolActor("denoiser", inbox, ctx=ctx, policy="round_robin", send_hwm=100, admission=ad_box,
+                          tracker=tr_box, negotiator=ng_box)
         async with anyio.create_task_group() as tg:
             await tg.start(actor.run)
-            await inbox_tx.send(Join(instance=worker.instance, name="denoiser-worker", work_address=address,
-                                     session=worker.session, key=KEY, capacity=2))
+            inbox.post(Join(instance=worker.instance, name="denoiser-worker", work_address=address,
+                            session=worker.session, key=KEY, capacity=2))
             assert await ad_rx.receive() == Credit(role="denoiser", delta=2)
-            yield RealPool(inbox_tx, ad_rx, tr_rx, ng_rx, work)
-            inbox_tx.close()
+            yield RealPool(inbox, ad_rx, tr_rx, ng_rx, work)
+            tg.cancel_scope.cancel()
 
 
 
@@ -132,14 +135,14 @@ async def test_race_a_the_receiver_pools_slot_always_comes_back(
             # after (forget-before-dispatch: the old race) or before it did so.
             mails = [Forget(request_id="r#0"), Dispatch(job=job("r#0", "denoiser"))]
             for mail in mails if forget_first else reversed(mails):
-                await pool.inbox.send(mail)
+                pool.inbox.post(mail)
             carried = await pool.to_negotiator(n)
             placed = Placed(job=job("r#0", "denoiser"), instance=denoiser.instance)
             assert carried == ([Forget(request_id="r#0"), placed] if forget_first else
                                [placed, Forget(request_id="r#0")])
             assert (await pool.stats()).instances[0].slots_free == 1
             # The encoder pool's copy of the Forget comes last (the slow one, in the old race).
-            await n.inbox.send(Forget(request_id="r#0"))
+            n.inbox.post(Forget(request_id="r#0"))
             await n.stats()
 
             assert Release(request_id="r#0", instance=denoiser.instance, ok=None) in \
@@ -175,15 +178,15 @@ async def test_race_c_a_stale_forget_leaves_the_reused_ids_new_request_alone(
     """The client reused "r" at once; the first admission's Forget copies arrive after the second started."""
     with anyio.fail_after(5):
         async with running_negotiator(ctx, tmp_path) as n, fake_worker(ctx, n, "encoder") as encoder:
-            await n.inbox.send(Placed(job=job("r#0", "encoder"), instance=encoder.instance))
-            await n.inbox.send(Forget(request_id="r#0"))  # the first copy ends "r#0"
+            n.inbox.post(Placed(job=job("r#0", "encoder"), instance=encoder.instance))
+            n.inbox.post(Forget(request_id="r#0"))  # the first copy ends "r#0"
             await n.stats()
             n.take("encoder")  # Work, Release, Abort of r#0
-            await n.inbox.send(Placed(job=job("r#1", "encoder"), instance=encoder.instance))
+            n.inbox.post(Placed(job=job("r#1", "encoder"), instance=encoder.instance))
             assert await n.pools["encoder"].receive() == Send(instance=encoder.instance,
                                                               order=Work(request_id="r#1", params=PARAMS))
             for _ in range(2):  # the other pools' copies, late
-                await n.inbox.send(Forget(request_id="r#0"))
+                n.inbox.post(Forget(request_id="r#0"))
             await n.stats()
             n.assert_silent()  # nothing released or aborted for "r#1"
             await encoder.report(Staged(request_id="r#1", nbytes=NBYTES, manifest=MANIFEST, compute_ms=1.0))
@@ -197,19 +200,19 @@ async def test_race_c_a_stale_placed_does_not_reserve_for_the_new_request(
     with anyio.fail_after(5):
         async with encoder_and_denoiser(ctx, tmp_path, slots=2) as (n, encoder, denoiser):
             await stage_encoder_output(n, encoder, "r#0")
-            await n.inbox.send(Forget(request_id="r#0"))
+            n.inbox.post(Forget(request_id="r#0"))
             await n.stats()
             n.take("encoder")  # Release, Abort of r#0
             await stage_encoder_output(n, encoder, "r#1")  # the same client id, admitted again
             # The first admission's denoiser job was dispatched anyway; its Placed arrives now.
-            await n.inbox.send(Placed(job=job("r#0", "denoiser"), instance=denoiser.instance))
+            n.inbox.post(Placed(job=job("r#0", "denoiser"), instance=denoiser.instance))
             await n.stats()
             assert n.take("denoiser") == [Release(request_id="r#0", instance=denoiser.instance, ok=None)]
             stats = await n.stats()
             assert stats.prealloc[denoiser.instance] == PreallocCounts(2, 2)
             assert (stats.handoffs_in_flight, stats.fast_path) == (1, {})  # "r#1" still awaits its own receiver
             n.assert_silent()
-            await n.inbox.send(Placed(job=job("r#1", "denoiser"), instance=denoiser.instance))
+            n.inbox.post(Placed(job=job("r#1", "denoiser"), instance=denoiser.instance))
             assert await n.pools["encoder"].receive() == Send(instance=encoder.instance, order=Push(
                 request_id="r#1", session=denoiser.session, address=POOL_BASE, nbytes=NBYTES))
 
@@ -219,12 +222,12 @@ async def test_race_c_the_old_push_report_frees_only_its_own_slot(ctx: zmq.async
     with anyio.fail_after(5):
         async with encoder_and_denoiser(ctx, tmp_path, slots=2) as (n, encoder, denoiser):
             await push_on_fast_path(n, encoder, denoiser, "r#0")  # into slot 0
-            await n.inbox.send(Forget(request_id="r#0"))
+            n.inbox.post(Forget(request_id="r#0"))
             await n.stats()
             n.take("encoder")
             n.take("denoiser")
             await stage_encoder_output(n, encoder, "r#1")
-            await n.inbox.send(Placed(job=job("r#1", "denoiser"), instance=denoiser.instance))
+            n.inbox.post(Placed(job=job("r#1", "denoiser"), instance=denoiser.instance))
             assert await n.pools["encoder"].receive() == Send(instance=encoder.instance, order=Push(
                 request_id="r#1", session=denoiser.session, address=POOL_BASE + SLOT_SIZE, nbytes=NBYTES))
             assert (await n.stats()).prealloc[denoiser.instance] == PreallocCounts(0, 2)

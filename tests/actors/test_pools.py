@@ -13,7 +13,7 @@ import anyio
 import pytest
 import zmq
 import zmq.asyncio
-from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+from anyio.streams.memory import MemoryObjectReceiveStream
 
 from actors.base import ask_stats
 from actors.mail import (
@@ -30,6 +30,7 @@ from actors.mail import (
     Release,
     Send,
 )
+from actors.mailbox import Mailbox, Switchboard
 from actors.pools import PoolActor, PoolStats
 from tests.actors.streams import open_stream
 from transfer.protocol import WORK_ORDER, Abort, Alloc, GenParams, Ready, Reason, Role, Work, WorkOrder
@@ -41,7 +42,7 @@ KEY = b"k" * 16
 @dataclass
 class Pool:
     role: Role
-    inbox: MemoryObjectSendStream[PoolMail]
+    inbox: Mailbox[PoolMail]
     admission: MemoryObjectReceiveStream[Any]
     tracker: MemoryObjectReceiveStream[Any]
     negotiator: MemoryObjectReceiveStream[Any]
@@ -52,14 +53,14 @@ class Pool:
 
     async def join(self, address: str, instance: str | None = None, capacity: int = 2) -> str:
         instance = instance or f"{self.role}-1"
-        await self.inbox.send(Join(instance=instance, name=f"w-{instance}", work_address=address, session="sess",
-                                   key=KEY, capacity=capacity))
+        self.inbox.post(Join(instance=instance, name=f"w-{instance}", work_address=address, session="sess",
+                             key=KEY, capacity=capacity))
         assert await self.admission.receive() == Credit(role=self.role, delta=capacity)
         return instance
 
     async def dispatch(self, rid: str) -> str:
         """Dispatch ``rid`` and return the instance the negotiator is told it was placed at."""
-        await self.inbox.send(Dispatch(job=job(rid, self.role)))
+        self.inbox.post(Dispatch(job=job(rid, self.role)))
         placed = await self.negotiator.receive()
         assert isinstance(placed, Placed) and placed.job == job(rid, self.role)
         return placed.instance
@@ -79,14 +80,16 @@ async def running_pool(role: Role, ctx: zmq.Context, *, policy: str = "round_rob
                        send_hwm: int = 100) -> AsyncIterator[Pool]:
     async with AsyncExitStack() as stack:
 
-        stream = partial(open_stream, stack)
-        (inbox_tx, inbox_rx), (ad_tx, ad_rx), (tr_tx, tr_rx), (ng_tx, ng_rx) = stream(), stream(), stream(), stream()
-        actor = PoolActor(role, inbox_rx, ctx=ctx, policy=policy, send_hwm=send_hwm, admission=ad_tx,
-                          tracker=tr_tx, negotiator=ng_tx)
+        board = Switchboard()
+        stream = partial(open_stream, stack, board)
+        inbox = board.mailbox(f"pool.{role}", 32)
+        (ad_box, ad_rx), (tr_box, tr_rx), (ng_box, ng_rx) = stream("admission"), stream("tracker"), stream("negotiator")
+        actor = PoolActor(role, inbox, ctx=ctx, policy=policy, send_hwm=send_hwm, admission=ad_box,
+                          tracker=tr_box, negotiator=ng_box)
         async with anyio.create_task_group() as tg:
             await tg.start(actor.run)
-            yield Pool(role, inbox_tx, ad_rx, tr_rx, ng_rx)
-            inbox_tx.close()  # run returns and closes the work sockets
+            yield Pool(role, inbox, ad_rx, tr_rx, ng_rx)
+            tg.cancel_scope.cancel()  # run is cancelled and closes the work sockets
 
 
 @asynccontextmanager
@@ -114,8 +117,8 @@ async def next_order(sock: Any) -> WorkOrder:
 async def test_join_credits_admission_with_capacity(ctx: zmq.asyncio.Context, tmp_path: Path) -> None:
     with anyio.fail_after(5):
         async with fake_worker(ctx, tmp_path) as (address, _), running_pool("encoder", ctx) as pool:
-            await pool.inbox.send(Join(instance="encoder-1", name="w", work_address=address, session="s",
-                                       key=KEY, capacity=3))
+            pool.inbox.post(Join(instance="encoder-1", name="w", work_address=address, session="s",
+                                 key=KEY, capacity=3))
             assert await pool.admission.receive() == Credit(role="encoder", delta=3)
             [inst] = (await pool.stats()).instances
             assert (inst.instance, inst.slots_free, inst.slots_total) == ("encoder-1", 3, 3)
@@ -127,7 +130,7 @@ async def test_leave_fails_held_requests_with_worker_lost(ctx: zmq.asyncio.Conte
             await pool.join(address, capacity=3)
             await pool.dispatch("r1")
             await pool.dispatch("r2")
-            await pool.inbox.send(Leave(instance="encoder-1", reason=Reason.WORKER_LOST, message="missed heartbeats"))
+            pool.inbox.post(Leave(instance="encoder-1", reason=Reason.WORKER_LOST, message="missed heartbeats"))
             failed = [await pool.tracker.receive(), await pool.tracker.receive()]
             assert sorted(failed, key=lambda f: f.request_id) == [
                 Failed(request_id=rid, reason=Reason.WORKER_LOST, message="missed heartbeats") for rid in ("r1", "r2")
@@ -139,7 +142,7 @@ async def test_leave_fails_held_requests_with_worker_lost(ctx: zmq.asyncio.Conte
 async def test_leave_of_an_unknown_instance_does_nothing(ctx: zmq.asyncio.Context) -> None:
     with anyio.fail_after(5):
         async with running_pool("encoder", ctx) as pool:
-            await pool.inbox.send(Leave(instance="encoder-9", reason=Reason.WORKER_LOST, message="?"))
+            pool.inbox.post(Leave(instance="encoder-9", reason=Reason.WORKER_LOST, message="?"))
             await pool.stats()
             assert_empty(pool.admission)
             assert_empty(pool.tracker)
@@ -156,11 +159,11 @@ async def test_dispatch_reserves_a_slot_and_tells_the_negotiator_without_sending
     with anyio.fail_after(5):
         async with fake_worker(ctx, tmp_path) as (address, worker), running_pool(role, ctx) as pool:
             await pool.join(address)
-            await pool.inbox.send(Dispatch(job=job("r1", role)))
+            pool.inbox.post(Dispatch(job=job("r1", role)))
             assert await pool.negotiator.receive() == Placed(job=job("r1", role), instance=f"{role}-1")
             [inst] = (await pool.stats()).instances
             assert inst.slots_free == 1
-            await pool.inbox.send(Send(instance=f"{role}-1", order=Abort(request_id="marker")))
+            pool.inbox.post(Send(instance=f"{role}-1", order=Abort(request_id="marker")))
             assert await next_order(worker) == Abort(request_id="marker")  # nothing came before it
             assert_empty(pool.admission)
 
@@ -170,14 +173,14 @@ async def test_negotiator_ordered_work_reaches_the_worker(ctx: zmq.asyncio.Conte
         async with fake_worker(ctx, tmp_path) as (address, worker), running_pool("encoder", ctx) as pool:
             await pool.join(address)
             instance = await pool.dispatch("r1")
-            await pool.inbox.send(Send(instance=instance, order=Work(request_id="r1", params=PARAMS)))
+            pool.inbox.post(Send(instance=instance, order=Work(request_id="r1", params=PARAMS)))
             assert await next_order(worker) == Work(request_id="r1", params=PARAMS)
 
 
 async def test_dispatch_with_no_instance_requeues_at_the_front_and_refunds(ctx: zmq.asyncio.Context) -> None:
     with anyio.fail_after(5):
         async with running_pool("encoder", ctx) as pool:
-            await pool.inbox.send(Dispatch(job=job("r1")))
+            pool.inbox.post(Dispatch(job=job("r1")))
             assert await pool.admission.receive() == Enqueue(job=job("r1"), front=True)
             assert await pool.admission.receive() == Credit(role="encoder", delta=1)
             await pool.stats()
@@ -189,9 +192,9 @@ async def test_dispatch_after_the_only_instance_left_requeues(ctx: zmq.asyncio.C
     with anyio.fail_after(5):
         async with fake_worker(ctx, tmp_path) as (address, _), running_pool("encoder", ctx) as pool:
             await pool.join(address)
-            await pool.inbox.send(Leave(instance="encoder-1", reason=Reason.WORKER_LOST, message="gone"))
+            pool.inbox.post(Leave(instance="encoder-1", reason=Reason.WORKER_LOST, message="gone"))
             assert await pool.admission.receive() == Credit(role="encoder", delta=-2)
-            await pool.inbox.send(Dispatch(job=job("r1")))
+            pool.inbox.post(Dispatch(job=job("r1")))
             assert await pool.admission.receive() == Enqueue(job=job("r1"), front=True)
             assert await pool.admission.receive() == Credit(role="encoder", delta=1)
 
@@ -206,8 +209,8 @@ async def test_bounced_dispatch_gives_its_credit_back(ctx: zmq.asyncio.Context, 
     with anyio.fail_after(5):
         async with fake_worker(ctx, tmp_path) as (address, _), running_pool("encoder", ctx) as pool:
             await pool.join(address, capacity=1)  # credit +1, which admission spends on r1:
-            await pool.inbox.send(Leave(instance="encoder-1", reason=Reason.WORKER_LOST, message="gone"))
-            await pool.inbox.send(Dispatch(job=job("r1")))  # ...but the worker left first
+            pool.inbox.post(Leave(instance="encoder-1", reason=Reason.WORKER_LOST, message="gone"))
+            pool.inbox.post(Dispatch(job=job("r1")))  # ...but the worker left first
             await pool.stats()
             credited = 1
             while True:
@@ -241,7 +244,7 @@ async def test_release_gives_the_slot_back_and_credits_admission(ctx: zmq.asynci
         async with fake_worker(ctx, tmp_path) as (address, _), running_pool("denoiser", ctx) as pool:
             await pool.join(address)
             await pool.dispatch("r1")
-            await pool.inbox.send(Release(request_id="r1", instance="denoiser-1", ok=True))
+            pool.inbox.post(Release(request_id="r1", instance="denoiser-1", ok=True))
             assert await pool.admission.receive() == Credit(role="denoiser", delta=1)
             [inst] = (await pool.stats()).instances
             assert (inst.slots_free, inst.served, inst.failed) == (2, 1, 0)
@@ -252,7 +255,7 @@ async def test_failed_release_is_counted_as_failed(ctx: zmq.asyncio.Context, tmp
         async with fake_worker(ctx, tmp_path) as (address, _), running_pool("denoiser", ctx) as pool:
             await pool.join(address)
             await pool.dispatch("r1")
-            await pool.inbox.send(Release(request_id="r1", instance="denoiser-1", ok=False))
+            pool.inbox.post(Release(request_id="r1", instance="denoiser-1", ok=False))
             assert await pool.admission.receive() == Credit(role="denoiser", delta=1)
             [inst] = (await pool.stats()).instances
             assert (inst.served, inst.failed) == (0, 1)
@@ -264,11 +267,11 @@ async def test_unused_release_frees_the_slot_without_counting(ctx: zmq.asyncio.C
         async with fake_worker(ctx, tmp_path) as (address, _), running_pool("denoiser", ctx) as pool:
             await pool.join(address)
             await pool.dispatch("r1")
-            await pool.inbox.send(Release(request_id="r1", instance="denoiser-1", ok=None))
+            pool.inbox.post(Release(request_id="r1", instance="denoiser-1", ok=None))
             assert await pool.admission.receive() == Credit(role="denoiser", delta=1)
             [inst] = (await pool.stats()).instances
             assert (inst.slots_free, inst.served, inst.failed) == (2, 0, 0)
-            await pool.inbox.send(Release(request_id="r1", instance="denoiser-1", ok=True))  # a second one
+            pool.inbox.post(Release(request_id="r1", instance="denoiser-1", ok=True))  # a second one
             [inst] = (await pool.stats()).instances
             assert (inst.slots_free, inst.served, inst.failed) == (2, 0, 0)
             assert_empty(pool.admission)
@@ -279,7 +282,7 @@ async def test_release_from_another_instance_is_ignored(ctx: zmq.asyncio.Context
         async with fake_worker(ctx, tmp_path) as (address, _), running_pool("denoiser", ctx) as pool:
             await pool.join(address)
             await pool.dispatch("r1")
-            await pool.inbox.send(Release(request_id="r1", instance="denoiser-7", ok=True))
+            pool.inbox.post(Release(request_id="r1", instance="denoiser-7", ok=True))
             [inst] = (await pool.stats()).instances
             assert inst.slots_free == 1
             assert_empty(pool.admission)
@@ -289,7 +292,7 @@ async def test_release_of_an_unheld_request_is_ignored(ctx: zmq.asyncio.Context,
     with anyio.fail_after(5):
         async with fake_worker(ctx, tmp_path) as (address, _), running_pool("denoiser", ctx) as pool:
             await pool.join(address)
-            await pool.inbox.send(Release(request_id="nobody", instance="denoiser-1", ok=False))
+            pool.inbox.post(Release(request_id="nobody", instance="denoiser-1", ok=False))
             [inst] = (await pool.stats()).instances
             assert (inst.slots_free, inst.served, inst.failed) == (2, 0, 0)
             assert_empty(pool.admission)
@@ -303,18 +306,18 @@ async def test_forget_of_a_running_request_only_tells_the_negotiator(
         async with fake_worker(ctx, tmp_path) as (address, worker), running_pool("encoder", ctx) as pool:
             await pool.join(address)
             await pool.dispatch("r1")
-            await pool.inbox.send(Send(instance="encoder-1", order=Work(request_id="r1", params=PARAMS)))
-            await pool.inbox.send(Forget(request_id="r1"))
+            pool.inbox.post(Send(instance="encoder-1", order=Work(request_id="r1", params=PARAMS)))
+            pool.inbox.post(Forget(request_id="r1"))
             assert await pool.negotiator.receive() == Forget(request_id="r1")
             [inst] = (await pool.stats()).instances
             assert inst.slots_free == 1  # still held
             assert_empty(pool.admission)
-            await pool.inbox.send(Send(instance="encoder-1", order=Abort(request_id="marker")))
+            pool.inbox.post(Send(instance="encoder-1", order=Abort(request_id="marker")))
             assert await next_order(worker) == Work(request_id="r1", params=PARAMS)
             assert await next_order(worker) == Abort(request_id="marker")  # no Abort of r1 of its own
             # The negotiator's answer to the Forget: an abort, then the slot back.
-            await pool.inbox.send(Send(instance="encoder-1", order=Abort(request_id="r1")))
-            await pool.inbox.send(Release(request_id="r1", instance="encoder-1", ok=None))
+            pool.inbox.post(Send(instance="encoder-1", order=Abort(request_id="r1")))
+            pool.inbox.post(Release(request_id="r1", instance="encoder-1", ok=None))
             assert await next_order(worker) == Abort(request_id="r1")
             assert await pool.admission.receive() == Credit(role="encoder", delta=1)
             [inst] = (await pool.stats()).instances
@@ -326,14 +329,14 @@ async def test_forget_of_a_reserved_slot_keeps_it_until_released(ctx: zmq.asynci
         async with fake_worker(ctx, tmp_path) as (address, worker), running_pool("denoiser", ctx) as pool:
             await pool.join(address)
             await pool.dispatch("r1")
-            await pool.inbox.send(Forget(request_id="r1"))
+            pool.inbox.post(Forget(request_id="r1"))
             assert await pool.negotiator.receive() == Forget(request_id="r1")
             [inst] = (await pool.stats()).instances
             assert inst.slots_free == 1
             assert_empty(pool.admission)
-            await pool.inbox.send(Send(instance="denoiser-1", order=Abort(request_id="marker")))
+            pool.inbox.post(Send(instance="denoiser-1", order=Abort(request_id="marker")))
             assert await next_order(worker) == Abort(request_id="marker")  # nothing went to the worker before
-            await pool.inbox.send(Release(request_id="r1", instance="denoiser-1", ok=None))
+            pool.inbox.post(Release(request_id="r1", instance="denoiser-1", ok=None))
             assert await pool.admission.receive() == Credit(role="denoiser", delta=1)
             assert (await pool.stats()).instances[0].slots_free == 2
 
@@ -341,7 +344,7 @@ async def test_forget_of_a_reserved_slot_keeps_it_until_released(ctx: zmq.asynci
 async def test_forget_of_an_unheld_request_is_forwarded(ctx: zmq.asyncio.Context) -> None:
     with anyio.fail_after(5):
         async with running_pool("encoder", ctx) as pool:
-            await pool.inbox.send(Forget(request_id="nobody"))
+            pool.inbox.post(Forget(request_id="nobody"))
             assert await pool.negotiator.receive() == Forget(request_id="nobody")
             await pool.stats()
             assert_empty(pool.admission)
@@ -355,12 +358,12 @@ async def test_every_forget_is_forwarded_after_the_placed_before_it(
     with anyio.fail_after(5):
         async with fake_worker(ctx, tmp_path) as (address, _), running_pool("denoiser", ctx) as pool:
             await pool.join(address, capacity=3)
-            await pool.inbox.send(Dispatch(job=job("held", "denoiser")))
-            await pool.inbox.send(Dispatch(job=job("released", "denoiser")))
+            pool.inbox.post(Dispatch(job=job("held", "denoiser")))
+            pool.inbox.post(Dispatch(job=job("released", "denoiser")))
             for rid in ("released", "elsewhere", "held"):
                 if rid == "released":
-                    await pool.inbox.send(Release(request_id=rid, instance="denoiser-1", ok=True))
-                await pool.inbox.send(Forget(request_id=rid))
+                    pool.inbox.post(Release(request_id=rid, instance="denoiser-1", ok=True))
+                pool.inbox.post(Forget(request_id=rid))
             await pool.stats()
             forwarded = []
             while True:
@@ -390,11 +393,11 @@ async def test_forget_before_a_dispatch_leaves_the_slot_for_the_negotiator_to_re
     with anyio.fail_after(5):
         async with fake_worker(ctx, tmp_path) as (address, _), running_pool("denoiser", ctx) as pool:
             await pool.join(address)
-            await pool.inbox.send(Forget(request_id="r1"))
+            pool.inbox.post(Forget(request_id="r1"))
             assert await pool.negotiator.receive() == Forget(request_id="r1")
             assert await pool.dispatch("r1") == "denoiser-1"
             assert (await pool.stats()).instances[0].slots_free == 1
-            await pool.inbox.send(Release(request_id="r1", instance="denoiser-1", ok=None))
+            pool.inbox.post(Release(request_id="r1", instance="denoiser-1", ok=None))
             assert await pool.admission.receive() == Credit(role="denoiser", delta=1)
             [inst] = (await pool.stats()).instances
             assert (inst.slots_free, inst.served, inst.failed) == (2, 0, 0)
@@ -406,13 +409,13 @@ async def test_every_order_is_sent_held_or_not(ctx: zmq.asyncio.Context, tmp_pat
         async with fake_worker(ctx, tmp_path) as (address, worker), running_pool("encoder", ctx) as pool:
             await pool.join(address)
             await pool.dispatch("r1")
-            await pool.inbox.send(Forget(request_id="r1"))
+            pool.inbox.post(Forget(request_id="r1"))
             assert await pool.negotiator.receive() == Forget(request_id="r1")
             orders = [Work(request_id="r1", params=PARAMS), Work(request_id="never", params=PARAMS),
                       Ready(request_id="r2", params=PARAMS, address=4096, manifest=[]),
                       Abort(request_id="late")]
             for order in orders:
-                await pool.inbox.send(Send(instance="encoder-1", order=order))
+                pool.inbox.post(Send(instance="encoder-1", order=order))
             assert [await next_order(worker) for _ in orders] == orders
             [inst] = (await pool.stats()).instances
             assert inst.slots_free == 1  # sending takes and frees nothing
@@ -426,7 +429,7 @@ async def test_plain_send_for_an_unheld_request_still_goes_out(ctx: zmq.asyncio.
     with anyio.fail_after(5):
         async with fake_worker(ctx, tmp_path) as (address, worker), running_pool("encoder", ctx) as pool:
             await pool.join(address)
-            await pool.inbox.send(Send(instance="encoder-1", order=Abort(request_id="late")))
+            pool.inbox.post(Send(instance="encoder-1", order=Abort(request_id="late")))
             assert await next_order(worker) == Abort(request_id="late")
 
 
@@ -436,7 +439,7 @@ async def test_plain_send_for_an_unheld_request_still_goes_out(ctx: zmq.asyncio.
 async def test_send_to_a_departed_instance_fails_the_request(ctx: zmq.asyncio.Context) -> None:
     with anyio.fail_after(5):
         async with running_pool("decoder", ctx) as pool:
-            await pool.inbox.send(Send(instance="decoder-3", order=Alloc(request_id="r1", nbytes=10)))
+            pool.inbox.post(Send(instance="decoder-3", order=Alloc(request_id="r1", nbytes=10)))
             failed = await pool.tracker.receive()
             assert (failed.request_id, failed.reason) == ("r1", Reason.WORKER_LOST)
 
@@ -444,7 +447,7 @@ async def test_send_to_a_departed_instance_fails_the_request(ctx: zmq.asyncio.Co
 async def test_abort_to_a_departed_instance_is_dropped(ctx: zmq.asyncio.Context) -> None:
     with anyio.fail_after(5):
         async with running_pool("decoder", ctx) as pool:
-            await pool.inbox.send(Send(instance="decoder-3", order=Abort(request_id="r1")))
+            pool.inbox.post(Send(instance="decoder-3", order=Abort(request_id="r1")))
             await pool.stats()
             assert_empty(pool.tracker)
 
@@ -465,7 +468,7 @@ async def test_stuck_worker_fails_the_request(kind: str, tmp_path: Path) -> None
                 await pool.join(f"ipc://{tmp_path}/nobody", capacity=3)
                 for rid in ("r1", "r2"):
                     instance = await pool.dispatch(rid)
-                    await pool.inbox.send(Send(instance=instance, order=Work(request_id=rid, params=PARAMS)))
+                    pool.inbox.post(Send(instance=instance, order=Work(request_id=rid, params=PARAMS)))
                 await pool.stats()  # a send fails inside the Send's handler, so Failed is posted by now
                 failed = pool.tracker.receive_nowait()
                 assert (failed.request_id, failed.reason) == ("r2", Reason.WORKER_LOST)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import anyio
-from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+from anyio.streams.memory import MemoryObjectReceiveStream
 
 from actors.base import ask_stats
 from actors.mail import (
@@ -25,7 +25,9 @@ from actors.mail import (
     Tick,
     TrackerMail,
 )
+from actors.mailbox import Mailbox, Switchboard
 from actors.tracker import TrackerActor, TrackerStats
+from tests.actors.streams import open_stream
 from transfer.protocol import GenParams, Reason, Rejected, Result, Role, TensorSpec
 
 PARAMS = GenParams(prompt="a cat")
@@ -37,7 +39,7 @@ TINY_TIMEOUT_S = 0.01
 class Tracker:
     """The actor's inbox, and the receive ends of everything it posts to (it knows no pools)."""
 
-    inbox: MemoryObjectSendStream[TrackerMail]
+    inbox: Mailbox[TrackerMail]
     frontend: MemoryObjectReceiveStream[Any]
     admission: MemoryObjectReceiveStream[Any]
 
@@ -58,24 +60,19 @@ class Tracker:
 async def running_tracker() -> AsyncIterator[Tracker]:
     async with AsyncExitStack() as stack:
 
-        def stream(size: int = 32) -> tuple[MemoryObjectSendStream[Any], MemoryObjectReceiveStream[Any]]:
-            tx, rx = anyio.create_memory_object_stream[Any](size)
-            stack.enter_context(tx)
-            stack.enter_context(rx)
-            return tx, rx
-
-        inbox_tx, inbox_rx = stream()
-        fe_tx, fe_rx = stream()
-        ad_tx, ad_rx = stream()
-        actor = TrackerActor(inbox_rx, frontend=fe_tx, admission=ad_tx)
+        board = Switchboard()
+        inbox = board.mailbox("tracker", 32)
+        fe_box, fe_rx = open_stream(stack, board, "frontend")
+        ad_box, ad_rx = open_stream(stack, board, "admission")
+        actor = TrackerActor(inbox, frontend=fe_box, admission=ad_box)
         async with anyio.create_task_group() as tg:
             await tg.start(actor.run)
-            yield Tracker(inbox_tx, fe_rx, ad_rx)
-            inbox_tx.close()  # the actor's inbox ends; run returns
+            yield Tracker(inbox, fe_rx, ad_rx)
+            tg.cancel_scope.cancel()  # the actor's run is cancelled
 
 
 async def admit(t: Tracker, rid: str = "r1", timeout_s: float = 60.0) -> None:
-    await t.inbox.send(Admit(request_id=rid, params=PARAMS, timeout_s=timeout_s))
+    t.inbox.post(Admit(request_id=rid, params=PARAMS, timeout_s=timeout_s))
     assert await t.admission.receive() == Enqueue(job=Job(request_id=rid, role="encoder", params=PARAMS))
 
 
@@ -91,14 +88,14 @@ def finished(rid: str) -> Finished:
 
 async def run_to_decoding(t: Tracker, rid: str = "r1") -> None:
     await admit(t, rid)
-    await t.inbox.send(handed_off(rid, "encoder", fast_path=True))
-    await t.inbox.send(handed_off(rid, "denoiser", fast_path=False, nbytes=4096))
+    t.inbox.post(handed_off(rid, "encoder", fast_path=True))
+    t.inbox.post(handed_off(rid, "denoiser", fast_path=False, nbytes=4096))
 
 
 async def tick_until_delivered(t: Tracker) -> Deliver:
     """Tick until a deadline passes. Deadlines are wall-clock, so this polls (bounded by fail_after)."""
     while True:
-        await t.inbox.send(Tick())
+        t.inbox.post(Tick())
         await t.stats()
         try:
             return t.frontend.receive_nowait()
@@ -119,7 +116,7 @@ async def assert_forgotten(t: Tracker, rid: str) -> None:
 async def test_admit_queues_the_request_for_an_encoder() -> None:
     with anyio.fail_after(5):
         async with running_tracker() as t:
-            await t.inbox.send(Admit(request_id="r1", params=PARAMS, timeout_s=60.0))
+            t.inbox.post(Admit(request_id="r1", params=PARAMS, timeout_s=60.0))
             assert await t.admission.receive() == Enqueue(job=Job(request_id="r1", role="encoder", params=PARAMS))
 
 
@@ -127,7 +124,7 @@ async def test_full_journey_delivers_a_result_with_three_stage_timings() -> None
     with anyio.fail_after(5):
         async with running_tracker() as t:
             await run_to_decoding(t)
-            await t.inbox.send(finished("r1"))
+            t.inbox.post(finished("r1"))
             deliver = await t.frontend.receive()
             assert isinstance(deliver, Deliver) and deliver.request_id == "r1"
             assert list(deliver.frames) == [b"abc"]
@@ -149,7 +146,7 @@ async def test_completed_request_is_counted_and_leaves_the_table() -> None:
         async with running_tracker() as t:
             await run_to_decoding(t)
             assert (await t.stats()).by_state == {"decoding": 1}
-            await t.inbox.send(finished("r1"))
+            t.inbox.post(finished("r1"))
             await t.frontend.receive()
             stats = await t.stats()
             assert (stats.completed, stats.by_state, stats.failed_by_reason) == (1, {}, {})
@@ -159,7 +156,7 @@ async def test_request_done_is_logged_once_with_its_stages(logs: list[dict[str, 
     with anyio.fail_after(5):
         async with running_tracker() as t:
             await run_to_decoding(t)
-            await t.inbox.send(finished("r1"))
+            t.inbox.post(finished("r1"))
             await t.frontend.receive()
         done = [entry for entry in logs if entry["event"] == "request.done"]
         assert len(done) == 1
@@ -170,7 +167,7 @@ async def test_failure_is_logged_with_its_reason(logs: list[dict[str, Any]]) -> 
     with anyio.fail_after(5):
         async with running_tracker() as t:
             await admit(t)
-            await t.inbox.send(CancelRequest(request_id="r1"))
+            t.inbox.post(CancelRequest(request_id="r1"))
             await t.frontend.receive()
         assert {"event": "request.failed", "request_id": "r1", "reason": "cancelled", "actor": "tracker",
                 "message": "cancelled by the client", "state": "encoding", "log_level": "warning"} in logs
@@ -181,9 +178,9 @@ async def test_hand_off_from_the_wrong_stage_is_ignored() -> None:
     with anyio.fail_after(5):
         async with running_tracker() as t:
             await admit(t)
-            await t.inbox.send(handed_off("r1", "denoiser"))
+            t.inbox.post(handed_off("r1", "denoiser"))
             assert (await t.stats()).by_state == {"encoding": 1}
-            await t.inbox.send(finished("r1"))
+            t.inbox.post(finished("r1"))
             assert (await t.stats()).by_state == {"encoding": 1}
             t.assert_silent()
 
@@ -216,9 +213,9 @@ async def test_news_after_the_deadline_changes_nothing() -> None:
             await admit(t, timeout_s=TINY_TIMEOUT_S)
             await tick_until_delivered(t)
             await assert_forgotten(t, "r1")
-            await t.inbox.send(handed_off("r1", "encoder"))
-            await t.inbox.send(finished("r1"))
-            await t.inbox.send(Failed(request_id="r1", reason=Reason.STAGE_FAILED, message="late"))
+            t.inbox.post(handed_off("r1", "encoder"))
+            t.inbox.post(finished("r1"))
+            t.inbox.post(Failed(request_id="r1", reason=Reason.STAGE_FAILED, message="late"))
             stats = await t.stats()
             t.assert_silent()
             assert (stats.completed, stats.by_state, stats.failed_by_reason) == (0, {}, {"timed_out": 1})
@@ -241,8 +238,8 @@ async def test_failure_reported_twice_rejects_once() -> None:
     with anyio.fail_after(5):
         async with running_tracker() as t:
             await admit(t)
-            await t.inbox.send(Failed(request_id="r1", reason=Reason.WORKER_LOST, message="gone"))
-            await t.inbox.send(Failed(request_id="r1", reason=Reason.STAGE_FAILED, message="also"))
+            t.inbox.post(Failed(request_id="r1", reason=Reason.WORKER_LOST, message="gone"))
+            t.inbox.post(Failed(request_id="r1", reason=Reason.STAGE_FAILED, message="also"))
             deliver = await t.frontend.receive()
             assert deliver.message == Rejected(request_id="r1", reason=Reason.WORKER_LOST, message="gone")
             await assert_forgotten(t, "r1")
@@ -254,7 +251,7 @@ async def test_cancel_rejects_with_cancelled() -> None:
     with anyio.fail_after(5):
         async with running_tracker() as t:
             await run_to_decoding(t)
-            await t.inbox.send(CancelRequest(request_id="r1"))
+            t.inbox.post(CancelRequest(request_id="r1"))
             deliver = await t.frontend.receive()
             assert isinstance(deliver.message, Rejected)
             assert deliver.message.reason == Reason.CANCELLED
@@ -264,7 +261,7 @@ async def test_cancel_rejects_with_cancelled() -> None:
 async def test_cancel_of_an_unknown_request_does_nothing() -> None:
     with anyio.fail_after(5):
         async with running_tracker() as t:
-            await t.inbox.send(CancelRequest(request_id="nobody"))
+            t.inbox.post(CancelRequest(request_id="nobody"))
             await t.stats()
             t.assert_silent()
 
@@ -276,7 +273,7 @@ async def test_drain_with_nothing_in_flight_is_immediate() -> None:
     with anyio.fail_after(5):
         async with running_tracker() as t:
             drained = anyio.Event()
-            await t.inbox.send(StartDrain(drained=drained))
+            t.inbox.post(StartDrain(drained=drained))
             await drained.wait()
 
 
@@ -286,9 +283,9 @@ async def test_drain_waits_for_the_table_to_empty() -> None:
             await run_to_decoding(t, "done")
             await admit(t, "cancelled")
             drained = anyio.Event()
-            await t.inbox.send(StartDrain(drained=drained))
-            await t.inbox.send(finished("done"))
+            t.inbox.post(StartDrain(drained=drained))
+            t.inbox.post(finished("done"))
             await t.stats()
             assert not drained.is_set()
-            await t.inbox.send(CancelRequest(request_id="cancelled"))
+            t.inbox.post(CancelRequest(request_id="cancelled"))
             await drained.wait()
