@@ -1,13 +1,15 @@
 """Control-plane benchmark: how much the daemon costs per request, and how that scales.
 
-Zero-work null stages, 1 encoder / 2 denoisers / 1 decoder as real processes, real
-Mooncake hand-offs. Closed-loop clients at concurrency 1, 16 and 64, then a backlog of
-2,048 requests submitted at once. For each: requests per second, p50/p99 latency, the
+1 encoder / 2 denoisers / 1 decoder, measured twice: with instant protocol workers, which
+answer every order at once and move no data (the daemon alone, as the reference head was
+measured), and with real worker processes running zero-work null stages and real Mooncake
+hand-offs (the whole stack). Closed-loop clients at concurrency 1, 16 and 64, then a
+backlog of 2,048 requests submitted at once. For each: requests per second, p50/p99 latency, the
 daemon's CPU time per request read from /proc (user + system, so a noisy machine still
 compares), and at the backlog the daemon's resident memory at its peak.
 
-"Added p50" is the p50 at concurrency 1 minus the p50 of a do-nothing ROUTER answered
-through the same client in the same run, as the reference head was measured.
+"Added p50" is the daemon-alone p50 at concurrency 1 minus the p50 of a do-nothing ROUTER
+answered through the same client in the same run, as the reference head was measured.
 """
 
 from __future__ import annotations
@@ -139,6 +141,16 @@ def measure(cluster: LocalCluster, name: str, concurrency: int, total: int) -> d
     }
 
 
+def print_table(title: str, rows: list[dict[str, float]]) -> None:
+    print(f"\n{title}")
+    print(f"{'concurrency':<13} {'requests':>8} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'daemon CPU ms/req':>18} "
+          f"{'vs reference':>13} {'daemon RSS MiB':>15}")
+    for row in rows:
+        ratio = REFERENCE_CPU_MS[row["name"]] / row["cpu_ms"]
+        print(f"{row['name']:<13} {row['requests']:>8} {row['req_s']:>8.0f} {row['p50_ms']:>8.2f} {row['p99_ms']:>8.2f} "
+              f"{row['cpu_ms']:>18.3f} {ratio:>12.1f}x {row['rss_mib']:>15.1f}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--requests", type=int, default=3000, help="per closed-loop level")
@@ -156,30 +168,32 @@ def main(argv: list[str] | None = None) -> int:
     floor_ms, _ = echo_floor(f"ipc://{tmp}/echo1", 2000, 1)
     _, echo_cpu_ms = echo_floor(f"ipc://{tmp}/echo16", 16000, 16)
 
-    rows = []
-    with LocalCluster(path, log_dir=tmp / "logs") as cluster:
-        for concurrency in (1, 16, 64):
-            total = args.requests // 3 if concurrency == 1 else args.requests
-            rows.append(measure(cluster, str(concurrency), concurrency, total))
-        rows.append(measure(cluster, "backlog 2048", 2048, 2048))
-        stats = cluster.control.stats()
-    print(f"\ndaemon log level {args.log_level}; completed {stats.completed}, failed {stats.failed_by_reason or 0}")
+    tables = {}
+    for instant in (True, False):
+        rows = []
+        with LocalCluster(path, log_dir=tmp / "logs" / ("instant" if instant else "real"), instant=instant) as cluster:
+            for concurrency in (1, 16, 64):
+                total = args.requests // 3 if concurrency == 1 else args.requests
+                rows.append(measure(cluster, str(concurrency), concurrency, total))
+            rows.append(measure(cluster, "backlog 2048", 2048, 2048))
+            stats = cluster.control.stats()
+        if stats.failed_by_reason:
+            raise SystemExit(f"requests failed: {stats.failed_by_reason}")
+        tables[instant] = rows
+    print(f"\ndaemon log level {args.log_level}; every request completed")
     print(f"do-nothing ROUTER in its own process: p50 {floor_ms:.3f} ms at concurrency 1; "
           f"{echo_cpu_ms * 1000:.0f} us of its CPU per round trip (one receive + one send) at concurrency 16")
-    print(f"{'concurrency':<13} {'requests':>8} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'daemon CPU ms/req':>18} "
-          f"{'vs reference':>13} {'daemon RSS MiB':>15}")
-    for row in rows:
-        ratio = REFERENCE_CPU_MS[row["name"]] / row["cpu_ms"]
-        print(f"{row['name']:<13} {row['requests']:>8} {row['req_s']:>8.0f} {row['p50_ms']:>8.2f} {row['p99_ms']:>8.2f} "
-              f"{row['cpu_ms']:>18.3f} {ratio:>12.1f}x {row['rss_mib']:>15.1f}")
+    print_table("daemon alone: instant protocol workers (as the reference head was measured)", tables[True])
+    print_table("full stack: real workers, null stages, Mooncake hand-offs", tables[False])
+    rows = tables[True]
     added = rows[0]["p50_ms"] - floor_ms
     worst_cpu = max(row["cpu_ms"] for row in rows)
-    print(f"\nadded p50 at concurrency 1: {added:.3f} ms (reference {REFERENCE_ADDED_P50_MS} ms, budget "
+    print(f"\ndaemon alone, added p50 at concurrency 1: {added:.3f} ms (reference {REFERENCE_ADDED_P50_MS} ms, budget "
           f"{BUDGET_ADDED_P50_MS} ms)")
-    print(f"daemon CPU per request: worst {worst_cpu:.3f} ms (budget {BUDGET_CPU_MS} ms); backlog / concurrency-64 "
-          f"ratio {rows[3]['cpu_ms'] / rows[2]['cpu_ms']:.2f} (1.0 = no growth with the backlog)")
+    print(f"daemon alone, CPU per request: worst {worst_cpu:.3f} ms (budget {BUDGET_CPU_MS} ms); backlog / "
+          f"concurrency-64 ratio {rows[3]['cpu_ms'] / rows[2]['cpu_ms']:.2f} (1.0 = no growth with the backlog)")
     # The daemon moves 12 socket messages per request (6 in, 6 out; 13-14 on a slow path).
-    print(f"daemon CPU per request at concurrency 64 = {rows[2]['cpu_ms'] / (6 * echo_cpu_ms):.1f}x the CPU "
+    print(f"daemon alone, CPU per request at concurrency 64 = {rows[2]['cpu_ms'] / (6 * echo_cpu_ms):.1f}x the CPU "
           f"a do-nothing ROUTER spends on the same 12 socket messages")
     return 0
 

@@ -45,6 +45,13 @@ def _run_logged(main, *args: object) -> int:
     return 0
 
 
+def _instant_workers(args: argparse.Namespace) -> int:
+    from orchestrator.instant_workers import serve
+
+    serve(load_config(args.config), {"encoder": args.encoders, "denoiser": args.denoisers, "decoder": args.decoders})
+    return 0
+
+
 def _submit(args: argparse.Namespace) -> int:
     from orchestrator.client import Client, Rejection
     from transfer.protocol import GenParams
@@ -95,6 +102,11 @@ def main(argv: list[str] | None = None) -> int:
     p = command("worker", _worker, "run one stage worker")
     p.add_argument("--role", required=True, choices=["encoder", "denoiser", "decoder"])
     p.add_argument("--name", default=None, help="stable name; a restart under the same name replaces the old one")
+    p = command("instant-workers", _instant_workers,
+                "zero-work workers that answer orders at once, for measuring the daemon alone")
+    p.add_argument("--encoders", type=int, default=1)
+    p.add_argument("--denoisers", type=int, default=2)
+    p.add_argument("--decoders", type=int, default=1)
     p = command("submit", _submit, "generate and write the outputs")
     p.add_argument("--endpoint", default="")
     p.add_argument("--prompt", required=True)

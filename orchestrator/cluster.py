@@ -1,6 +1,7 @@
 """A local cluster of real processes: the daemon plus N workers per role, on this machine.
 
-Used by the demo, the benchmark and the end-to-end tests. Each process logs to its own
+Used by the demo, the benchmark and the end-to-end tests; the benchmark can swap the workers
+for one process of zero-work protocol peers (orchestrator/instant_workers.py). Each process logs to its own
 file; every wait has a deadline and a failure names the process and its log.
 """
 
@@ -28,10 +29,11 @@ class LocalCluster:
     """Start with ``with LocalCluster(path) as cluster:``; stops everything on exit."""
 
     def __init__(self, config_path: Path, *, layout: dict[Role, int] | None = None, log_dir: Path,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, instant: bool = False) -> None:
         self.config_path = Path(config_path)
         self.config: Config = load_config(self.config_path)
         self.layout = layout or DEFAULT_LAYOUT
+        self.instant = instant  # one process of zero-work protocol peers instead of real workers
         self.log_dir = Path(log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self._env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
@@ -52,9 +54,13 @@ class LocalCluster:
 
     def start(self, *, timeout_s: float = 120.0) -> None:
         self.daemon = self._spawn("daemon", "serve")
-        for role, count in self.layout.items():
-            for i in range(count):
-                self.start_worker(role, i)
+        if self.instant:
+            self.workers["instant"] = self._spawn("instant", "instant-workers", *(
+                f"--{role}s={count}" for role, count in self.layout.items()))
+        else:
+            for role, count in self.layout.items():
+                for i in range(count):
+                    self.start_worker(role, i)
         self.wait_registered(sum(self.layout.values()), timeout_s=timeout_s)
 
     def start_worker(self, role: Role, index: int) -> subprocess.Popen:

@@ -1,0 +1,133 @@
+"""Workers that answer every order at once and move no data: the control-plane benchmark's peers.
+
+They speak the real worker protocol over real sockets (register with the token, heartbeat,
+answer Work/Ready with Staged or Done, Alloc with Allocated, Push with Pushed), so the
+daemon cannot tell them from real workers; they skip the compute and the Mooncake write.
+What remains is the daemon's own cost per request, the figure the reference head was
+measured by (zero-work fake workers, shared/REFERENCE.md §3). All of them share one
+process and one poll loop, so they take as little CPU from the daemon as a peer can.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from dataclasses import dataclass
+
+import zmq
+
+from orchestrator.config import Config
+from transfer.protocol import (
+    DAEMON_TO_WORKER,
+    PROTOCOL_VERSION,
+    WORK_ORDER,
+    Alloc,
+    Allocated,
+    Done,
+    Heartbeat,
+    Push,
+    Pushed,
+    Ready,
+    Register,
+    Registered,
+    RegisterRefused,
+    Role,
+    SlotInfo,
+    Staged,
+    TensorSpec,
+    Work,
+    encode,
+)
+
+# What every stage "produces": one small tensor, as the benchmark's null stages do.
+OUTPUT = TensorSpec(name="out", dtype="float32", shape=(16,), offset=0, nbytes=64)
+OUTPUT_FRAME = bytes(OUTPUT.nbytes)
+# Fake pool addresses: far apart per worker, never dereferenced by anyone.
+POOL_SPACING = 1 << 32
+REGISTER_TIMEOUT_S = 30.0
+
+
+@dataclass
+class InstantWorker:
+    role: Role
+    dealer: zmq.Socket
+    work: zmq.Socket
+    key: bytes
+    pool_base: int
+
+    def answer(self, order: object) -> None:
+        match order:
+            case Work() | Ready() if self.role == "decoder":
+                self.dealer.send_multipart([encode(Done(request_id=order.request_id, ok=True, compute_ms=0.0,
+                                                        outputs=[OUTPUT])), OUTPUT_FRAME])
+            case Work() | Ready():
+                self.dealer.send(encode(Staged(request_id=order.request_id, nbytes=OUTPUT.nbytes, manifest=[OUTPUT],
+                                               compute_ms=0.0)))
+            case Alloc(request_id=rid):
+                self.dealer.send(encode(Allocated(request_id=rid, address=self.pool_base)))
+            case Push(request_id=rid):
+                self.dealer.send(encode(Pushed(request_id=rid, ok=True, transfer_ms=0.0)))
+            # Abort: nothing is held, so there is nothing to free.
+
+
+def register(ctx: zmq.Context, cfg: Config, role: Role, index: int, pool_base: int) -> InstantWorker:
+    wcfg = cfg.workers.for_role(role)
+    work = ctx.socket(zmq.PULL)
+    work.bind("tcp://127.0.0.1:0")
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.connect(cfg.daemon.worker_endpoint)
+    slots = [] if role == "encoder" else [
+        SlotInfo(slot_id=i, address=pool_base + i * wcfg.prealloc_slot_bytes, size=wcfg.prealloc_slot_bytes)
+        for i in range(wcfg.prealloc_slots)
+    ]
+    dealer.send(encode(Register(
+        protocol=PROTOCOL_VERSION, token=cfg.daemon.token, role=role, name=f"instant-{role}{index}",
+        work_address=work.getsockopt_string(zmq.LAST_ENDPOINT), session="instant:0", pool_base=pool_base,
+        pool_size=wcfg.pool_bytes, slots=slots, capacity=wcfg.capacity,
+    )))
+    if not dealer.poll(int(REGISTER_TIMEOUT_S * 1000)):
+        raise TimeoutError(f"no answer from the daemon at {cfg.daemon.worker_endpoint} in {REGISTER_TIMEOUT_S}s")
+    reply = DAEMON_TO_WORKER.decode(dealer.recv())
+    if isinstance(reply, RegisterRefused):
+        raise RuntimeError(f"registration refused: {reply.message}")
+    assert isinstance(reply, Registered)
+    return InstantWorker(role, dealer, work, reply.key, pool_base)
+
+
+def serve(cfg: Config, layout: dict[Role, int]) -> None:
+    """Register ``layout`` instant workers, answer orders until SIGTERM/SIGINT."""
+    stopping = False
+
+    def stop(*_: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    ctx = zmq.Context()
+    workers = [register(ctx, cfg, role, i, (n + 1) * POOL_SPACING)
+               for n, (role, i) in enumerate((r, i) for r, count in layout.items() for i in range(count))]
+    poller = zmq.Poller()
+    by_socket = {}
+    for worker in workers:
+        poller.register(worker.work, zmq.POLLIN)
+        by_socket[worker.work] = worker
+    heartbeat = encode(Heartbeat())
+    period_s = cfg.daemon.heartbeat_s
+    next_beat = 0.0
+    try:
+        while not stopping:
+            now = time.monotonic()
+            if now >= next_beat:
+                for worker in workers:
+                    worker.dealer.send(heartbeat)
+                next_beat = now + period_s
+            for sock, _ in poller.poll(timeout=100):
+                worker = by_socket[sock]
+                while sock.poll(0):
+                    key, *orders = sock.recv_multipart()
+                    assert key == worker.key, "an order without this worker's key"
+                    for body in orders:
+                        worker.answer(WORK_ORDER.decode(body))
+    finally:
+        ctx.destroy(linger=0)
