@@ -76,6 +76,7 @@ class FrontendActor:
         self._in_flight: dict[str, str] = {}  # client's id -> internal key
         self._limits: dict[Role, StageLimits] = {}
         self._draining = False
+        self._unsent: list[list] = []  # replies waiting for the flush
         self._log = log.bind(actor="frontend")
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[str] = anyio.TASK_STATUS_IGNORED) -> None:
@@ -83,7 +84,7 @@ class FrontendActor:
         with bound_router(self._ctx, self._cfg.client_endpoint, send_hwm=self._cfg.client_send_hwm,
                           close_linger_ms=FLUSH_ON_CLOSE_MS, plain=True) as (sock, bound):
             self._sock = sock
-            self._pump = PlainPump(sock, self._on_frames, copy=True)
+            self._pump = PlainPump(sock, self._on_frames, copy=True, hold=self._inbox.board.hold)
             await serve_mailbox(self._inbox, self._handle, pump=self._pump.run, task_status=task_status, started=bound)
 
     # ------------------------------------------------------------------ inbound
@@ -155,8 +156,16 @@ class FrontendActor:
                 reply_once(reply, FrontendStats(len(self._clients), self._draining, self._inbox.peak))
 
     def _send(self, identity: bytes, message: ClientReply, frames: tuple | list = ()) -> None:
+        """Queue a reply: replies leave together once the daemon is quiet."""
+        if not self._unsent:
+            self._inbox.board.when_quiet(self._flush)
+        self._unsent.append([identity, b"", encode(message), *frames])
+
+    def _flush(self) -> None:
         assert self._sock is not None and self._pump is not None
-        # A ROUTER never blocks on send: a client that left or stopped reading past its
-        # high-water mark has the reply dropped, and nobody else waits for it.
-        self._sock.send_multipart([identity, b"", encode(message), *frames], flags=NOBLOCK, copy=False)
+        unsent, self._unsent = self._unsent, []
+        for parts in unsent:
+            # A ROUTER never blocks on send: a client that left or stopped reading past its
+            # high-water mark has the reply dropped, and nobody else waits for it.
+            self._sock.send_multipart(parts, flags=NOBLOCK, copy=False)
         self._pump.after_send()

@@ -155,8 +155,8 @@ class TransferNegotiator:
         with bound_router(self._ctx, self._cfg.worker_endpoint, send_hwm=self._cfg.worker_send_hwm,
                           plain=True) as (sock, bound):
             self._sock = sock
-            await serve_mailbox(self._inbox, self._handle, pump=PlainPump(sock, self._on_frames, copy=False).run,
-                                task_status=task_status, started=bound)
+            pump = PlainPump(sock, self._on_frames, copy=False, hold=self._inbox.board.hold)
+            await serve_mailbox(self._inbox, self._handle, pump=pump.run, task_status=task_status, started=bound)
 
     # ------------------------------------------------------------------ worker socket
 

@@ -54,6 +54,7 @@ class Instance:
     served: int = 0
     failed: int = 0
     holding: set[str] = field(default_factory=set)
+    unsent: list[WorkOrder] = field(default_factory=list)  # leaving together at the next flush
 
 
 class InstanceSlots(msgspec.Struct, frozen=True):
@@ -99,6 +100,7 @@ class PoolActor:
         self._instances: dict[str, Instance] = {}
         self._holds: dict[str, str] = {}  # request -> the instance holding a slot for it
         self._bounced: set[str] = set()  # jobs handed back to admission for lack of an instance
+        self._unsent: dict[str, Instance] = {}  # instances with orders waiting for the flush
         self._log = log.bind(actor="pool", role=role)
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
@@ -175,15 +177,26 @@ class PoolActor:
         self._admission.post(Credit(role=self.role, delta=1))
 
     def _send(self, inst: Instance, order: WorkOrder) -> None:
-        try:
-            # Never block the loop on one worker: a full queue (SNDHWM) means it is stuck.
-            inst.socket.send_multipart([inst.key, encode(order)], flags=NOBLOCK)
-        except zmq.Again:
-            self._log.error("pool.worker_stuck", request_id=order.request_id, instance=inst.instance,
-                            order=type(order).__name__)
-            if not isinstance(order, Abort):
-                self._tracker.post(Failed(request_id=order.request_id, reason=Reason.WORKER_LOST,
-                                           message=f"{self.role} {inst.instance} is not taking work"))
+        """Queue ``order``: an instance's orders leave as one message once the daemon is quiet."""
+        if not self._unsent:
+            self._inbox.board.when_quiet(self._flush)
+        inst.unsent.append(order)
+        self._unsent[inst.instance] = inst
+
+    def _flush(self) -> None:
+        unsent, self._unsent = self._unsent, {}
+        for inst in unsent.values():
+            orders, inst.unsent = inst.unsent, []
+            try:
+                # Never block the loop on one worker: a full queue (SNDHWM) means it is stuck.
+                inst.socket.send_multipart([inst.key, *map(encode, orders)], flags=NOBLOCK)
+            except zmq.Again:
+                for order in orders:
+                    self._log.error("pool.worker_stuck", request_id=order.request_id, instance=inst.instance,
+                                    order=type(order).__name__)
+                    if not isinstance(order, Abort):
+                        self._tracker.post(Failed(request_id=order.request_id, reason=Reason.WORKER_LOST,
+                                                  message=f"{self.role} {inst.instance} is not taking work"))
 
     def _join(self, mail: Join) -> None:
         # A plain socket even under an asyncio context: sends are NOBLOCK and never
@@ -205,6 +218,7 @@ class PoolActor:
         if inst is None:
             return
         self._policy.remove(instance)
+        self._unsent.pop(instance, None)  # its requests fail below; its socket closes
         self._admission.post(Credit(role=self.role, delta=-inst.free))
         for rid in inst.holding:
             del self._holds[rid]

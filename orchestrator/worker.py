@@ -50,6 +50,7 @@ from transfer.protocol import (
     Role,
     Staged,
     Work,
+    WorkOrder,
     encode,
 )
 from transfer.sockets import PlainPump
@@ -124,7 +125,7 @@ class WorkerRuntime:
                 tg.start_soon(self._watch_daemon, dealer)
                 task_status.started(registered.instance)
                 # Read on the loop without zmq.asyncio; nothing else uses this socket.
-                await PlainPump(work, partial(self._on_order, tg=tg), copy=True).run()
+                await PlainPump(work, partial(self._on_orders, tg=tg), copy=True).run()
         finally:
             work.close(linger=0)
             dealer.close(linger=0)
@@ -170,15 +171,20 @@ class WorkerRuntime:
 
     # ------------------------------------------------------------------ orders
 
-    def _on_order(self, parts: list[bytes], tg: anyio.abc.TaskGroup) -> None:
-        if len(parts) != 2 or not hmac.compare_digest(parts[0], self._key):
+    def _on_orders(self, parts: list[bytes], tg: anyio.abc.TaskGroup) -> None:
+        """``[key, order, order, ...]``: the daemon sends all it has for this worker at once."""
+        if len(parts) < 2 or not hmac.compare_digest(parts[0], self._key):
             self._log.warning("worker.order_refused", why="missing or wrong key")
             return
-        try:
-            order = WORK_ORDER.decode(parts[1])
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            self._log.warning("worker.bad_order", error=str(exc))
-            return
+        for body in parts[1:]:
+            try:
+                order = WORK_ORDER.decode(body)
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                self._log.warning("worker.bad_order", error=str(exc))
+                continue
+            self._on_order(order, tg)
+
+    def _on_order(self, order: WorkOrder, tg: anyio.abc.TaskGroup) -> None:
         match order:
             case Work() | Ready():
                 tg.start_soon(self._guarded, order.request_id, self._cancel_scope(order.request_id),

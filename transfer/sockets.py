@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 
 import zmq
 
@@ -28,9 +29,11 @@ class PlainPump:
     This is asyncio-specific on purpose: the daemon and workers run on anyio's asyncio backend.
     """
 
-    def __init__(self, sock: zmq.Socket, on_frames: Callable[[list], None], *, copy: bool) -> None:
+    def __init__(self, sock: zmq.Socket, on_frames: Callable[[list], None], *, copy: bool,
+                 hold: Callable[[], AbstractContextManager[object]] = nullcontext) -> None:
         self._sock = sock
         self._on_frames = on_frames
+        self._hold = hold  # wraps each batch: the daemon's switchboard delivers it as one
         self._copy = copy  # False: zmq.Frame objects that can be relayed without a copy
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopped: asyncio.Future[None] | None = None
@@ -64,10 +67,11 @@ class PlainPump:
             return
         sock = self._sock
         try:
-            for _ in range(PUMP_BATCH):
-                if not sock.getsockopt(EVENTS) & POLLIN:
-                    return
-                self._on_frames(sock.recv_multipart(NOBLOCK, copy=self._copy))
+            with self._hold():
+                for _ in range(PUMP_BATCH):
+                    if not sock.getsockopt(EVENTS) & POLLIN:
+                        return
+                    self._on_frames(sock.recv_multipart(NOBLOCK, copy=self._copy))
             self._reschedule()  # a burst: let timers and other sockets have a turn first
         except BaseException as exc:  # a reader callback's error would only be logged by asyncio
             self._stopped.set_exception(exc)

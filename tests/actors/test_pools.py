@@ -475,3 +475,35 @@ async def test_stuck_worker_fails_the_request(kind: str, tmp_path: Path) -> None
                 assert_empty(pool.tracker)
     finally:
         ctx.destroy(linger=0)
+
+
+async def test_orders_from_one_delivery_leave_as_one_message_in_order(ctx: zmq.asyncio.Context, tmp_path: Path) -> None:
+    """What the daemon orders one instance while handling one batch reaches it as one message."""
+    with anyio.fail_after(5):
+        async with fake_worker(ctx, tmp_path) as (address, worker), running_pool("encoder", ctx) as pool:
+            await pool.join(address)
+            orders = [Work(request_id="r1", params=PARAMS), Abort(request_id="r2"), Work(request_id="r3", params=PARAMS)]
+            with pool.inbox.board.hold():  # as a socket pump holds the board over a batch
+                for order in orders:
+                    pool.inbox.post(Send(instance="encoder-1", order=order))
+            key, *bodies = await worker.recv_multipart()
+            assert key == KEY and [WORK_ORDER.decode(body) for body in bodies] == orders
+
+
+async def test_a_batch_to_a_stuck_worker_fails_each_of_its_requests(tmp_path: Path) -> None:
+    ctx = zmq.Context()
+    try:
+        with anyio.fail_after(5):
+            async with running_pool("encoder", ctx, send_hwm=1) as pool:
+                await pool.join(f"ipc://{tmp_path}/nobody", capacity=3)
+                pool.inbox.post(Send(instance="encoder-1", order=Work(request_id="r1", params=PARAMS)))  # fills it
+                with pool.inbox.board.hold():
+                    for order in (Work(request_id="r2", params=PARAMS), Abort(request_id="r3"),
+                                  Work(request_id="r4", params=PARAMS)):
+                        pool.inbox.post(Send(instance="encoder-1", order=order))
+                failed = [pool.tracker.receive_nowait() for _ in range(2)]
+                assert [(f.request_id, f.reason) for f in failed] == [("r2", Reason.WORKER_LOST),
+                                                                      ("r4", Reason.WORKER_LOST)]
+                assert_empty(pool.tracker)  # nothing for the Abort
+    finally:
+        ctx.destroy(linger=0)
