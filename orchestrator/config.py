@@ -58,6 +58,10 @@ class WorkerConfig(Section):
     prealloc_slots: Annotated[int, msgspec.Meta(ge=0)] = 2
     prealloc_slot_bytes: PositiveInt = 16 * MiB
     alloc_timeout_s: PositiveFloat = 10.0
+    # The work socket's transport: "tcp" on bind_host/advertise_host, or "ipc" (a Unix socket
+    # under the temp directory) when the daemon runs on the same host, which costs the
+    # daemon's ZMQ I/O thread less per order.
+    work_socket: Literal["tcp", "ipc"] = "tcp"
     bind_host: str = "127.0.0.1"
     # What the daemon dials: a real address, never a wildcard like 0.0.0.0.
     advertise_host: Annotated[str, msgspec.Meta(pattern=r"^(?!0\.0\.0\.0$|\*$|::$)\S+$")] = "127.0.0.1"

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import zmq
 
 from orchestrator.config import Config
+from orchestrator.worker import bind_work_socket
 from transfer.protocol import (
     DAEMON_TO_WORKER,
     PROTOCOL_VERSION,
@@ -73,7 +74,7 @@ class InstantWorker:
 def register(ctx: zmq.Context, cfg: Config, role: Role, index: int, pool_base: int) -> InstantWorker:
     wcfg = cfg.workers.for_role(role)
     work = ctx.socket(zmq.PULL)
-    work.bind("tcp://127.0.0.1:0")
+    work_address = bind_work_socket(work, wcfg)
     dealer = ctx.socket(zmq.DEALER)
     dealer.connect(cfg.daemon.worker_endpoint)
     slots = [] if role == "encoder" else [
@@ -82,7 +83,7 @@ def register(ctx: zmq.Context, cfg: Config, role: Role, index: int, pool_base: i
     ]
     dealer.send(encode(Register(
         protocol=PROTOCOL_VERSION, token=cfg.daemon.token, role=role, name=f"instant-{role}{index}",
-        work_address=work.getsockopt_string(zmq.LAST_ENDPOINT), session="instant:0", pool_base=pool_base,
+        work_address=work_address, session="instant:0", pool_base=pool_base,
         pool_size=wcfg.pool_bytes, slots=slots, capacity=wcfg.capacity,
     )))
     if not dealer.poll(int(REGISTER_TIMEOUT_S * 1000)):

@@ -15,7 +15,9 @@ from __future__ import annotations
 import hmac
 import os
 import socket
+import tempfile
 import time
+import uuid
 from functools import partial
 from typing import Any
 
@@ -26,7 +28,7 @@ import torch
 import zmq
 import zmq.asyncio
 
-from orchestrator.config import Config
+from orchestrator.config import Config, WorkerConfig
 from orchestrator.stages import Stage, StageError, build_stage
 from transfer import frames
 from transfer.engine import Engine, MooncakeEngine, TransferError
@@ -72,6 +74,18 @@ def _decode_reply(body: bytes) -> Registered | RegisterRefused | None:
         return None
 
 
+def bind_work_socket(sock: zmq.Socket, wcfg: WorkerConfig) -> str:
+    """Bind a worker's work socket as configured; returns the address the daemon should dial."""
+    if wcfg.work_socket == "ipc":
+        # Unique per process; ZMQ removes the file when the socket closes.
+        address = f"ipc://{tempfile.gettempdir()}/triptych-work-{uuid.uuid4().hex}"
+        sock.bind(address)
+        return address
+    sock.bind(f"tcp://{wcfg.bind_host}:0")
+    port = sock.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1]
+    return f"tcp://{wcfg.advertise_host}:{port}"
+
+
 class WorkerRuntime:
     """Owns one stage, one registered memory pool, one engine and two sockets."""
 
@@ -112,9 +126,7 @@ class WorkerRuntime:
         dealer = self._dealer = ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
         try:
-            work.bind(f"tcp://{self._wcfg.bind_host}:0")
-            port = work.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1]
-            work_address = f"tcp://{self._wcfg.advertise_host}:{port}"
+            work_address = bind_work_socket(work, self._wcfg)
             dealer.connect(self._cfg.daemon.worker_endpoint)
             registered = await self._register(dealer, work_address)
             self._key = registered.key

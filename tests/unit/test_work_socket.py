@@ -1,12 +1,14 @@
-"""A worker's work socket: one message carries the instance key and one or more orders."""
+"""A worker's work socket: where it binds, and how a message of the instance key and one or
+more orders is taken apart."""
 
 from __future__ import annotations
 
 import anyio
 import pytest
+import zmq
 
-from orchestrator.config import Config
-from orchestrator.worker import WorkerRuntime
+from orchestrator.config import Config, WorkerConfig
+from orchestrator.worker import WorkerRuntime, bind_work_socket
 from transfer.pool import MemoryPool
 from transfer.protocol import Abort, encode
 
@@ -40,3 +42,17 @@ async def test_a_message_without_the_key_and_an_order_does_nothing(runtime: Work
     async with anyio.create_task_group() as tg:
         runtime._on_orders(parts, tg)
     assert set(runtime._staged) == {"r1", "r2", "r3"}
+
+
+@pytest.mark.parametrize("transport", ["tcp", "ipc"])
+def test_the_work_socket_binds_where_it_says_and_the_daemon_can_dial_it(transport: str) -> None:
+    ctx = zmq.Context()
+    try:
+        pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+        address = bind_work_socket(pull, WorkerConfig(work_socket=transport, advertise_host="127.0.0.1"))
+        assert address.startswith(f"{transport}://")
+        push.connect(address)
+        push.send(b"order")
+        assert pull.poll(5000) and pull.recv() == b"order"
+    finally:
+        ctx.destroy(linger=0)
