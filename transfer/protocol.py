@@ -194,7 +194,7 @@ class Stats(Wire):
     completed: int
     failed_by_reason: dict[str, int]
     late_reports: int  # worker reports about requests that had already ended, dropped
-    mailboxes: dict[str, int]
+    mailboxes: dict[str, int]  # the most mail each actor's mailbox held at once
 
 
 class Workers(Wire):
