@@ -40,10 +40,10 @@ StartCluster = Callable[..., LocalCluster]
 def start_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StartCluster]:
     started: list[LocalCluster] = []
 
-    def start(layout: dict[Role, int] | None = None, **sections: dict) -> LocalCluster:
+    def start(layout: dict[Role, int] | None = None, *, instant: bool = False, **sections: dict) -> LocalCluster:
         tmp = tmp_path_factory.mktemp("c")  # short: ipc paths are limited to ~100 bytes
         path, _ = cluster_config(tmp, **sections)
-        cluster = LocalCluster(path, layout=layout, log_dir=tmp / "logs")
+        cluster = LocalCluster(path, layout=layout, log_dir=tmp / "logs", instant=instant)
         started.append(cluster)
         cluster.start(timeout_s=120)
         return cluster

@@ -73,3 +73,25 @@ def test_every_dispatch_policy_serves_correctly_over_both_denoisers(start_cluste
             served.update(s.instance for s in generation.result.stages if s.role == "denoiser")
     assert len(served) == 2
     wait_for(cluster, all_free)
+
+
+async def test_the_benchmarks_instant_workers_serve_through_the_real_daemon(start_cluster: StartCluster) -> None:
+    """``triptych instant-workers`` registers 1/2/1 zero-work peers that the daemon drives
+    like real workers: every request completes over both hops, and everything ends free."""
+    cluster = start_cluster(instant=True)
+    assert sorted(i.role for i in cluster.control.workers().instances) == ["decoder", "denoiser", "denoiser", "encoder"]
+    results = []
+    with anyio.fail_after(60):
+        async with AsyncClient(cluster.config.daemon.client_endpoint) as client, anyio.create_task_group() as tg:
+            async def one(i: int) -> None:
+                results.append(await client.submit(GenParams(prompt="instant", seed=i, output="raw"), timeout_s=30))
+
+            for i in range(40):
+                tg.start_soon(one, i)
+    assert len(results) == 40
+    for generation in results:
+        assert [s.role for s in generation.result.stages] == ["encoder", "denoiser", "decoder"]
+        assert torch.equal(generation.outputs["out"], torch.zeros(16))
+    stats = wait_for(cluster, all_free)
+    assert stats.completed == 40 and not stats.failed_by_reason
+    assert all(stats.fast_path.get(hop, 0) > 0 for hop in ("encoder->denoiser", "denoiser->decoder"))
