@@ -1,12 +1,14 @@
-"""AdmissionActor: one FIFO queue per role, drained as that role's capacity frees.
+"""AdmissionActor: one queue per role (highest priority first, FIFO within a priority),
+drained as that role's capacity frees.
 
 It never looks at instances. Pools send ``Credit`` when slots free up (or vanish with a
-worker) and admission hands the oldest waiting job to the pool for each credit, so a
+worker) and admission hands the first waiting job to the pool for each credit, so a
 queued request never spins and an idle pool never waits on a poll.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections import OrderedDict
 
 import anyio
@@ -28,28 +30,53 @@ class AdmissionStats(msgspec.Struct, frozen=True):
 
 
 class RoleQueue:
-    """FIFO of jobs for one role with O(1) removal from anywhere (timeouts, cancels).
+    """Jobs for one role: highest priority first, FIFO within a priority, with O(1) removal
+    from anywhere (timeouts, cancels).
 
-    An OrderedDict keeps insertion order, so its first key is the oldest job.
+    One OrderedDict per priority in use keeps that priority's insertion order (its first key
+    is its oldest job); the priorities in use are kept sorted. Submit allows 201 of them, so
+    finding the highest is cheap however many jobs wait.
     """
 
     def __init__(self) -> None:
-        self._jobs: OrderedDict[str, Job] = OrderedDict()
+        self._by_priority: dict[int, OrderedDict[str, Job]] = {}
+        self._priorities: list[int] = []  # those with jobs, ascending
+        self._priority_of: dict[str, int] = {}
 
     def __len__(self) -> int:
-        return len(self._jobs)
+        return len(self._priority_of)
 
     def push(self, job: Job, *, front: bool = False) -> None:
-        self._jobs[job.request_id] = job
-        if front:  # a pool lost the instance it was going to use
-            self._jobs.move_to_end(job.request_id, last=False)
+        jobs = self._by_priority.get(job.priority)
+        if jobs is None:
+            jobs = self._by_priority[job.priority] = OrderedDict()
+            bisect.insort(self._priorities, job.priority)
+        jobs[job.request_id] = job
+        self._priority_of[job.request_id] = job.priority
+        if front:  # a pool lost the instance it was going to use: first among its equals
+            jobs.move_to_end(job.request_id, last=False)
 
     def pop(self) -> Job:
-        rid = next(iter(self._jobs))
-        return self._jobs.pop(rid)
+        if not self._priorities:
+            raise IndexError("pop from an empty RoleQueue")
+        priority = self._priorities[-1]
+        rid, job = self._by_priority[priority].popitem(last=False)
+        self._forget(rid, priority)
+        return job
 
     def remove(self, request_id: str) -> bool:
-        return self._jobs.pop(request_id, None) is not None
+        priority = self._priority_of.get(request_id)
+        if priority is None:
+            return False
+        del self._by_priority[priority][request_id]
+        self._forget(request_id, priority)
+        return True
+
+    def _forget(self, request_id: str, priority: int) -> None:
+        del self._priority_of[request_id]
+        if not self._by_priority[priority]:
+            del self._by_priority[priority]
+            self._priorities.remove(priority)
 
 
 class AdmissionActor:

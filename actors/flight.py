@@ -37,6 +37,7 @@ class Flight:
     params: GenParams
     role: Role
     instance: str
+    priority: int = 0  # carried into the next stage's job
     state: FlightState = FlightState.RUNNING
     input_slot: Slot | None = None  # preallocated slot holding the running stage's input
     nbytes: int = 0

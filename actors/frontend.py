@@ -136,7 +136,7 @@ class FrontendActor:
         key = f"{rid}#{next(self._keys)}"
         self._clients[key] = (identity, rid)
         self._in_flight[rid] = key
-        self._tracker.post(Admit(request_id=key, params=msg.params, timeout_s=timeout_s))
+        self._tracker.post(Admit(request_id=key, params=msg.params, timeout_s=timeout_s, priority=msg.priority))
 
     # ------------------------------------------------------------------ outbound
 

@@ -25,6 +25,7 @@ class Job(msgspec.Struct, frozen=True, kw_only=True):
     request_id: str
     role: Role
     params: GenParams
+    priority: int = 0  # Submit.priority: higher is served first at every role
 
 
 class QueryStats(Mail):
@@ -78,6 +79,7 @@ class Admit(Mail):
     request_id: str
     params: GenParams
     timeout_s: float
+    priority: int = 0
 
 
 class HandedOff(Mail):

@@ -261,12 +261,14 @@ class TransferNegotiator:
             return
         self._recycle_input(flight)
         flight.stage_output(msg.nbytes, msg.manifest, msg.compute_ms)
-        self._admission.post(Enqueue(job=Job(request_id=rid, role=following, params=flight.params)))
+        self._admission.post(Enqueue(job=Job(request_id=rid, role=following, params=flight.params,
+                                             priority=flight.priority)))
 
     def _placed(self, job: Job, instance: str) -> None:
         rid = job.request_id
         if job.role == "encoder":
-            self._flights[rid] = Flight(request_id=rid, params=job.params, role="encoder", instance=instance)
+            self._flights[rid] = Flight(request_id=rid, params=job.params, role="encoder", instance=instance,
+                                        priority=job.priority)
             self._order("encoder", instance, Work(request_id=rid, params=job.params))
             return
         flight = self._flights.get(rid)

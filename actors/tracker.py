@@ -81,13 +81,13 @@ class TrackerActor:
 
     def _handle(self, mail: TrackerMail) -> None:
         match mail:
-            case Admit(request_id=rid, params=params, timeout_s=timeout_s):
+            case Admit(request_id=rid, params=params, timeout_s=timeout_s, priority=priority):
                 now = time.monotonic()
                 deadline = now + timeout_s
                 self._table[rid] = Entry(RequestState.ENCODING, deadline, now, now)
                 heapq.heappush(self._deadlines, (deadline, rid))
                 self._compact_deadlines()
-                self._admission.post(Enqueue(job=Job(request_id=rid, role="encoder", params=params)))
+                self._admission.post(Enqueue(job=Job(request_id=rid, role="encoder", params=params, priority=priority)))
             case HandedOff():
                 self._handed_off(mail)
             case Finished():

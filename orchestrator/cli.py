@@ -64,7 +64,8 @@ def _submit(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     with Client(args.endpoint or cfg.daemon.client_endpoint) as client:
         try:
-            generation = client.submit(params, request_id=args.request_id, timeout_s=args.timeout)
+            generation = client.submit(params, request_id=args.request_id, timeout_s=args.timeout,
+                                       priority=args.priority)
         except Rejection as exc:
             print(f"rejected ({exc.reason}): {exc.rejected.message}", file=sys.stderr)
             return 2
@@ -119,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-images", type=int, default=1)
     p.add_argument("--output", choices=["png", "raw"], default="png")
     p.add_argument("--request-id", default="")
+    p.add_argument("--priority", type=int, default=0, help="-100..100; higher is served first")
     p.add_argument("--timeout", type=float, default=None)
     p.add_argument("--out", default="out")
     p = command("stats", _stats, "print the daemon's stats")

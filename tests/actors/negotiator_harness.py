@@ -55,8 +55,8 @@ SLOT_SIZE = 1024
 HOP = "encoder->denoiser"
 
 
-def job(rid: str, role: Role) -> Job:
-    return Job(request_id=rid, role=role, params=PARAMS)
+def job(rid: str, role: Role, priority: int = 0) -> Job:
+    return Job(request_id=rid, role=role, params=PARAMS, priority=priority)
 
 
 @dataclass
@@ -155,13 +155,14 @@ async def wait_late(n: Negotiator, count: int) -> NegotiatorStats:
     return stats
 
 
-async def stage_encoder_output(n: Negotiator, encoder: FakeWorker, rid: str) -> None:
-    """The encoder pool placed ``rid``; the negotiator ordered the work; the encoder staged its output."""
-    n.inbox.post(Placed(job=job(rid, "encoder"), instance=encoder.instance))
+async def stage_encoder_output(n: Negotiator, encoder: FakeWorker, rid: str, priority: int = 0) -> None:
+    """The encoder pool placed ``rid``; the negotiator ordered the work; the encoder staged its
+    output, and the denoiser job went to admission with the request's priority."""
+    n.inbox.post(Placed(job=job(rid, "encoder", priority), instance=encoder.instance))
     assert await n.pools["encoder"].receive() == Send(instance=encoder.instance,
                                                       order=Work(request_id=rid, params=PARAMS))
     await encoder.report(Staged(request_id=rid, nbytes=NBYTES, manifest=MANIFEST, compute_ms=1.0))
-    assert await n.admission.receive() == Enqueue(job=job(rid, "denoiser"))
+    assert await n.admission.receive() == Enqueue(job=job(rid, "denoiser", priority))
 
 
 async def push_on_fast_path(n: Negotiator, encoder: FakeWorker, denoiser: FakeWorker, rid: str) -> None:

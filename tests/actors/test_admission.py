@@ -190,3 +190,12 @@ async def test_stats_report_every_role() -> None:
             stats = await a.stats()
             assert stats.queue_depths == {role: 0 for role in ROLES}
             assert stats.credits == {role: 0 for role in ROLES}
+
+
+async def test_a_higher_priority_job_goes_out_before_older_ones() -> None:
+    with anyio.fail_after(5):
+        async with running_admission() as a:
+            await a.enqueue("old1", "old2")
+            a.inbox.post(Enqueue(job=Job(request_id="urgent", role="encoder", params=PARAMS, priority=5)))
+            a.inbox.post(Credit(role="encoder", delta=2))
+            assert await a.dispatched() == ["urgent", "old1"]

@@ -171,3 +171,11 @@ async def test_a_submit_without_an_id_gets_one(ctx: zmq.asyncio.Context, tmp_pat
                                                                   message="gone")))
             reply, _ = await f.reply()
             assert reply.request_id == rid
+
+
+async def test_the_submits_priority_reaches_the_tracker(ctx: zmq.asyncio.Context, tmp_path: Path) -> None:
+    with anyio.fail_after(5):
+        async with running_frontend(ctx, tmp_path) as f:
+            await f.ask(Submit(protocol=PROTOCOL_VERSION, params=PARAMS, request_id="r", priority=42))
+            admit = await f.tracker.receive()
+            assert isinstance(admit, Admit) and admit.priority == 42

@@ -1,4 +1,4 @@
-"""TransferNegotiator: failed and forgotten pushes (harness in negotiator_harness.py)."""
+"""TransferNegotiator: hand-offs, including failed and forgotten pushes (harness in negotiator_harness.py)."""
 
 from __future__ import annotations
 
@@ -42,6 +42,15 @@ from transfer.protocol import (
     SlotInfo,
     encode,
 )
+
+# --------------------------------------------------------------------------- the next stage's job
+
+
+async def test_the_next_stages_job_keeps_the_requests_priority(ctx: zmq.asyncio.Context, tmp_path: Path) -> None:
+    with anyio.fail_after(5):
+        async with encoder_and_denoiser(ctx, tmp_path, slots=1) as (n, encoder, _):
+            await stage_encoder_output(n, encoder, "r1", priority=9)
+
 
 # --------------------------------------------------------------------------- failed push
 

@@ -289,3 +289,11 @@ async def test_drain_waits_for_the_table_to_empty() -> None:
             assert not drained.is_set()
             t.inbox.post(CancelRequest(request_id="cancelled"))
             await drained.wait()
+
+
+async def test_the_encoder_job_carries_the_requests_priority() -> None:
+    with anyio.fail_after(5):
+        async with running_tracker() as t:
+            t.inbox.post(Admit(request_id="r1", params=PARAMS, timeout_s=60.0, priority=-3))
+            assert await t.admission.receive() == Enqueue(job=Job(request_id="r1", role="encoder", params=PARAMS,
+                                                                  priority=-3))

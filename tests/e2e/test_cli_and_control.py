@@ -28,7 +28,7 @@ def test_submit_writes_the_png_and_stats_report_it(start_cluster: StartCluster, 
     cluster = start_cluster(layout=SMALL)
     out = tmp_path / "out"
     done = triptych("submit", "--prompt", "a harbour", "--seed", "4", "--width", "32", "--height", "24",
-                    "--request-id", "cli-1", "--out", str(out), config=cluster.config_path)
+                    "--request-id", "cli-1", "--priority", "5", "--out", str(out), config=cluster.config_path)
     assert done.returncode == 0, done.stderr
     png = (out / "image_0.png").read_bytes()
     expected = expected_outputs(GenParams(prompt="a harbour", seed=4, width=32, height=24, output="raw"),

@@ -9,7 +9,7 @@ import torch
 from orchestrator.client import AsyncClient, Client, Rejection
 from orchestrator.cluster import LocalCluster
 from orchestrator.stages.null import expected_outputs
-from tests.e2e.conftest import all_free, wait_for
+from tests.e2e.conftest import StartCluster, all_free, wait_for
 from transfer.protocol import PROTOCOL_VERSION, GenParams, GetStats, Reason, Rejected, Submit, encode
 
 HOPS = ("encoder->denoiser", "denoiser->decoder")
@@ -123,3 +123,27 @@ def test_wrong_protocol_version_is_unsupported(cluster: LocalCluster) -> None:
     with Client(endpoint(cluster)) as client:
         reply = client.send_raw([encode(Submit(protocol=PROTOCOL_VERSION + 1, params=params(1)))])
     assert isinstance(reply, Rejected) and reply.reason == Reason.UNSUPPORTED
+
+
+async def test_a_higher_priority_request_overtakes_queued_ones_at_a_busy_stage(start_cluster: StartCluster) -> None:
+    """One denoiser, busy: two requests queue for it, then an urgent one arrives and goes next.
+
+    The priority travels from the Submit to the encoder's job and on, through the
+    negotiator, to the denoiser's queue, where it decides the order.
+    """
+    cluster = start_cluster(layout={"encoder": 1, "denoiser": 1, "decoder": 1},
+                            **{"workers.denoiser": {"capacity": 1}, "model.null": {"denoiser_ms": 400.0}})
+    finished: list[str] = []
+    with anyio.fail_after(60):
+        async with AsyncClient(endpoint(cluster)) as client, anyio.create_task_group() as tg:
+            async def submit(rid: str, priority: int) -> None:
+                await client.submit(params(0), request_id=rid, priority=priority, timeout_s=30)
+                finished.append(rid)
+
+            tg.start_soon(submit, "first", 0)
+            await anyio.to_thread.run_sync(wait_for, cluster, lambda s: s.requests_by_state.get("denoising") == 1)
+            for rid in ("later-1", "later-2"):
+                tg.start_soon(submit, rid, 0)
+            await anyio.to_thread.run_sync(wait_for, cluster, lambda s: s.queue_depths.get("denoiser") == 2)
+            tg.start_soon(submit, "urgent", 10)
+    assert finished == ["first", "urgent", "later-1", "later-2"]

@@ -1,4 +1,5 @@
-"""RoleQueue: FIFO order, removal from anywhere, and a lost job's return to the front."""
+"""RoleQueue: highest priority first, FIFO within a priority, removal from anywhere, and a
+lost job's return to the front of its priority."""
 
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ from transfer.protocol import GenParams
 PARAMS = GenParams(prompt="p")
 
 
-def job(rid: str) -> Job:
-    return Job(request_id=rid, role="encoder", params=PARAMS)
+def job(rid: str, priority: int = 0) -> Job:
+    return Job(request_id=rid, role="encoder", params=PARAMS, priority=priority)
 
 
 def queue_of(*rids: str) -> RoleQueue:
@@ -60,40 +61,65 @@ def test_len_counts_jobs() -> None:
 
 
 def test_pop_of_an_empty_queue_raises() -> None:
-    with pytest.raises(StopIteration):
+    with pytest.raises(IndexError):
         RoleQueue().pop()
 
 
+def test_higher_priority_goes_first_and_equals_keep_their_order() -> None:
+    q = RoleQueue()
+    for rid, priority in [("low1", -5), ("mid1", 0), ("high", 7), ("mid2", 0), ("low2", -5)]:
+        q.push(job(rid, priority))
+    assert drain(q) == ["high", "mid1", "mid2", "low1", "low2"]
+
+
+def test_push_front_goes_first_among_its_priority_only() -> None:
+    q = RoleQueue()
+    for rid, priority in [("high", 3), ("a", 0), ("b", 0)]:
+        q.push(job(rid, priority))
+    q.push(job("lost", 0), front=True)
+    assert drain(q) == ["high", "lost", "a", "b"]
+
+
+def test_removing_the_last_job_of_a_priority_lets_the_next_one_lead() -> None:
+    q = RoleQueue()
+    for rid, priority in [("a", 0), ("top", 9)]:
+        q.push(job(rid, priority))
+    assert q.remove("top")
+    q.push(job("b", 0))
+    assert drain(q) == ["a", "b"]
+
+
 class RoleQueueMachine(RuleBasedStateMachine):
-    """RoleQueue against a list model: push (back or front), pop, remove."""
+    """RoleQueue against a list model kept in pop order: push (back or front, any of a few
+    priorities), pop, remove."""
 
     def __init__(self) -> None:
         super().__init__()
         self.queue = RoleQueue()
-        self.model: list[str] = []
+        self.model: list[tuple[int, str]] = []  # (priority, request id), in the order pops must see
         self.next_id = 0
 
-    @rule(front=st.booleans())
-    def push(self, front: bool) -> None:
+    @rule(front=st.booleans(), priority=st.integers(-2, 2))
+    def push(self, front: bool, priority: int) -> None:
         self.next_id += 1
         rid = f"r{self.next_id}"
-        self.queue.push(job(rid), front=front)
-        if front:
-            self.model.insert(0, rid)
-        else:
-            self.model.append(rid)
+        self.queue.push(job(rid, priority), front=front)
+        # Back: after every job of this priority or higher; front: before the others of its priority.
+        ahead = [p for p, _ in self.model]
+        at = next((i for i, p in enumerate(ahead) if (p <= priority if front else p < priority)), len(ahead))
+        self.model.insert(at, (priority, rid))
 
     @precondition(lambda self: self.model)
     @rule()
     def pop(self) -> None:
-        assert self.queue.pop().request_id == self.model.pop(0)
+        assert self.queue.pop().request_id == self.model.pop(0)[1]
 
     @precondition(lambda self: self.model)
     @rule(data=st.data())
     def remove(self, data: st.DataObject) -> None:
-        rid = data.draw(st.sampled_from(self.model))
-        assert self.queue.remove(rid)
-        self.model.remove(rid)
+        entry = data.draw(st.sampled_from(self.model))
+        assert self.queue.remove(entry[1])
+        self.model.remove(entry)
 
     @invariant()
     def same_length(self) -> None:
