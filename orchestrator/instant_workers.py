@@ -106,28 +106,27 @@ def serve(cfg: Config, layout: dict[Role, int]) -> None:
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     ctx = zmq.Context()
-    workers = [register(ctx, cfg, role, i, (n + 1) * POOL_SPACING)
-               for n, (role, i) in enumerate((r, i) for r, count in layout.items() for i in range(count))]
-    poller = zmq.Poller()
-    by_socket = {}
-    for worker in workers:
-        poller.register(worker.work, zmq.POLLIN)
-        by_socket[worker.work] = worker
-    heartbeat = encode(Heartbeat())
-    period_s = cfg.daemon.heartbeat_s
-    next_beat = 0.0
     try:
+        workers = [register(ctx, cfg, role, i, (n + 1) * POOL_SPACING)
+                   for n, (role, i) in enumerate((r, i) for r, count in layout.items() for i in range(count))]
+        by_socket = {worker.work: worker for worker in workers}
+        poller = zmq.Poller()
+        for sock in by_socket:
+            poller.register(sock, zmq.POLLIN)
+        heartbeat = encode(Heartbeat())
+        next_beat = 0.0
         while not stopping:
             now = time.monotonic()
             if now >= next_beat:
                 for worker in workers:
                     worker.dealer.send(heartbeat)
-                next_beat = now + period_s
+                next_beat = now + cfg.daemon.heartbeat_s
             for sock, _ in poller.poll(timeout=100):
                 worker = by_socket[sock]
                 while sock.poll(0):
                     key, *orders = sock.recv_multipart()
-                    assert key == worker.key, "an order without this worker's key"
+                    if key != worker.key:
+                        raise RuntimeError(f"an order for {worker.role} without its key")
                     for body in orders:
                         worker.answer(WORK_ORDER.decode(body))
     finally:
