@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import zmq
 
 from orchestrator.config import Config
-from orchestrator.worker import bind_work_socket
+from orchestrator.work_socket import bind_work_socket
 from transfer.protocol import (
     DAEMON_TO_WORKER,
     PROTOCOL_VERSION,

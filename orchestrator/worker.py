@@ -15,9 +15,7 @@ from __future__ import annotations
 import hmac
 import os
 import socket
-import tempfile
 import time
-import uuid
 from functools import partial
 from typing import Any
 
@@ -28,8 +26,9 @@ import torch
 import zmq
 import zmq.asyncio
 
-from orchestrator.config import Config, WorkerConfig
+from orchestrator.config import Config
 from orchestrator.stages import Stage, StageError, build_stage
+from orchestrator.work_socket import bind_work_socket
 from transfer import frames
 from transfer.engine import Engine, MooncakeEngine, TransferError
 from transfer.pool import Block, MemoryPool, PoolError
@@ -72,18 +71,6 @@ def _decode_reply(body: bytes) -> Registered | RegisterRefused | None:
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         log.warning("worker.bad_reply", error=str(exc))
         return None
-
-
-def bind_work_socket(sock: zmq.Socket, wcfg: WorkerConfig) -> str:
-    """Bind a worker's work socket as configured; returns the address the daemon should dial."""
-    if wcfg.work_socket == "ipc":
-        # Unique per process; ZMQ removes the file when the socket closes.
-        address = f"ipc://{tempfile.gettempdir()}/triptych-work-{uuid.uuid4().hex}"
-        sock.bind(address)
-        return address
-    sock.bind(f"tcp://{wcfg.bind_host}:0")
-    port = sock.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1]
-    return f"tcp://{wcfg.advertise_host}:{port}"
 
 
 class WorkerRuntime:

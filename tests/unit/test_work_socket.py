@@ -8,7 +8,8 @@ import pytest
 import zmq
 
 from orchestrator.config import Config, WorkerConfig
-from orchestrator.worker import WorkerRuntime, bind_work_socket
+from orchestrator.work_socket import bind_work_socket
+from orchestrator.worker import WorkerRuntime
 from transfer.pool import MemoryPool
 from transfer.protocol import Abort, encode
 
