@@ -161,23 +161,36 @@ class TransferNegotiator:
     # ------------------------------------------------------------------ worker socket
 
     def _on_frames(self, frames: list[zmq.Frame]) -> None:
+        """``[routing_id, report, report, ...]``, or ``[routing_id, Done, *its frames]`` (protocol.md §3.2)."""
         if len(frames) < 2:
             return  # a routing frame with no body
         routing_id = frames[0].bytes
-        try:
-            msg = WORKER_MESSAGE.decode(frames[1].buffer)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            self._log.warning("worker.bad_message", error=str(exc))
+        first = self._decode(frames[1])
+        if first is None:
             return
         link = self._links.get(routing_id)
-        if isinstance(msg, Register):
-            self._register(routing_id, link, msg)
+        if isinstance(first, Register):
+            self._register(routing_id, link, first)
             return
         if link is None:
             self._reply(routing_id, RegisterRefused(message="not registered (the daemon may have restarted)"))
             return
         link.last_seen = time.monotonic()
-        self._on_report(link, msg, frames[2:])
+        if isinstance(first, Done) and first.outputs:
+            self._on_report(link, first, frames[2:])
+            return
+        self._on_report(link, first, [])
+        for frame in frames[2:]:
+            msg = self._decode(frame)
+            if msg is not None:
+                self._on_report(link, msg, [])
+
+    def _decode(self, frame: zmq.Frame) -> WorkerMessage | None:
+        try:
+            return WORKER_MESSAGE.decode(frame.buffer)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            self._log.warning("worker.bad_message", error=str(exc))
+            return None
 
     def _reply(self, routing_id: bytes, msg: Registered | RegisterRefused) -> None:
         assert self._sock is not None
@@ -244,7 +257,7 @@ class TransferNegotiator:
             case Done():
                 self._done(link, msg, frames)
             case Register():
-                pass  # handled before a link exists
+                pass  # only a message's first report registers
 
     def _staged(self, link: Link, msg: Staged) -> None:
         rid = msg.request_id

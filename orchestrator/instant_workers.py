@@ -39,6 +39,7 @@ from transfer.protocol import (
     Work,
     encode,
 )
+from transfer.reports import group_reports
 
 # What every stage "produces": one small tensor, as the benchmark's null stages do.
 OUTPUT = TensorSpec(name="out", dtype="float32", shape=(16,), offset=0, nbytes=64)
@@ -56,19 +57,31 @@ class InstantWorker:
     key: bytes
     pool_base: int
 
-    def answer(self, order: object) -> None:
+    def answer(self, order: object) -> tuple[bytes, list[bytes]] | None:
+        """The report for ``order`` with its frames, as a real worker with a zero-time stage sends it."""
         match order:
             case Work() | Ready() if self.role == "decoder":
-                self.dealer.send_multipart([encode(Done(request_id=order.request_id, ok=True, compute_ms=0.0,
-                                                        outputs=[OUTPUT])), OUTPUT_FRAME])
+                return encode(Done(request_id=order.request_id, ok=True, compute_ms=0.0, outputs=[OUTPUT])), [
+                    OUTPUT_FRAME]
             case Work() | Ready():
-                self.dealer.send(encode(Staged(request_id=order.request_id, nbytes=OUTPUT.nbytes, manifest=[OUTPUT],
-                                               compute_ms=0.0)))
+                return encode(Staged(request_id=order.request_id, nbytes=OUTPUT.nbytes, manifest=[OUTPUT],
+                                     compute_ms=0.0)), []
             case Alloc(request_id=rid):
-                self.dealer.send(encode(Allocated(request_id=rid, address=self.pool_base)))
+                return encode(Allocated(request_id=rid, address=self.pool_base)), []
             case Push(request_id=rid):
-                self.dealer.send(encode(Pushed(request_id=rid, ok=True, transfer_ms=0.0)))
-            # Abort: nothing is held, so there is nothing to free.
+                return encode(Pushed(request_id=rid, ok=True, transfer_ms=0.0)), []
+        return None  # Abort: nothing is held, so there is nothing to free.
+
+    def take_orders(self) -> None:
+        """Answer every order queued on the work socket; the reports leave as a real worker's do."""
+        reports = []
+        while self.work.poll(0):
+            key, *orders = self.work.recv_multipart()
+            if key != self.key:
+                raise RuntimeError(f"an order for {self.role} without its key")
+            reports.extend(filter(None, map(self.answer, map(WORK_ORDER.decode, orders))))
+        for message in group_reports(reports):
+            self.dealer.send_multipart(message)
 
 
 def register(ctx: zmq.Context, cfg: Config, role: Role, index: int, pool_base: int) -> InstantWorker:
@@ -122,12 +135,6 @@ def serve(cfg: Config, layout: dict[Role, int]) -> None:
                     worker.dealer.send(heartbeat)
                 next_beat = now + cfg.daemon.heartbeat_s
             for sock, _ in poller.poll(timeout=100):
-                worker = by_socket[sock]
-                while sock.poll(0):
-                    key, *orders = sock.recv_multipart()
-                    if key != worker.key:
-                        raise RuntimeError(f"an order for {worker.role} without its key")
-                    for body in orders:
-                        worker.answer(WORK_ORDER.decode(body))
+                by_socket[sock].take_orders()
     finally:
         ctx.destroy(linger=0)

@@ -54,6 +54,7 @@ from transfer.protocol import (
     WorkOrder,
     encode,
 )
+from transfer.reports import ReportOutbox
 from transfer.sockets import PlainPump
 
 log = structlog.get_logger()
@@ -85,6 +86,7 @@ class WorkerRuntime:
         self._stage: Stage | None = None
         self._pool: MemoryPool | None = None
         self._dealer: zmq.asyncio.Socket | None = None
+        self._outbox = ReportOutbox()
         self._key = b""
         self._compute = anyio.CapacityLimiter(self._wcfg.compute_threads)
         self._transfer = anyio.CapacityLimiter(1)
@@ -122,6 +124,7 @@ class WorkerRuntime:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self._heartbeat, registered.heartbeat_s)
                 tg.start_soon(self._watch_daemon, dealer)
+                tg.start_soon(self._send_reports, dealer)
                 task_status.started(registered.instance)
                 # Read on the loop without zmq.asyncio; nothing else uses this socket.
                 await PlainPump(work, partial(self._on_orders, tg=tg), copy=True).run()
@@ -223,9 +226,13 @@ class WorkerRuntime:
             if block is not None:
                 self._pool.free(block)
 
-    async def _send(self, msg: Any, buffers: list[Any] | None = None) -> None:
-        assert self._dealer is not None
-        await self._dealer.send_multipart([encode(msg), *(buffers or [])], copy=False)
+    def _report(self, msg: Any, buffers: list[Any] | None = None) -> None:
+        self._outbox.put(encode(msg), buffers or ())
+
+    async def _send_reports(self, dealer: zmq.asyncio.Socket) -> None:
+        while True:
+            for message in await self._outbox.take():
+                await dealer.send_multipart(message, copy=False)
 
     # ------------------------------------------------------------------ compute path
 
@@ -241,17 +248,17 @@ class WorkerRuntime:
             compute_ms = (time.perf_counter() - started) * 1000
             if self.role == "decoder":
                 specs, buffers = frames.to_frames(outputs)
-                await self._send(Done(request_id=rid, ok=True, compute_ms=compute_ms, outputs=specs), buffers)
+                self._report(Done(request_id=rid, ok=True, compute_ms=compute_ms, outputs=specs), buffers)
             else:
                 await self._stage_output(rid, outputs, compute_ms)
         except StageError as exc:
-            await self._send(Done(request_id=rid, ok=False, compute_ms=compute_ms, reason=exc.reason, error=str(exc)))
+            self._report(Done(request_id=rid, ok=False, compute_ms=compute_ms, reason=exc.reason, error=str(exc)))
         except (PoolError, ValueError) as exc:
-            await self._send(Done(request_id=rid, ok=False, compute_ms=compute_ms, error=str(exc)))
+            self._report(Done(request_id=rid, ok=False, compute_ms=compute_ms, error=str(exc)))
         except Exception as exc:  # noqa: BLE001 - one request's failure must not kill the worker
             self._log.exception("worker.stage_crashed", request_id=rid)
-            await self._send(Done(request_id=rid, ok=False, compute_ms=compute_ms,
-                                  error=f"{type(exc).__name__}: {exc}"))
+            self._report(Done(request_id=rid, ok=False, compute_ms=compute_ms,
+                              error=f"{type(exc).__name__}: {exc}"))
 
     def _take_inputs(self, ready: Ready) -> dict[str, torch.Tensor]:
         """Copy the input out of the receive memory, then give an allocation back at once."""
@@ -268,15 +275,14 @@ class WorkerRuntime:
         assert self._pool is not None
         specs, nbytes = frames.layout(outputs)
         block = await self._pool.alloc(nbytes, timeout_s=self._wcfg.alloc_timeout_s)
-        # Recorded before Staged leaves, so the Push it leads to always finds the block.
-        self._staged[rid] = block
         try:
             frames.pack(self._pool.view(block), outputs, specs)
-            await self._send(Staged(request_id=rid, nbytes=nbytes, manifest=specs, compute_ms=compute_ms))
         except BaseException:
-            if self._staged.pop(rid, None) is not None:  # unless an abort freed it already
-                self._pool.free(block)
+            self._pool.free(block)
             raise
+        # Recorded before Staged leaves, so the Push it leads to always finds the block.
+        self._staged[rid] = block
+        self._report(Staged(request_id=rid, nbytes=nbytes, manifest=specs, compute_ms=compute_ms))
 
     # ------------------------------------------------------------------ transfer path
 
@@ -285,18 +291,18 @@ class WorkerRuntime:
         try:
             block = await self._pool.alloc(order.nbytes, timeout_s=self._wcfg.alloc_timeout_s)
         except PoolError as exc:
-            await self._send(AllocRejected(request_id=order.request_id, message=str(exc)))
+            self._report(AllocRejected(request_id=order.request_id, message=str(exc)))
             return
         self._allocs[order.request_id] = block
-        await self._send(Allocated(request_id=order.request_id, address=self._pool.address(block)))
+        self._report(Allocated(request_id=order.request_id, address=self._pool.address(block)))
 
     async def _push(self, order: Push) -> None:
         assert self._pool is not None and self._engine is not None
         rid = order.request_id
         block = self._staged.get(rid)
         if block is None or order.nbytes > block.size:
-            await self._send(Pushed(request_id=rid, ok=False, transfer_ms=0.0,
-                                    error=f"nothing staged for {rid!r} of {order.nbytes} bytes"))
+            self._report(Pushed(request_id=rid, ok=False, transfer_ms=0.0,
+                                error=f"nothing staged for {rid!r} of {order.nbytes} bytes"))
             return
         self._pushing.add(rid)
         started = time.perf_counter()
@@ -313,8 +319,8 @@ class WorkerRuntime:
             self._pushing.discard(rid)
             del self._staged[rid]
             self._pool.free(block)
-        await self._send(Pushed(request_id=rid, ok=not error, transfer_ms=(time.perf_counter() - started) * 1000,
-                                error=error))
+        self._report(Pushed(request_id=rid, ok=not error, transfer_ms=(time.perf_counter() - started) * 1000,
+                            error=error))
 
 
 async def run_worker(role: Role, cfg: Config, name: str | None = None) -> None:
