@@ -39,7 +39,7 @@ from transfer.protocol import (
     Submit,
     encode,
 )
-from transfer.sockets import NOBLOCK, PlainPump
+from transfer.sockets import NOBLOCK, PlainPump, send_frames
 
 log = structlog.get_logger()
 
@@ -167,5 +167,5 @@ class FrontendActor:
         for parts in unsent:
             # A ROUTER never blocks on send: a client that left or stopped reading past its
             # high-water mark has the reply dropped, and nobody else waits for it.
-            self._sock.send_multipart(parts, flags=NOBLOCK, copy=False)
+            send_frames(self._sock, parts, NOBLOCK, copy=False)
         self._pump.after_send()

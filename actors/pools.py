@@ -36,7 +36,7 @@ from actors.mail import (
 )
 from actors.mailbox import Mailbox
 from transfer.protocol import Abort, Reason, Role, WorkOrder, encode
-from transfer.sockets import NOBLOCK
+from transfer.sockets import NOBLOCK, send_frames
 
 log = structlog.get_logger()
 
@@ -189,7 +189,7 @@ class PoolActor:
             orders, inst.unsent = inst.unsent, []
             try:
                 # Never block the loop on one worker: a full queue (SNDHWM) means it is stuck.
-                inst.socket.send_multipart([inst.key, *map(encode, orders)], flags=NOBLOCK)
+                send_frames(inst.socket, [inst.key, *map(encode, orders)], NOBLOCK)
             except zmq.Again:
                 for order in orders:
                     self._log.error("pool.worker_stuck", request_id=order.request_id, instance=inst.instance,

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
+from typing import Any
 
 import zmq
 
@@ -16,6 +17,32 @@ PUMP_BATCH = 64
 EVENTS = int(zmq.EVENTS)
 POLLIN = int(zmq.POLLIN)
 NOBLOCK = int(zmq.NOBLOCK)
+SNDMORE = int(zmq.SNDMORE)
+
+
+# pyzmq's send_multipart and recv_multipart cost 3-4 µs a message in Python around the C
+# calls: a type check per part, enum arithmetic per part, a getsockopt(RCVMORE) per part.
+# These do the same work in about a third of that.
+
+
+def send_frames(sock: zmq.Socket, parts: Sequence[Any], flags: int = 0, *, copy: bool = True) -> None:
+    """``sock.send_multipart(parts, flags, copy=copy)`` for bytes or ``zmq.Frame`` parts."""
+    send = sock.send
+    last = len(parts) - 1
+    for i in range(last):
+        send(parts[i], SNDMORE | flags, copy=copy)
+    send(parts[last], flags, copy=copy)
+
+
+def recv_frames(sock: zmq.Socket, *, copy: bool) -> list[Any]:
+    """One whole message, without blocking: ``zmq.Frame`` objects, or bytes with ``copy``."""
+    recv = sock.recv
+    frame = recv(NOBLOCK, copy=False)
+    frames = [frame]
+    while frame.more:
+        frame = recv(NOBLOCK, copy=False)
+        frames.append(frame)
+    return [f.bytes for f in frames] if copy else frames
 
 
 class PlainPump:
@@ -71,7 +98,7 @@ class PlainPump:
                 for _ in range(PUMP_BATCH):
                     if not sock.getsockopt(EVENTS) & POLLIN:
                         return
-                    self._on_frames(sock.recv_multipart(NOBLOCK, copy=self._copy))
+                    self._on_frames(recv_frames(sock, copy=self._copy))
             self._reschedule()  # a burst: let timers and other sockets have a turn first
         except BaseException as exc:  # a reader callback's error would only be logged by asyncio
             self._stopped.set_exception(exc)

@@ -9,7 +9,7 @@ import anyio
 import pytest
 import zmq
 
-from transfer.sockets import PUMP_BATCH, PlainPump
+from transfer.sockets import NOBLOCK, PUMP_BATCH, PlainPump, recv_frames, send_frames
 
 
 @pytest.fixture
@@ -59,3 +59,16 @@ async def test_an_error_in_the_callback_ends_the_pump_with_that_error(pair: tupl
     push.send(b"bad")
     with anyio.fail_after(5), pytest.raises(ValueError, match="cannot handle"):
         await PlainPump(pull, explode, copy=True).run()
+
+
+def test_send_frames_and_recv_frames_move_whole_messages_one_at_a_time(pair: tuple[zmq.Socket, zmq.Socket]) -> None:
+    pull, push = pair
+    send_frames(push, [b"key", zmq.Frame(b"order-1"), b""], copy=False)
+    send_frames(push, [b"single"], NOBLOCK)
+    assert pull.poll(5000)
+    as_frames = recv_frames(pull, copy=False)
+    assert [type(f) for f in as_frames] == [zmq.Frame] * 3
+    assert [f.bytes for f in as_frames] == [b"key", b"order-1", b""]
+    assert recv_frames(pull, copy=True) == [b"single"]
+    with pytest.raises(zmq.Again):
+        recv_frames(pull, copy=True)
