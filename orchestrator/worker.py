@@ -85,7 +85,6 @@ class WorkerRuntime:
         self._engine = engine
         self._stage: Stage | None = None
         self._pool: MemoryPool | None = None
-        self._dealer: zmq.asyncio.Socket | None = None
         self._outbox = ReportOutbox()
         self._key = b""
         self._compute = anyio.CapacityLimiter(self._wcfg.compute_threads)
@@ -112,7 +111,7 @@ class WorkerRuntime:
         ctx = zmq.asyncio.Context()
         work = zmq.Socket(ctx, zmq.PULL)
         work.setsockopt(zmq.LINGER, 0)
-        dealer = self._dealer = ctx.socket(zmq.DEALER)
+        dealer = ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
         try:
             work_address = bind_work_socket(work, self._wcfg)
@@ -159,10 +158,9 @@ class WorkerRuntime:
         )
 
     async def _heartbeat(self, period_s: float) -> None:
-        assert self._dealer is not None
         beat = encode(Heartbeat())
         while True:
-            await self._dealer.send(beat)
+            self._outbox.put(beat)
             await anyio.sleep(period_s)
 
     async def _watch_daemon(self, dealer: zmq.asyncio.Socket) -> None:
@@ -230,6 +228,7 @@ class WorkerRuntime:
         self._outbox.put(encode(msg), buffers or ())
 
     async def _send_reports(self, dealer: zmq.asyncio.Socket) -> None:
+        """The one writer on the daemon link once registered: every report and heartbeat."""
         while True:
             for message in await self._outbox.take():
                 await dealer.send_multipart(message, copy=False)
