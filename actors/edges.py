@@ -40,7 +40,7 @@ def bound_router(ctx: zmq.Context, endpoint: str, *, send_hwm: int, close_linger
                  plain: bool = False) -> Iterator[tuple[zmq.Socket, str]]:
     """A ROUTER bound exclusively to ``endpoint``, closed on exit; yields it and its address.
 
-    ``plain`` makes a plain socket even under an asyncio context, for ``pump_plain``.
+    ``plain`` makes a plain socket even under an asyncio context, for a ``PlainPump``.
     """
     sock = zmq.Socket(ctx, zmq.ROUTER) if plain else ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)

@@ -173,7 +173,8 @@ class TransferNegotiator:
             self._register(routing_id, link, first)
             return
         if link is None:
-            self._reply(routing_id, RegisterRefused(message="not registered (the daemon may have restarted)"))
+            self._reply(routing_id, RegisterRefused(
+                message="not registered (the daemon restarted or evicted this worker)", rejoin=True))
             return
         link.last_seen = time.monotonic()
         if isinstance(first, Done) and first.outputs:

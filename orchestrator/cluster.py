@@ -42,7 +42,8 @@ class LocalCluster:
         self.control = Control(self.config.daemon.control_endpoint)
 
     def _spawn(self, name: str, *args: str) -> subprocess.Popen:
-        log = open(self.log_dir / f"{name}.log", "wb")  # noqa: SIM115 - lives as long as the process
+        # Appended to: a process started again under the same name (a restart) keeps the story.
+        log = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 - lives as long as the process
         try:
             return subprocess.Popen([sys.executable, "-m", "orchestrator", *args, "--config", str(self.config_path)],
                                     stdout=log, stderr=subprocess.STDOUT, env=self._env, start_new_session=True)
@@ -53,7 +54,7 @@ class LocalCluster:
         return (self.log_dir / f"{name}.log").read_text(errors="replace")
 
     def start(self, *, timeout_s: float = 120.0) -> None:
-        self.daemon = self._spawn("daemon", "serve")
+        self.start_daemon()
         if self.instant:
             self.workers["instant"] = self._spawn("instant", "instant-workers", *(
                 f"--{role}s={count}" for role, count in self.layout.items()))
@@ -62,6 +63,10 @@ class LocalCluster:
                 for i in range(count):
                     self.start_worker(role, i)
         self.wait_registered(sum(self.layout.values()), timeout_s=timeout_s)
+
+    def start_daemon(self) -> None:
+        """Start the daemon (again, after it stopped: running workers rejoin it)."""
+        self.daemon = self._spawn("daemon", "serve")
 
     def start_worker(self, role: Role, index: int) -> subprocess.Popen:
         name = f"{role}{index}"

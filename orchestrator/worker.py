@@ -117,21 +117,49 @@ class WorkerRuntime:
             work_address = bind_work_socket(work, self._wcfg)
             dealer.connect(self._cfg.daemon.worker_endpoint)
             registered = await self._register(dealer, work_address)
-            self._key = registered.key
-            self._log = self._log.bind(instance=registered.instance)
-            self._log.info("worker.registered", work_address=work_address, session=self._engine.session)
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(self._heartbeat, registered.heartbeat_s)
-                tg.start_soon(self._watch_daemon, dealer)
-                tg.start_soon(self._send_reports, dealer)
-                task_status.started(registered.instance)
-                # Read on the loop without zmq.asyncio; nothing else uses this socket.
-                await PlainPump(work, partial(self._on_orders, tg=tg), copy=True).run()
+            task_status.started(registered.instance)
+            while True:
+                await self._serve(registered, dealer, work, work_address)
+                await self._forget_everything()
+                registered = await self._register(dealer, work_address)
         finally:
             work.close(linger=0)
             dealer.close(linger=0)
             ctx.term()
             self._engine.close()
+
+    async def _serve(self, registered: Registered, dealer: zmq.asyncio.Socket, work: zmq.Socket,
+                     work_address: str) -> None:
+        """Serve one registration; return once the daemon no longer knows it."""
+        assert self._engine is not None
+        self._key = registered.key
+        self._log = log.bind(role=self.role, worker=self.name, instance=registered.instance)
+        self._log.info("worker.registered", work_address=work_address, session=self._engine.session)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._heartbeat, registered.heartbeat_s)
+            tg.start_soon(self._send_reports, dealer)
+            # Read on the loop without zmq.asyncio; nothing else uses this socket.
+            tg.start_soon(PlainPump(work, partial(self._on_orders, tg=tg), copy=True).run)
+            forgotten = await self._watch_daemon(dealer)
+            # Leaving the group waits for the stage and push threads to end: no write of
+            # ours is in flight after it.
+            tg.cancel_scope.cancel()
+        self._log.warning("worker.forgotten", why=forgotten.message)
+
+    async def _forget_everything(self) -> None:
+        """Free what the forgotten registration held, then wait until rejoining is safe."""
+        assert self._pool is not None
+        for block in [*self._staged.values(), *self._allocs.values()]:
+            self._pool.free(block)
+        self._staged.clear()
+        self._allocs.clear()
+        self._outbox = ReportOutbox()  # reports about requests nobody knows any more
+        if self.role != "encoder":
+            # A sender told to push here before the daemon forgot us may still be writing:
+            # the daemon must not hand this memory out again before such a write is over.
+            wait_s = self._cfg.daemon.push_quarantine_s
+            self._log.warning("worker.rejoin_wait", seconds=wait_s)
+            await anyio.sleep(wait_s)
 
     async def _register(self, dealer: zmq.asyncio.Socket, work_address: str) -> Registered:
         assert self._pool is not None and self._stage is not None and self._engine is not None
@@ -148,10 +176,11 @@ class WorkerRuntime:
             await dealer.send(encode(hello))
             with anyio.move_on_after(REGISTER_RETRY_S):
                 reply = _decode_reply(await dealer.recv())
-                if isinstance(reply, RegisterRefused):
+                if isinstance(reply, RegisterRefused) and not reply.rejoin:
                     raise WorkerRefused(reply.message)
-                if reply is not None:
+                if isinstance(reply, Registered):
                     return reply
+                # A rejoin refusal answers a heartbeat sent before the daemon forgot us.
         raise TimeoutError(
             f"no answer from the daemon at {self._cfg.daemon.worker_endpoint} within "
             f"{self._wcfg.connect_timeout_s}s (workers.{self.role}.connect_timeout_s)"
@@ -163,10 +192,13 @@ class WorkerRuntime:
             self._outbox.put(beat)
             await anyio.sleep(period_s)
 
-    async def _watch_daemon(self, dealer: zmq.asyncio.Socket) -> None:
+    async def _watch_daemon(self, dealer: zmq.asyncio.Socket) -> RegisterRefused:
+        """Return the refusal that says the daemon forgot this worker; raise on any other."""
         while True:
             reply = _decode_reply(await dealer.recv())
             if isinstance(reply, RegisterRefused):
+                if reply.rejoin:
+                    return reply
                 raise WorkerRefused(f"the daemon dropped this worker: {reply.message}")
 
     # ------------------------------------------------------------------ orders

@@ -261,9 +261,13 @@ class Registered(Wire):
 
 
 class RegisterRefused(Wire):
-    """Daemon -> worker: registration refused (bad token, version, role)."""
+    """Daemon -> worker: registration refused (bad token, version, slots), or a message on
+    a connection the daemon does not know (it restarted, or evicted this worker)."""
 
     message: str
+    # True only for the unknown connection: registering again is the cure, so the worker
+    # rejoins (keeping its loaded stage) instead of exiting.
+    rejoin: bool = False
 
 
 class Heartbeat(Wire):
