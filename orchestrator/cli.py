@@ -89,6 +89,26 @@ def _stats(args: argparse.Namespace) -> int:
     return 0
 
 
+def _workers(args: argparse.Namespace) -> int:
+    from orchestrator.client import Control
+    from orchestrator.report import workers_table
+
+    cfg = load_config(args.config)
+    workers = Control(args.endpoint or cfg.daemon.control_endpoint).workers()
+    print(json.dumps(msgspec.to_builtins(workers), indent=2) if args.json else workers_table(workers.instances))
+    return 0
+
+
+def _drain(args: argparse.Namespace) -> int:
+    from orchestrator.client import Control
+
+    cfg = load_config(args.config)
+    draining = Control(args.endpoint or cfg.daemon.control_endpoint).drain()
+    print(f"draining: new requests are refused; the daemon exits once its {draining.in_flight} requests in "
+          "flight finish, or its drain_timeout_s passes")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="triptych", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -126,6 +146,11 @@ def main(argv: list[str] | None = None) -> int:
     p = command("stats", _stats, "print the daemon's stats")
     p.add_argument("--endpoint", default="")
     p.add_argument("--json", action="store_true")
+    p = command("workers", _workers, "list the registered worker instances")
+    p.add_argument("--endpoint", default="")
+    p.add_argument("--json", action="store_true")
+    p = command("drain", _drain, "stop admitting, finish the work in flight, then exit the daemon")
+    p.add_argument("--endpoint", default="")
     # Whole programs of their own; everything after the name is passed through.
     sub.add_parser("demo", help="run the local demo cluster (see --help)", add_help=False)
     sub.add_parser("bench", help="run the control-plane benchmark (see --help)", add_help=False)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from transfer.protocol import Stats
+from transfer.protocol import InstanceStats, Stats
 
 
 def stats_table(stats: Stats) -> str:
@@ -13,11 +13,16 @@ def stats_table(stats: Stats) -> str:
         f"queues: {stats.queue_depths}",
         f"fast path: {stats.fast_path}  slow path: {stats.slow_path}",
         "",
-        f"{'instance':<12} {'role':<9} {'slots':>7} {'prealloc':>9} {'served':>7} {'failed':>7}  address",
+        workers_table(stats.instances),
     ]
-    for i in sorted(stats.instances, key=lambda i: i.instance):
+    return "\n".join(lines)
+
+
+def workers_table(instances: list[InstanceStats]) -> str:
+    lines = [f"{'instance':<12} {'role':<9} {'name':<16} {'slots':>7} {'prealloc':>9} {'served':>7} {'failed':>7}  address"]
+    for i in sorted(instances, key=lambda i: i.instance):
         lines.append(
-            f"{i.instance:<12} {i.role:<9} {i.slots_free:>3}/{i.slots_total:<3} {i.prealloc_free:>4}/{i.prealloc_total:<4}"
-            f" {i.served:>7} {i.failed:>7}  {i.address}"
+            f"{i.instance:<12} {i.role:<9} {i.name:<16} {i.slots_free:>3}/{i.slots_total:<3} "
+            f"{i.prealloc_free:>4}/{i.prealloc_total:<4} {i.served:>7} {i.failed:>7}  {i.address}"
         )
     return "\n".join(lines)

@@ -49,14 +49,22 @@ def test_submit_reports_a_rejection_and_exits_nonzero(start_cluster: StartCluste
     assert "rejected (invalid)" in done.stderr and "multiple of 8" in done.stderr
 
 
-async def test_drain_over_the_control_socket_finishes_work_and_exits(start_cluster: StartCluster) -> None:
-    cluster = start_cluster(layout=SMALL, **{"model.null": {"denoiser_ms": 800.0}})
-    assert {i.role for i in cluster.control.workers().instances} == {"encoder", "denoiser", "decoder"}
+async def test_workers_and_drain_commands_list_the_instances_then_finish_work_and_exit(
+    start_cluster: StartCluster,
+) -> None:
+    # Long enough to be in flight still once the drain command's process has started.
+    cluster = start_cluster(layout=SMALL, **{"model.null": {"denoiser_ms": 5000.0}})
+    listed = json.loads(triptych("workers", "--json", config=cluster.config_path).stdout)
+    assert sorted((i["role"], i["name"]) for i in listed["instances"]) == [
+        ("decoder", "decoder0"), ("denoiser", "denoiser0"), ("encoder", "encoder0")]
+    table = triptych("workers", config=cluster.config_path).stdout
+    assert all(name in table for name in ("encoder0", "denoiser0", "decoder0"))
     with anyio.fail_after(60):
         async with AsyncClient(cluster.config.daemon.client_endpoint) as client, anyio.create_task_group() as tg:
             tg.start_soon(client.submit, GenParams(prompt="slow", output="raw"))
             await anyio.to_thread.run_sync(wait_for, cluster, lambda s: sum(s.requests_by_state.values()) == 1)
-            assert cluster.control.drain().in_flight == 1
+            drained = await anyio.to_thread.run_sync(lambda: triptych("drain", config=cluster.config_path))
+            assert drained.returncode == 0 and "its 1 requests in flight" in drained.stdout
         assert cluster.daemon is not None
         assert await anyio.to_thread.run_sync(lambda: cluster.daemon.wait(timeout=30)) == 0
 
