@@ -175,12 +175,13 @@ class WorkerRuntime:
         while time.monotonic() < deadline:
             await dealer.send(encode(hello))
             with anyio.move_on_after(REGISTER_RETRY_S):
-                reply = _decode_reply(await dealer.recv())
-                if isinstance(reply, RegisterRefused) and not reply.rejoin:
-                    raise WorkerRefused(reply.message)
-                if isinstance(reply, Registered):
-                    return reply
-                # A rejoin refusal answers a heartbeat sent before the daemon forgot us.
+                while True:
+                    reply = _decode_reply(await dealer.recv())
+                    if isinstance(reply, Registered):
+                        return reply
+                    if isinstance(reply, RegisterRefused) and not reply.rejoin:
+                        raise WorkerRefused(reply.message)
+                    # A rejoin refusal answers a heartbeat sent before the daemon forgot us.
         raise TimeoutError(
             f"no answer from the daemon at {self._cfg.daemon.worker_endpoint} within "
             f"{self._wcfg.connect_timeout_s}s (workers.{self.role}.connect_timeout_s)"
