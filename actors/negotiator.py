@@ -17,12 +17,10 @@ the request's flight names. Anything else is a late or forged message and change
 
 from __future__ import annotations
 
-import hmac
 import itertools
 import secrets
 import time
 from collections import deque
-from dataclasses import dataclass
 
 import anyio
 import msgspec
@@ -33,6 +31,7 @@ import zmq.asyncio
 from actors.base import reply_once, serve_mailbox
 from actors.edges import bound_router
 from actors.flight import Flight, FlightState
+from actors.links import Link, registration_problem
 from actors.mail import (
     AdmissionMail,
     Enqueue,
@@ -58,7 +57,6 @@ from actors.mailbox import Mailbox
 from actors.slots import SlotBook
 from orchestrator.config import DaemonConfig
 from transfer.protocol import (
-    PROTOCOL_VERSION,
     WORKER_MESSAGE,
     Abort,
     Alloc,
@@ -85,23 +83,6 @@ from transfer.protocol import (
 from transfer.sockets import NOBLOCK, PlainPump
 
 log = structlog.get_logger()
-
-
-@dataclass(slots=True)
-class Link:
-    """A registered worker connection."""
-
-    routing_id: bytes
-    instance: str
-    role: Role
-    name: str
-    session: str
-    pool_base: int
-    pool_size: int
-    last_seen: float
-
-    def holds(self, address: int, nbytes: int) -> bool:
-        return self.pool_base <= address and address + nbytes <= self.pool_base + self.pool_size
 
 
 class PreallocCounts(msgspec.Struct, frozen=True):
@@ -199,22 +180,10 @@ class TransferNegotiator:
         self._sock.send_multipart([routing_id, encode(msg)], flags=NOBLOCK)
 
     def _register(self, routing_id: bytes, link: Link | None, msg: Register) -> None:
-        if not hmac.compare_digest(msg.token.encode(), self._cfg.token.encode()):
-            self._log.warning("worker.refused", name=msg.name, why="bad token")
-            self._reply(routing_id, RegisterRefused(message="bad token"))
-            return
-        if msg.protocol != PROTOCOL_VERSION:
-            self._reply(routing_id, RegisterRefused(message=f"protocol {msg.protocol}, daemon speaks {PROTOCOL_VERSION}"))
-            return
-        bad = [s.slot_id for s in msg.slots if not msg.pool_base <= s.address <= msg.pool_base + msg.pool_size - s.size]
-        if bad:
-            self._reply(routing_id, RegisterRefused(message=f"slots {bad} lie outside the registered pool"))
-            return
-        spans = sorted((s.address, s.address + s.size) for s in msg.slots)
-        if len({s.slot_id for s in msg.slots}) != len(msg.slots) or any(
-            end > start for (_, end), (start, _) in zip(spans, spans[1:], strict=False)
-        ):
-            self._reply(routing_id, RegisterRefused(message="slot ids repeat or slots overlap"))
+        problem = registration_problem(msg, self._cfg.token)
+        if problem is not None:
+            self._log.warning("worker.refused", name=msg.name, why=problem)
+            self._reply(routing_id, RegisterRefused(message=problem))
             return
         if link is not None:
             return  # a retried Register on a live connection: the first answer stands

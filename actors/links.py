@@ -1,0 +1,43 @@
+"""Worker connections as the negotiator knows them, and what a registration must satisfy."""
+
+from __future__ import annotations
+
+import hmac
+from dataclasses import dataclass
+
+from transfer.protocol import PROTOCOL_VERSION, Register, Role
+
+
+@dataclass(slots=True)
+class Link:
+    """A registered worker connection."""
+
+    routing_id: bytes
+    instance: str
+    role: Role
+    name: str
+    session: str
+    pool_base: int
+    pool_size: int
+    last_seen: float
+
+    def holds(self, address: int, nbytes: int) -> bool:
+        return self.pool_base <= address and address + nbytes <= self.pool_base + self.pool_size
+
+
+def registration_problem(msg: Register, token: str) -> str | None:
+    """Why ``msg`` must be refused (the ``RegisterRefused`` message), or None to accept it."""
+    if not hmac.compare_digest(msg.token.encode(), token.encode()):
+        return "bad token"
+    if msg.protocol != PROTOCOL_VERSION:
+        return f"protocol {msg.protocol}, daemon speaks {PROTOCOL_VERSION}"
+    outside = [s.slot_id for s in msg.slots
+               if not msg.pool_base <= s.address <= msg.pool_base + msg.pool_size - s.size]
+    if outside:
+        return f"slots {outside} lie outside the registered pool"
+    spans = sorted((s.address, s.address + s.size) for s in msg.slots)
+    if len({s.slot_id for s in msg.slots}) != len(msg.slots) or any(
+        end > start for (_, end), (start, _) in zip(spans, spans[1:], strict=False)
+    ):
+        return "slot ids repeat or slots overlap"
+    return None

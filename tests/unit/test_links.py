@@ -1,0 +1,38 @@
+"""What a worker's registration must satisfy, and which addresses a link's pool holds."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from actors.links import Link, registration_problem
+from transfer.protocol import PROTOCOL_VERSION, Register, SlotInfo
+
+BASE, SIZE = 1 << 20, 4096
+GOOD = Register(protocol=PROTOCOL_VERSION, token="secret", role="denoiser", name="d0", work_address="ipc://w",
+                session="127.0.0.1:1", pool_base=BASE, pool_size=SIZE, capacity=2,
+                slots=[SlotInfo(slot_id=0, address=BASE, size=1024), SlotInfo(slot_id=1, address=BASE + 3072, size=1024)])
+
+
+def test_a_good_registration_has_no_problem() -> None:
+    assert registration_problem(GOOD, "secret") is None
+
+
+@pytest.mark.parametrize(("change", "problem"), [
+    ({"token": "guess"}, "bad token"),
+    ({"protocol": PROTOCOL_VERSION + 1}, f"protocol {PROTOCOL_VERSION + 1}, daemon speaks {PROTOCOL_VERSION}"),
+    ({"slots": [SlotInfo(slot_id=7, address=BASE + 3584, size=1024)]}, "slots [7] lie outside the registered pool"),
+    ({"slots": [SlotInfo(slot_id=7, address=BASE - 1, size=8)]}, "slots [7] lie outside the registered pool"),
+    ({"slots": [SlotInfo(slot_id=0, address=BASE, size=1024), SlotInfo(slot_id=0, address=BASE + 2048, size=8)]},
+     "slot ids repeat or slots overlap"),
+    ({"slots": [SlotInfo(slot_id=0, address=BASE, size=1024), SlotInfo(slot_id=1, address=BASE + 1023, size=8)]},
+     "slot ids repeat or slots overlap"),
+])
+def test_each_broken_rule_is_named(change: dict, problem: str) -> None:
+    assert registration_problem(msgspec.structs.replace(GOOD, **change), "secret") == problem
+
+
+def test_a_link_holds_only_ranges_inside_its_pool() -> None:
+    link = Link(b"id", "denoiser-1", "denoiser", "d0", "s", BASE, SIZE, 0.0)
+    assert link.holds(BASE, SIZE) and link.holds(BASE + SIZE - 1, 1)
+    assert not link.holds(BASE - 1, 1) and not link.holds(BASE + SIZE - 1, 2)
