@@ -61,8 +61,8 @@ class InstantWorker:
         """The report for ``order`` with its frames, as a real worker with a zero-time stage sends it."""
         match order:
             case Work() | Ready() if self.role == "decoder":
-                return encode(Done(request_id=order.request_id, ok=True, compute_ms=0.0, outputs=[OUTPUT])), [
-                    OUTPUT_FRAME]
+                done = Done(request_id=order.request_id, ok=True, compute_ms=0.0, outputs=[OUTPUT])
+                return encode(done), [OUTPUT_FRAME]
             case Work() | Ready():
                 return encode(Staged(request_id=order.request_id, nbytes=OUTPUT.nbytes, manifest=[OUTPUT],
                                      compute_ms=0.0)), []
