@@ -6,7 +6,9 @@ measured), and with real worker processes running zero-work null stages and real
 hand-offs (the whole stack). Closed-loop clients at concurrency 1, 16 and 64, then a
 backlog of 2,048 requests submitted at once. For each: requests per second, p50/p99 latency, the
 daemon's CPU time per request read from /proc (user + system, so a noisy machine still
-compares), and at the backlog the daemon's resident memory at its peak.
+compares), the daemon's wake-ups per request (voluntary context switches of all its
+threads, ZMQ's I/O thread included: what costs most on a VM), and at the backlog the
+daemon's resident memory at its peak.
 
 "Added p50" is the daemon-alone p50 at concurrency 1 minus the p50 of a do-nothing ROUTER
 answered through the same client in the same run, as the reference head was measured.
@@ -46,6 +48,16 @@ BUDGET_ADDED_P50_MS = 0.3
 def cpu_seconds(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / CLK_TCK  # utime + stime
+
+
+def context_switches(pid: int) -> int:
+    """Voluntary switches of every live thread of ``pid``: each is a sleep, so each is a wake-up."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        for line in (task / "status").read_text().splitlines():
+            if line.startswith("voluntary_ctxt_switches:"):
+                total += int(line.split()[1])
+    return total
 
 
 def rss_mib(pid: int) -> float:
@@ -127,9 +139,10 @@ def measure(cluster: LocalCluster, name: str, concurrency: int, total: int) -> d
     anyio.run(closed_loop, endpoint, concurrency, min(total, 200), backend="asyncio")  # warm up
     peak = RssPeak(pid)
     peak.start()
-    cpu0, t0 = cpu_seconds(pid), time.perf_counter()
+    cpu0, switches0, t0 = cpu_seconds(pid), context_switches(pid), time.perf_counter()
     latencies = anyio.run(closed_loop, endpoint, concurrency, total, backend="asyncio")
     wall, cpu = time.perf_counter() - t0, cpu_seconds(pid) - cpu0
+    switches = context_switches(pid) - switches0
     peak.stop.set()
     peak.join()
     latencies.sort()
@@ -137,18 +150,18 @@ def measure(cluster: LocalCluster, name: str, concurrency: int, total: int) -> d
         "name": name, "requests": total, "req_s": total / wall,
         "p50_ms": latencies[len(latencies) // 2] * 1000,
         "p99_ms": latencies[int(len(latencies) * 0.99) - 1] * 1000,
-        "cpu_ms": cpu / total * 1000, "rss_mib": peak.peak,
+        "cpu_ms": cpu / total * 1000, "wakeups": switches / total, "rss_mib": peak.peak,
     }
 
 
 def print_table(title: str, rows: list[dict[str, float]]) -> None:
     print(f"\n{title}")
     print(f"{'concurrency':<13} {'requests':>8} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'daemon CPU ms/req':>18} "
-          f"{'vs reference':>13} {'daemon RSS MiB':>15}")
+          f"{'vs reference':>13} {'wake-ups/req':>13} {'daemon RSS MiB':>15}")
     for row in rows:
         ratio = REFERENCE_CPU_MS[row["name"]] / row["cpu_ms"]
         print(f"{row['name']:<13} {row['requests']:>8} {row['req_s']:>8.0f} {row['p50_ms']:>8.2f} {row['p99_ms']:>8.2f} "
-              f"{row['cpu_ms']:>18.3f} {ratio:>12.1f}x {row['rss_mib']:>15.1f}")
+              f"{row['cpu_ms']:>18.3f} {ratio:>12.1f}x {row['wakeups']:>13.1f} {row['rss_mib']:>15.1f}")
 
 
 def main(argv: list[str] | None = None) -> int:

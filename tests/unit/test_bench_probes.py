@@ -1,0 +1,44 @@
+"""What the benchmark reads from /proc about the daemon: CPU time, wake-ups, resident memory."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+from orchestrator.bench import context_switches, cpu_seconds, rss_mib
+
+
+def test_cpu_time_grows_with_work_and_not_with_sleep() -> None:
+    before = cpu_seconds(os.getpid())
+    deadline = time.process_time() + 0.2
+    while time.process_time() < deadline:
+        pass
+    busy = cpu_seconds(os.getpid())
+    assert busy - before >= 0.1
+    time.sleep(0.2)
+    assert cpu_seconds(os.getpid()) - busy < 0.1
+
+
+def test_every_sleep_of_every_live_thread_counts_as_a_wake_up() -> None:
+    slept, finish = threading.Event(), threading.Event()
+
+    def sleeper() -> None:
+        for _ in range(20):
+            time.sleep(0.001)
+        slept.set()
+        finish.wait(10)
+
+    before = context_switches(os.getpid())
+    thread = threading.Thread(target=sleeper)
+    thread.start()
+    try:
+        assert slept.wait(10)
+        assert context_switches(os.getpid()) - before >= 20
+    finally:
+        finish.set()
+        thread.join()
+
+
+def test_resident_memory_is_read_in_mib() -> None:
+    assert 10 < rss_mib(os.getpid()) < 24 * 1024
