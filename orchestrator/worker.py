@@ -154,12 +154,11 @@ class WorkerRuntime:
         self._staged.clear()
         self._allocs.clear()
         self._outbox = ReportOutbox()  # reports about requests nobody knows any more
-        if self.role != "encoder":
-            # A sender told to push here before the daemon forgot us may still be writing:
-            # the daemon must not hand this memory out again before such a write is over.
-            wait_s = self._cfg.daemon.push_quarantine_s
-            self._log.warning("worker.rejoin_wait", seconds=wait_s)
-            await anyio.sleep(wait_s)
+        # A sender told to push here before the daemon forgot us may still be writing: the
+        # daemon must not hand this memory out again before such a write is over.
+        wait_s = 0.0 if self.role == "encoder" else self._cfg.daemon.push_quarantine_s
+        self._log.warning("worker.rejoining", wait_s=wait_s, blocks_held=self._pool.allocated_blocks)
+        await anyio.sleep(wait_s)
 
     async def _register(self, dealer: zmq.asyncio.Socket, work_address: str) -> Registered:
         assert self._pool is not None and self._stage is not None and self._engine is not None

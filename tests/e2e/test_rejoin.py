@@ -3,17 +3,19 @@ processes (stage still loaded) register again and serve, once receive memory is 
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 
 import anyio
+import pytest
 import torch
 
-from orchestrator.client import AsyncClient
+from orchestrator.client import AsyncClient, Rejection
 from orchestrator.cluster import LocalCluster
 from orchestrator.stages.null import expected_outputs
 from tests.e2e.conftest import StartCluster, all_free, wait_for
-from transfer.protocol import GenParams, Stats
+from transfer.protocol import GenParams, Reason, Stats
 
 QUICK_REJOIN = {"daemon": {"push_quarantine_s": 1.0}}
 
@@ -22,41 +24,52 @@ def denoisers(stats: Stats) -> dict[str, str]:
     return {i.name: i.instance for i in stats.instances if i.role == "denoiser"}
 
 
-def serve_correctly(cluster: LocalCluster, count: int) -> None:
+async def serve_correctly(cluster: LocalCluster, count: int) -> None:
     """``count`` concurrent requests come back with the bytes the null pipeline must produce."""
-
-    async def run() -> None:
-        async with AsyncClient(cluster.config.daemon.client_endpoint) as client, anyio.create_task_group() as tg:
-            for i in range(count):
-                tg.start_soon(one, client, GenParams(prompt=f"rejoin {i}", seed=i, output="raw"))
 
     async def one(client: AsyncClient, params: GenParams) -> None:
         generation = await client.submit(params, timeout_s=30)
         assert torch.equal(generation.outputs["images"], expected_outputs(params, cluster.config.model.null)["images"])
 
-    anyio.run(run)
+    async with AsyncClient(cluster.config.daemon.client_endpoint) as client, anyio.create_task_group() as tg:
+        for i in range(count):
+            tg.start_soon(one, client, GenParams(prompt=f"rejoin {i}", seed=i, output="raw"))
 
 
-def test_an_evicted_worker_rejoins_under_its_name_in_the_same_process(start_cluster: StartCluster) -> None:
-    cluster = start_cluster(**QUICK_REJOIN)
+async def test_an_evicted_worker_rejoins_in_the_same_process_holding_nothing(start_cluster: StartCluster) -> None:
+    """Stopped mid-denoise past its heartbeats: evicted, its request fails; resumed, it finishes
+    the stage it was running, learns it was forgotten, frees that output and rejoins."""
+    cluster = start_cluster(layout={"encoder": 1, "denoiser": 1, "decoder": 1},
+                            **QUICK_REJOIN, **{"model.null": {"denoiser_ms": 1500.0}})
     victim = cluster.workers["denoiser0"]
     before = denoisers(cluster.control.stats())["denoiser0"]
-    os.kill(victim.pid, signal.SIGSTOP)  # silent past heartbeat_s * heartbeat_misses: evicted
-    try:
-        wait_for(cluster, lambda s: list(denoisers(s)) == ["denoiser1"], timeout_s=15)
-    finally:
-        os.kill(victim.pid, signal.SIGCONT)
-    stats = wait_for(cluster, lambda s: sorted(denoisers(s)) == ["denoiser0", "denoiser1"], timeout_s=30)
-    assert denoisers(stats)["denoiser0"] != before  # a new registration...
-    assert victim.poll() is None  # ...by the same process
-    serve_correctly(cluster, 8)
+
+    async def stop_mid_denoise() -> None:
+        await anyio.to_thread.run_sync(wait_for, cluster, lambda s: s.requests_by_state.get("denoising") == 1)
+        os.kill(victim.pid, signal.SIGSTOP)  # silent past heartbeat_s * heartbeat_misses: evicted
+
+    with anyio.fail_after(60):
+        try:
+            async with AsyncClient(cluster.config.daemon.client_endpoint) as client, anyio.create_task_group() as tg:
+                tg.start_soon(stop_mid_denoise)
+                with pytest.raises(Rejection) as caught:
+                    await client.submit(GenParams(prompt="stopped", output="raw"), timeout_s=30)
+        finally:
+            os.kill(victim.pid, signal.SIGCONT)
+        assert caught.value.reason == Reason.WORKER_LOST
+        stats = await anyio.to_thread.run_sync(
+            lambda: wait_for(cluster, lambda s: list(denoisers(s)) == ["denoiser0"], timeout_s=30))
+        assert denoisers(stats)["denoiser0"] != before  # a new registration...
+        assert victim.poll() is None  # ...by the same process
+        rejoining = [line for line in cluster.log_of("denoiser0").splitlines() if "worker.rejoining" in line]
+        assert len(rejoining) == 1 and json.loads(rejoining[0])["blocks_held"] == 0
+        await serve_correctly(cluster, 4)
     assert wait_for(cluster, all_free)
-    assert "worker.rejoin_wait" in cluster.log_of("denoiser0")
 
 
-def test_workers_rejoin_a_restarted_daemon(start_cluster: StartCluster) -> None:
+async def test_workers_rejoin_a_restarted_daemon(start_cluster: StartCluster) -> None:
     cluster = start_cluster(**QUICK_REJOIN)
-    serve_correctly(cluster, 2)
+    await serve_correctly(cluster, 2)
     assert cluster.daemon is not None
     cluster.daemon.kill()  # a crash: nothing is drained, nobody is told
     cluster.daemon.wait(timeout=10)
@@ -65,5 +78,5 @@ def test_workers_rejoin_a_restarted_daemon(start_cluster: StartCluster) -> None:
     stats = cluster.wait_registered(4, timeout_s=60)
     assert sorted(i.name for i in stats.instances) == ["decoder0", "denoiser0", "denoiser1", "encoder0"]
     assert cluster.workers == workers and all(proc.poll() is None for proc in workers.values())
-    serve_correctly(cluster, 8)
+    await serve_correctly(cluster, 8)
     assert wait_for(cluster, all_free)
