@@ -128,8 +128,13 @@ class Client:
         self.close()
 
 
+# How long an abandoned request's Cancel may wait for room on the socket.
+CANCEL_SEND_S = 1.0
+
+
 class AsyncClient:
-    """DEALER client: any number of requests in flight, answered in any order.
+    """DEALER client: any number of requests in flight, answered in any order. A request whose
+    ``submit`` is cancelled (the caller gave up) is cancelled at the daemon too.
 
     Use as ``async with AsyncClient(endpoint) as client: await client.submit(...)``.
     """
@@ -179,6 +184,12 @@ class AsyncClient:
                     return await rx.receive()
         except TimeoutError:
             raise TimeoutError(f"no reply from {self.endpoint} for {rid!r} within {wait_s:.1f}s") from None
+        except anyio.get_cancelled_exc_class():
+            # The caller gave up on the request: so should the daemon, rather than keep GPUs
+            # busy on work nobody awaits. Its answers, the ack included, find no waiter.
+            with anyio.CancelScope(shield=True), anyio.move_on_after(CANCEL_SEND_S):
+                await self._sock.send_multipart([b"", encode(Cancel(protocol=PROTOCOL_VERSION, request_id=rid))])
+            raise
         finally:
             leftover = self._waiting.pop(rid, None)
             if leftover is not None:

@@ -92,6 +92,21 @@ async def test_cancel_stops_the_request_and_frees_its_slots(start_cluster: Start
     assert wait_for(cluster, all_free).failed_by_reason == {"cancelled": 1}
 
 
+async def test_a_request_its_caller_abandons_is_cancelled_at_the_daemon(start_cluster: StartCluster) -> None:
+    cluster = start_cluster(**SLOW)
+    with anyio.fail_after(30):
+        async with AsyncClient(cluster.config.daemon.client_endpoint) as client:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(partial(client.submit, p(1), request_id="abandoned"))
+                await anyio.to_thread.run_sync(wait_for, cluster, lambda s: s.requests_by_state.get("denoising") == 1)
+                tg.cancel_scope.cancel()  # the caller gives up, as an HTTP handler whose client left
+            # Freed at once, not when the 1.5 s denoise would have ended.
+            stats = await anyio.to_thread.run_sync(partial(wait_for, cluster, all_free, timeout_s=1.0))
+            assert stats.failed_by_reason == {"cancelled": 1}
+            generation = await client.submit(p(2), timeout_s=20)  # the client is still good
+            assert generation.result.request_id
+
+
 async def test_sigterm_drains_in_flight_work_and_refuses_new(start_cluster: StartCluster) -> None:
     cluster = start_cluster(**SLOW)
     endpoint = cluster.config.daemon.client_endpoint
