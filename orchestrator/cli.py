@@ -1,4 +1,4 @@
-"""``triptych serve | worker | submit | stats | demo | bench``."""
+"""``triptych serve | worker | submit | stats | workers | drain | metrics | instant-workers | demo | bench``."""
 
 from __future__ import annotations
 
@@ -109,6 +109,17 @@ def _drain(args: argparse.Namespace) -> int:
     return 0
 
 
+def _metrics(args: argparse.Namespace) -> int:
+    from orchestrator.client import Control
+    from orchestrator.metrics import serve_metrics
+
+    cfg = load_config(args.config)
+    control = Control(args.endpoint or cfg.daemon.control_endpoint, timeout_s=args.scrape_timeout)
+    print(f"serving Prometheus metrics on http://{args.host}:{args.port}/metrics", flush=True)
+    serve_metrics(control.stats, args.port, args.host)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="triptych", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -151,6 +162,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true")
     p = command("drain", _drain, "stop admitting, finish the work in flight, then exit the daemon")
     p.add_argument("--endpoint", default="")
+    p = command("metrics", _metrics, "serve the daemon's stats as Prometheus metrics over HTTP")
+    p.add_argument("--endpoint", default="")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=9464)
+    p.add_argument("--scrape-timeout", type=float, default=2.0, help="seconds to wait for the daemon's stats")
     # Whole programs of their own; everything after the name is passed through.
     sub.add_parser("demo", help="run the local demo cluster (see --help)", add_help=False)
     sub.add_parser("bench", help="run the control-plane benchmark (see --help)", add_help=False)

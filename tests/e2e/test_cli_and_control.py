@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import json
+import signal
+import socket
 import subprocess
 import sys
+import time
+import urllib.request
 
 import anyio
 import pytest
@@ -67,6 +71,45 @@ async def test_workers_and_drain_commands_list_the_instances_then_finish_work_an
             assert drained.returncode == 0 and "its 1 requests in flight" in drained.stdout
         assert cluster.daemon is not None
         assert await anyio.to_thread.run_sync(lambda: cluster.daemon.wait(timeout=30)) == 0
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _scrape(url: str, *, timeout_s: float = 30.0) -> str:
+    """The exporter's page, once it is up (it starts in its own process)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=5) as page:
+                return page.read().decode()
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
+def test_the_metrics_exporter_serves_the_daemons_stats_to_prometheus(start_cluster: StartCluster) -> None:
+    cluster = start_cluster(layout=SMALL)
+    port = _free_port()
+    exporter = subprocess.Popen([sys.executable, "-m", "orchestrator", "metrics", "--port", str(port),
+                                 "--config", str(cluster.config_path)], stdout=subprocess.DEVNULL)
+    try:
+        url = f"http://127.0.0.1:{port}/metrics"
+        assert "triptych_requests_completed_total 0.0" in _scrape(url)
+        with Client(cluster.config.daemon.client_endpoint) as client:
+            client.submit(GenParams(prompt="scraped", output="raw"), timeout_s=20)
+        page = _scrape(url)
+        assert "triptych_up 1.0" in page and "triptych_requests_completed_total 1.0" in page
+        assert 'triptych_worker_served_total{instance="' in page and 'name="denoiser0"' in page
+        assert cluster.stop_daemon() == 0
+        assert "triptych_up 0.0" in _scrape(url)  # the exporter outlives the daemon and says so
+    finally:
+        exporter.send_signal(signal.SIGTERM)
+        assert exporter.wait(timeout=10) == 0
 
 
 @pytest.mark.parametrize("policy", ["round_robin", "power_of_two"])

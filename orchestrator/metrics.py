@@ -1,0 +1,110 @@
+"""Prometheus metrics for a running daemon: ``triptych metrics --port 9464``.
+
+An exporter beside the daemon, not inside it: each scrape asks the daemon's control socket
+for one ``Stats`` snapshot and renders it, so the daemon's loop carries no HTTP server and
+a slow or stuck scraper cannot touch it. A daemon that does not answer in time is
+``triptych_up 0`` with nothing else, never a hung scrape.
+"""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Callable, Iterator
+
+from prometheus_client import start_http_server
+from prometheus_client.core import CollectorRegistry, CounterMetricFamily, GaugeMetricFamily, Metric
+
+from orchestrator.client import Rejection
+from transfer.protocol import Stats
+
+INSTANCE_LABELS = ["instance", "role", "name"]
+
+
+class StatsCollector:
+    """A prometheus_client collector over ``read_stats`` (``Control(...).stats``)."""
+
+    def __init__(self, read_stats: Callable[[], Stats]) -> None:
+        self._read_stats = read_stats
+
+    def collect(self) -> Iterator[Metric]:
+        up = GaugeMetricFamily("triptych_up", "1 if the daemon answered this scrape's stats query")
+        try:
+            stats = self._read_stats()
+        except (TimeoutError, Rejection):  # no answer in time, or the daemon too busy to gather one
+            up.add_metric([], 0)
+            yield up
+            return
+        up.add_metric([], 1)
+        yield up
+        yield from _daemon_metrics(stats)
+        yield from _instance_metrics(stats)
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, value=value)
+
+
+def _daemon_metrics(stats: Stats) -> Iterator[Metric]:
+    yield _gauge("triptych_uptime_seconds", "Seconds since the daemon started", stats.uptime_s)
+    yield _gauge("triptych_draining", "1 while the daemon drains and refuses new requests", int(stats.draining))
+    yield CounterMetricFamily("triptych_requests_completed", "Requests answered with a result", value=stats.completed)
+    failed = CounterMetricFamily("triptych_requests_failed", "Requests that ended in an error, by reason", labels=["reason"])
+    for reason, count in sorted(stats.failed_by_reason.items()):
+        failed.add_metric([reason], count)
+    yield failed
+    in_flight = GaugeMetricFamily("triptych_requests_in_flight", "Requests in flight, by state", labels=["state"])
+    for state, count in sorted(stats.requests_by_state.items()):
+        in_flight.add_metric([state], count)
+    yield in_flight
+    queued = GaugeMetricFamily("triptych_queue_depth", "Jobs waiting for a free slot, by role", labels=["role"])
+    for role, depth in sorted(stats.queue_depths.items()):
+        queued.add_metric([role], depth)
+    yield queued
+    yield _gauge("triptych_handoffs_in_flight", "Hand-offs between stages in progress", stats.handoffs_in_flight)
+    handoffs = CounterMetricFamily("triptych_handoffs", "Hand-offs by hop and path (fast: a preallocated slot)",
+                                   labels=["hop", "path"])
+    for path, counts in (("fast", stats.fast_path), ("slow", stats.slow_path)):
+        for hop, count in sorted(counts.items()):
+            handoffs.add_metric([hop, path], count)
+    yield handoffs
+    yield CounterMetricFamily("triptych_late_reports", "Worker reports about requests that had already ended",
+                              value=stats.late_reports)
+    peaks = GaugeMetricFamily("triptych_mailbox_peak", "The most mail an actor's mailbox held at once", labels=["actor"])
+    for actor, peak in sorted(stats.mailboxes.items()):
+        peaks.add_metric([actor], peak)
+    yield peaks
+
+
+def _instance_metrics(stats: Stats) -> Iterator[Metric]:
+    families = {
+        "slots_free": GaugeMetricFamily("triptych_worker_slots_free", "Free capacity slots", labels=INSTANCE_LABELS),
+        "slots_total": GaugeMetricFamily("triptych_worker_slots", "Capacity slots", labels=INSTANCE_LABELS),
+        "prealloc_free": GaugeMetricFamily("triptych_worker_prealloc_free", "Free preallocated receive slots",
+                                           labels=INSTANCE_LABELS),
+        "prealloc_total": GaugeMetricFamily("triptych_worker_prealloc", "Preallocated receive slots",
+                                            labels=INSTANCE_LABELS),
+        "served": CounterMetricFamily("triptych_worker_served", "Stages this instance completed", labels=INSTANCE_LABELS),
+        "failed": CounterMetricFamily("triptych_worker_failed", "Stages that failed on this instance",
+                                      labels=INSTANCE_LABELS),
+    }
+    for inst in stats.instances:
+        labels = [inst.instance, inst.role, inst.name]
+        for field, family in families.items():
+            family.add_metric(labels, getattr(inst, field))
+    yield from families.values()
+
+
+def serve_metrics(read_stats: Callable[[], Stats], port: int, host: str = "127.0.0.1") -> None:
+    """Serve ``/metrics`` on ``host:port`` until SIGTERM or SIGINT."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(StatsCollector(read_stats))
+    stop = {signal.SIGTERM, signal.SIGINT}
+    # Blocked before the server's thread starts, so that thread inherits the mask and the
+    # signal waits for sigwait here instead of interrupting a scrape.
+    signal.pthread_sigmask(signal.SIG_BLOCK, stop)
+    server, thread = start_http_server(port, addr=host, registry=registry)
+    try:
+        signal.sigwait(stop)
+    finally:
+        server.shutdown()
+        thread.join(timeout=5)

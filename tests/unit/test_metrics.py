@@ -1,0 +1,56 @@
+"""The Prometheus rendering of a Stats snapshot, and of a daemon that does not answer."""
+
+from __future__ import annotations
+
+from prometheus_client import generate_latest
+from prometheus_client.core import CollectorRegistry
+
+from orchestrator.metrics import StatsCollector
+from transfer.protocol import InstanceStats, Stats
+
+STATS = Stats(
+    uptime_s=12.5, draining=False, queue_depths={"encoder": 0, "denoiser": 3, "decoder": 0}, handoffs_in_flight=1,
+    fast_path={"encoder->denoiser": 7}, slow_path={"denoiser->decoder": 2}, requests_by_state={"denoising": 4},
+    completed=40, failed_by_reason={"timed_out": 2}, late_reports=1, mailboxes={"tracker": 9},
+    instances=[InstanceStats(instance="denoiser-2", role="denoiser", name="gpu3", address="tcp://h:1", session="h:2",
+                             slots_free=1, slots_total=2, prealloc_free=0, prealloc_total=2, served=17, failed=1,
+                             alive=True)],
+)
+
+
+def scrape(read_stats) -> set[str]:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(StatsCollector(read_stats))
+    return {line for line in generate_latest(registry).decode().splitlines() if not line.startswith("#")}
+
+
+def test_every_stats_figure_becomes_a_labelled_sample() -> None:
+    lines = scrape(lambda: STATS)
+    worker = 'instance="denoiser-2",name="gpu3",role="denoiser"'
+    assert {
+        "triptych_up 1.0",
+        "triptych_uptime_seconds 12.5",
+        "triptych_draining 0.0",
+        "triptych_requests_completed_total 40.0",
+        'triptych_requests_failed_total{reason="timed_out"} 2.0',
+        'triptych_requests_in_flight{state="denoising"} 4.0',
+        'triptych_queue_depth{role="denoiser"} 3.0',
+        "triptych_handoffs_in_flight 1.0",
+        'triptych_handoffs_total{hop="encoder->denoiser",path="fast"} 7.0',
+        'triptych_handoffs_total{hop="denoiser->decoder",path="slow"} 2.0',
+        "triptych_late_reports_total 1.0",
+        'triptych_mailbox_peak{actor="tracker"} 9.0',
+        f"triptych_worker_slots_free{{{worker}}} 1.0",
+        f"triptych_worker_slots{{{worker}}} 2.0",
+        f"triptych_worker_prealloc_free{{{worker}}} 0.0",
+        f"triptych_worker_prealloc{{{worker}}} 2.0",
+        f"triptych_worker_served_total{{{worker}}} 17.0",
+        f"triptych_worker_failed_total{{{worker}}} 1.0",
+    } <= lines
+
+
+def test_a_daemon_that_does_not_answer_is_down_and_nothing_else() -> None:
+    def silent() -> Stats:
+        raise TimeoutError("no reply")
+
+    assert scrape(silent) == {"triptych_up 0.0"}
