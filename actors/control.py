@@ -42,6 +42,7 @@ log = structlog.get_logger()
 
 QUERY_TIMEOUT_S = 5.0
 CONTROL_SEND_HWM = 100
+CONTROL_MAX_MESSAGE_BYTES = 64 * 1024  # a control request is a few bytes
 
 
 class ControlActor:
@@ -64,7 +65,8 @@ class ControlActor:
         self._started = time.monotonic()
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[str] = anyio.TASK_STATUS_IGNORED) -> None:
-        with bound_router(self._ctx, self._endpoint, send_hwm=CONTROL_SEND_HWM) as (sock, bound):
+        with bound_router(self._ctx, self._endpoint, send_hwm=CONTROL_SEND_HWM,
+                          max_message_bytes=CONTROL_MAX_MESSAGE_BYTES) as (sock, bound):
             task_status.started(bound)
             while True:
                 frames = await sock.recv_multipart()

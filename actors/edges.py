@@ -36,15 +36,18 @@ def bind_exclusive(sock: zmq.Socket, endpoint: str) -> str:
 
 
 @contextmanager
-def bound_router(ctx: zmq.Context, endpoint: str, *, send_hwm: int, close_linger_ms: int = 0,
-                 plain: bool = False) -> Iterator[tuple[zmq.Socket, str]]:
+def bound_router(ctx: zmq.Context, endpoint: str, *, send_hwm: int, max_message_bytes: int,
+                 close_linger_ms: int = 0, plain: bool = False) -> Iterator[tuple[zmq.Socket, str]]:
     """A ROUTER bound exclusively to ``endpoint``, closed on exit; yields it and its address.
 
-    ``plain`` makes a plain socket even under an asyncio context, for a ``PlainPump``.
+    A peer that sends a frame over ``max_message_bytes`` is disconnected by ZMQ before the
+    frame is buffered whole, so no peer can make the daemon hold gigabytes. ``plain`` makes
+    a plain socket even under an asyncio context, for a ``PlainPump``.
     """
     sock = zmq.Socket(ctx, zmq.ROUTER) if plain else ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, send_hwm)
+    sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
     try:
         yield sock, bind_exclusive(sock, endpoint)
     finally:

@@ -82,6 +82,7 @@ class FrontendActor:
     async def run(self, *, task_status: anyio.abc.TaskStatus[str] = anyio.TASK_STATUS_IGNORED) -> None:
         # Replies already handed to ZMQ get a bounded moment to leave on shutdown.
         with bound_router(self._ctx, self._cfg.client_endpoint, send_hwm=self._cfg.client_send_hwm,
+                          max_message_bytes=self._cfg.client_max_message_bytes,
                           close_linger_ms=FLUSH_ON_CLOSE_MS, plain=True) as (sock, bound):
             self._sock = sock
             self._pump = PlainPump(sock, self._on_frames, copy=True, hold=self._inbox.board.hold)

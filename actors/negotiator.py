@@ -134,7 +134,7 @@ class TransferNegotiator:
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[str] = anyio.TASK_STATUS_IGNORED) -> None:
         with bound_router(self._ctx, self._cfg.worker_endpoint, send_hwm=self._cfg.worker_send_hwm,
-                          plain=True) as (sock, bound):
+                          max_message_bytes=self._cfg.worker_max_message_bytes, plain=True) as (sock, bound):
             self._sock = sock
             pump = PlainPump(sock, self._on_frames, copy=False, hold=self._inbox.board.hold)
             await serve_mailbox(self._inbox, self._handle, pump=pump.run, task_status=task_status, started=bound)

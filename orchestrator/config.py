@@ -46,6 +46,10 @@ class DaemonConfig(Section):
     # Messages queued to one worker before it counts as stuck (ZMQ SNDHWM).
     worker_send_hwm: PositiveInt = 1000
     client_send_hwm: PositiveInt = 10000
+    # A peer sending a larger frame is disconnected unread (ZMQ_MAXMSGSIZE). Requests are
+    # small; a worker's frames carry the decoder's output (a video can be hundreds of MiB).
+    client_max_message_bytes: PositiveInt = 4 * MiB
+    worker_max_message_bytes: PositiveInt = 1024 * MiB
 
 
 class WorkerConfig(Section):

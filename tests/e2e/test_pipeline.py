@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import anyio
 import pytest
 import torch
+import zmq
 
 from orchestrator.client import AsyncClient, Client, Rejection
 from orchestrator.cluster import LocalCluster
@@ -117,6 +120,29 @@ def test_garbage_wrong_type_and_bad_field_get_typed_rejections(cluster: LocalClu
         # And the daemon keeps serving.
         generation = client.submit(params(5), timeout_s=10)
     assert torch.equal(generation.outputs["images"], expected_outputs(params(5), cluster.config.model.null)["images"])
+
+
+def _peak_rss_mib(pid: int) -> float:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(next(line for line in status.splitlines() if line.startswith("VmHWM:")).split()[1]) / 1024
+
+
+def test_an_oversized_message_is_refused_unread(cluster: LocalCluster) -> None:
+    """64 MiB to the client socket (limit 4 MiB): ZMQ drops the sender, the daemon never holds it."""
+    assert cluster.daemon is not None
+    before = _peak_rss_mib(cluster.daemon.pid)
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint(cluster))
+    try:
+        sock.send_multipart([b"", b"\x00" * (64 << 20)])
+        assert not sock.poll(2000)  # disconnected, not answered
+    finally:
+        sock.close()
+    with Client(endpoint(cluster)) as client:
+        generation = client.submit(params(7), timeout_s=10)
+    assert torch.equal(generation.outputs["images"], expected_outputs(params(7), cluster.config.model.null)["images"])
+    assert _peak_rss_mib(cluster.daemon.pid) - before < 32
 
 
 def test_wrong_protocol_version_is_unsupported(cluster: LocalCluster) -> None:
