@@ -9,9 +9,15 @@ import zmq
 
 from orchestrator.config import WorkerConfig
 
+# An order frame stays under 150 KiB (its two prompts hold at most 16,384 characters each).
+# Anyone who can reach the port can send, and the key is only checked once a message is
+# read: a frame over this limit disconnects its sender unread.
+ORDER_MAX_MESSAGE_BYTES = 1 << 20
+
 
 def bind_work_socket(sock: zmq.Socket, wcfg: WorkerConfig) -> str:
     """Bind a worker's work socket as configured; returns the address the daemon should dial."""
+    sock.setsockopt(zmq.MAXMSGSIZE, ORDER_MAX_MESSAGE_BYTES)
     if wcfg.work_socket == "ipc":
         # Unique per process; ZMQ removes the file when the socket closes.
         address = f"ipc://{tempfile.gettempdir()}/triptych-work-{uuid.uuid4().hex}"

@@ -8,7 +8,7 @@ import pytest
 import zmq
 
 from orchestrator.config import Config, WorkerConfig
-from orchestrator.work_socket import bind_work_socket
+from orchestrator.work_socket import ORDER_MAX_MESSAGE_BYTES, bind_work_socket
 from orchestrator.worker import WorkerRuntime
 from transfer.pool import MemoryPool
 from transfer.protocol import Abort, encode
@@ -55,5 +55,20 @@ def test_the_work_socket_binds_where_it_says_and_the_daemon_can_dial_it(transpor
         push.connect(address)
         push.send(b"order")
         assert pull.poll(5000) and pull.recv() == b"order"
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_the_work_socket_drops_a_sender_of_an_oversized_frame_unread() -> None:
+    ctx = zmq.Context()
+    try:
+        pull, flood, daemon = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH), ctx.socket(zmq.PUSH)
+        address = bind_work_socket(pull, WorkerConfig(work_socket="ipc"))
+        flood.connect(address)
+        flood.send(b"x" * (ORDER_MAX_MESSAGE_BYTES + 1))
+        daemon.connect(address)
+        daemon.send(b"order")
+        assert pull.poll(5000) and pull.recv() == b"order"
+        assert not pull.poll(500)  # the oversized frame never arrives
     finally:
         ctx.destroy(linger=0)
