@@ -40,7 +40,8 @@ class DaemonConfig(Section):
     heartbeat_misses: PositiveInt = 5  # silence of misses * heartbeat_s evicts a worker
     drain_timeout_s: PositiveFloat = 30.0
     # Memory a silent (evicted, maybe still alive) sender was writing into stays reserved
-    # this long; keep it above the workers' MC_TRANSFER_TIMEOUT.
+    # this long, and a rejoining receiver waits this long; it must exceed the workers'
+    # MC_TRANSFER_TIMEOUT (checked when the config loads).
     push_quarantine_s: PositiveFloat = 60.0
     mailbox_size: PositiveInt = 1024
     # Messages queued to one worker before it counts as stuck (ZMQ SNDHWM).
@@ -119,6 +120,17 @@ LOCAL_MOONCAKE_ENV = {
 }
 
 
+MOONCAKE_DEFAULT_TIMEOUT_S = 30.0  # MC_TRANSFER_TIMEOUT when unset
+
+
+def transfer_timeout_s(value: str | None) -> float:
+    """An MC_TRANSFER_TIMEOUT value in seconds; Mooncake's default when unset or unreadable."""
+    try:
+        return float(value) if value else MOONCAKE_DEFAULT_TIMEOUT_S
+    except ValueError:
+        return MOONCAKE_DEFAULT_TIMEOUT_S
+
+
 class TransferConfig(Section):
     """The Mooncake data plane."""
 
@@ -141,6 +153,15 @@ class Config(Section):
     model: ModelConfig = ModelConfig()
     transfer: TransferConfig = TransferConfig()
     log: LogConfig = LogConfig()
+
+    def __post_init__(self) -> None:
+        # Memory a write may still be landing in is handed out again after push_quarantine_s
+        # (by the daemon for a silent sender, by a rejoining receiver for itself): only a
+        # quarantine longer than any write can last keeps that memory from being corrupted.
+        timeout_s = transfer_timeout_s(self.transfer.env.get("MC_TRANSFER_TIMEOUT"))
+        if self.daemon.push_quarantine_s <= timeout_s:
+            raise ValueError(f"daemon.push_quarantine_s ({self.daemon.push_quarantine_s:g}) must exceed the "
+                             f"Mooncake transfer timeout ({timeout_s:g} s, transfer.env.MC_TRANSFER_TIMEOUT)")
 
 
 def load_config(path: str | Path) -> Config:

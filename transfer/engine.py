@@ -39,7 +39,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import structlog
 
-from orchestrator.config import TransferConfig
+from orchestrator.config import TransferConfig, transfer_timeout_s
 
 log = structlog.get_logger()
 
@@ -52,7 +52,6 @@ _DONE, _PENDING, _FAILED, _TIMED_OUT = 1, 0, -1, -2
 _FIRST_SLEEP_S = 20e-6
 _MAX_SLEEP_S = 1e-3
 _GRACE_S = 1.0  # our deadline trails Mooncake's own timeout by this much
-_DEFAULT_TIMEOUT_S = 30.0  # Mooncake's default MC_TRANSFER_TIMEOUT
 # A batch id is a user-space pointer. Anything outside this range is a failure code (0 from
 # this wheel; some Mooncake builds return -1 as an unsigned id), and polling it would segfault.
 _MAX_ID = 1 << 57
@@ -119,7 +118,7 @@ class MooncakeEngine:
             # With a metadata server the hostname string itself is the (unique) segment name.
             self.session = cfg.local_hostname
         # Mooncake has just read MC_TRANSFER_TIMEOUT from the environment; our deadline follows it.
-        self._timeout_s = _parse_timeout(os.environ.get("MC_TRANSFER_TIMEOUT"))
+        self._timeout_s = transfer_timeout_s(os.environ.get("MC_TRANSFER_TIMEOUT"))
         # Replaced, never mutated, so a writer thread always sees a consistent tuple.
         self._ranges: tuple[tuple[int, int], ...] = ()
         self._closed = False
@@ -217,9 +216,3 @@ class MooncakeEngine:
             raise TransferError(f"engine {self.session} is closed")
 
 
-def _parse_timeout(value: str | None) -> float:
-    """MC_TRANSFER_TIMEOUT in seconds; Mooncake's default when unset or unreadable."""
-    try:
-        return float(value) if value else _DEFAULT_TIMEOUT_S
-    except ValueError:
-        return _DEFAULT_TIMEOUT_S

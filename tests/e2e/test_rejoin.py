@@ -13,11 +13,14 @@ import torch
 
 from orchestrator.client import AsyncClient, Rejection
 from orchestrator.cluster import LocalCluster
+from orchestrator.config import LOCAL_MOONCAKE_ENV
 from orchestrator.stages.null import expected_outputs
 from tests.e2e.conftest import StartCluster, all_free, wait_for
 from transfer.protocol import GenParams, Reason, Stats
 
-QUICK_REJOIN = {"daemon": {"push_quarantine_s": 1.0}}
+# Receivers wait push_quarantine_s before rejoining, which must outlast a transfer.
+QUICK_REJOIN = {"daemon": {"push_quarantine_s": 1.5},
+                "transfer": {"env": {**LOCAL_MOONCAKE_ENV, "MC_TRANSFER_TIMEOUT": "1"}}}
 
 
 def denoisers(stats: Stats) -> dict[str, str]:

@@ -84,3 +84,18 @@ def test_a_wildcard_advertise_host_is_refused(tmp_path: Path, wildcard: str) -> 
     path.write_text(f'[workers.denoiser]\nadvertise_host = "{wildcard}"\n')
     with pytest.raises(msgspec.ValidationError, match=r"\$\.workers\.denoiser\.advertise_host"):
         load_config(path)
+
+
+@pytest.mark.parametrize(("section", "refused"), [
+    ('[daemon]\npush_quarantine_s = 5.0\n', True),  # the default MC_TRANSFER_TIMEOUT is 5
+    ('[daemon]\npush_quarantine_s = 6.0\n', False),
+    ('[daemon]\npush_quarantine_s = 20.0\n[transfer]\nenv = {}\n', True),  # unset: Mooncake's 30 s
+])
+def test_the_push_quarantine_must_outlast_a_transfer(tmp_path: Path, section: str, refused: bool) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text(section)
+    if refused:
+        with pytest.raises(msgspec.ValidationError, match="push_quarantine_s .* must exceed"):
+            load_config(path)
+    else:
+        assert load_config(path).daemon.push_quarantine_s == 6.0

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import transfer.engine
-from orchestrator.config import TransferConfig
+from orchestrator.config import TransferConfig, transfer_timeout_s
 from transfer.engine import Engine, MooncakeEngine, TransferError
 from transfer.pool import MemoryPool
 
@@ -295,8 +295,8 @@ def test_deadline_raises_without_retry(pair: Pair, monkeypatch: pytest.MonkeyPat
 
 def test_deadline_follows_mc_transfer_timeout(pair: Pair) -> None:
     assert pair.sender._timeout_s == float(CFG.env["MC_TRANSFER_TIMEOUT"])
-    assert transfer.engine._parse_timeout(None) == 30.0  # Mooncake's default
-    assert transfer.engine._parse_timeout("soon") == 30.0
+    assert transfer_timeout_s(None) == 30.0  # Mooncake's default
+    assert transfer_timeout_s("soon") == 30.0
 
 
 def test_unknown_session_raises(pair: Pair) -> None:
