@@ -187,8 +187,9 @@ class AsyncClient:
         except anyio.get_cancelled_exc_class():
             # The caller gave up on the request: so should the daemon, rather than keep GPUs
             # busy on work nobody awaits. Its answers, the ack included, find no waiter.
-            with anyio.CancelScope(shield=True), anyio.move_on_after(CANCEL_SEND_S):
-                await self._sock.send_multipart([b"", encode(Cancel(protocol=PROTOCOL_VERSION, request_id=rid))])
+            if not self._sock.closed:  # closed: the client is gone, and the daemon's deadline ends it
+                with anyio.CancelScope(shield=True), anyio.move_on_after(CANCEL_SEND_S):
+                    await self._sock.send_multipart([b"", encode(Cancel(protocol=PROTOCOL_VERSION, request_id=rid))])
             raise
         finally:
             leftover = self._waiting.pop(rid, None)
