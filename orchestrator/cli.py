@@ -1,4 +1,4 @@
-"""``triptych serve | worker | submit | stats | workers | drain | metrics | instant-workers | demo | bench``."""
+"""The ``triptych`` command: run the daemon and its workers, submit work, inspect, drain, export metrics."""
 
 from __future__ import annotations
 
