@@ -33,7 +33,7 @@ import zmq
 from orchestrator.client import AsyncClient
 from orchestrator.cluster import LocalCluster
 from orchestrator.config import load_config
-from transfer.protocol import GenParams
+from transfer.protocol import GenParams, StageTiming
 
 ROOT = Path(__file__).resolve().parent.parent
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -71,20 +71,23 @@ def params(i: int) -> GenParams:
     return GenParams(prompt="bench", seed=i, width=8, height=8, steps=1, output="raw")
 
 
-async def closed_loop(endpoint: str, concurrency: int, total: int) -> list[float]:
+async def closed_loop(endpoint: str, concurrency: int, total: int) -> tuple[list[float], list[list[StageTiming]]]:
+    """Each request's latency (s) and its per-stage timings, ``concurrency`` at a time."""
     latencies: list[float] = []
+    stages: list[list[StageTiming]] = []
     counter = iter(range(total))
 
     async def loop(client: AsyncClient) -> None:
         for i in counter:
             t0 = time.perf_counter()
-            await client.submit(params(i), timeout_s=120)
+            generation = await client.submit(params(i), timeout_s=120)
             latencies.append(time.perf_counter() - t0)
+            stages.append(generation.result.stages)
 
     async with AsyncClient(endpoint) as client, anyio.create_task_group() as tg:
         for _ in range(concurrency):
             tg.start_soon(loop, client)
-    return latencies
+    return latencies, stages
 
 
 def echo_router(endpoint: str) -> None:
@@ -140,7 +143,7 @@ def measure(cluster: LocalCluster, name: str, concurrency: int, total: int) -> d
     peak = RssPeak(pid)
     peak.start()
     cpu0, switches0, t0 = cpu_seconds(pid), context_switches(pid), time.perf_counter()
-    latencies = anyio.run(closed_loop, endpoint, concurrency, total, backend="asyncio")
+    latencies, stages = anyio.run(closed_loop, endpoint, concurrency, total, backend="asyncio")
     wall, cpu = time.perf_counter() - t0, cpu_seconds(pid) - cpu0
     switches = context_switches(pid) - switches0
     peak.stop.set()
@@ -150,7 +153,7 @@ def measure(cluster: LocalCluster, name: str, concurrency: int, total: int) -> d
         "name": name, "requests": total, "req_s": total / wall,
         "p50_ms": latencies[len(latencies) // 2] * 1000,
         "p99_ms": latencies[int(len(latencies) * 0.99) - 1] * 1000,
-        "cpu_ms": cpu / total * 1000, "wakeups": switches / total, "rss_mib": peak.peak,
+        "cpu_ms": cpu / total * 1000, "wakeups": switches / total, "rss_mib": peak.peak, "stages": stages,
     }
 
 
@@ -162,6 +165,21 @@ def print_table(title: str, rows: list[dict[str, float]]) -> None:
         ratio = REFERENCE_CPU_MS[row["name"]] / row["cpu_ms"]
         print(f"{row['name']:<13} {row['requests']:>8} {row['req_s']:>8.0f} {row['p50_ms']:>8.2f} {row['p99_ms']:>8.2f} "
               f"{row['cpu_ms']:>18.3f} {ratio:>12.1f}x {row['wakeups']:>13.1f} {row['rss_mib']:>15.1f}")
+
+
+def print_stage_breakdown(title: str, row: dict) -> None:
+    """Median ms per stage; "queued" is the stage's wall time less compute and transfer: the
+    waits, messages and thread hops around them."""
+    print(f"\n{title}")
+    print(f"{'stage':<9} {'queued ms':>10} {'compute ms':>11} {'transfer ms':>12}")
+    by_role: dict[str, list[StageTiming]] = {}
+    for request in row["stages"]:
+        for stage in request:
+            by_role.setdefault(stage.role, []).append(stage)
+    for role, timings in by_role.items():
+        print(f"{role:<9} {statistics.median(t.queued_ms for t in timings):>10.3f} "
+              f"{statistics.median(t.compute_ms for t in timings):>11.3f} "
+              f"{statistics.median(t.transfer_ms for t in timings):>12.3f}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -198,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
           f"(one receive + one send) {echo_cpu_1_ms * 1000:.0f} us at concurrency 1, {echo_cpu_16_ms * 1000:.0f} us at 16")
     print_table("daemon alone: instant protocol workers (as the reference head was measured)", tables[True])
     print_table("full stack: real workers, null stages, Mooncake hand-offs", tables[False])
+    print_stage_breakdown("full stack, concurrency 1: where a request's time goes, medians", tables[False][0])
     rows = tables[True]
     added = rows[0]["p50_ms"] - floor_ms
     worst_cpu = max(row["cpu_ms"] for row in rows)
