@@ -1,0 +1,40 @@
+"""What a worker does once the daemon has forgotten it, before it registers again."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from orchestrator.config import LOCAL_MOONCAKE_ENV, Config, DaemonConfig, TransferConfig
+from orchestrator.worker import WorkerRuntime
+from transfer.pool import MemoryPool
+from transfer.protocol import Role
+
+QUARANTINE_S = 0.3
+CFG = Config(daemon=DaemonConfig(push_quarantine_s=QUARANTINE_S),
+             transfer=TransferConfig(env={**LOCAL_MOONCAKE_ENV, "MC_TRANSFER_TIMEOUT": "0.1"}))
+
+
+def holding(role: Role) -> WorkerRuntime:
+    """A runtime (no sockets, no engine) holding two staged blocks and an allocation."""
+    worker = WorkerRuntime(role, CFG, name="forgotten-test")
+    worker._pool = pool = MemoryPool(1 << 16)
+    for rid in ("r1", "r2"):
+        worker._staged[rid] = pool.try_alloc(1000)
+    worker._allocs["r3"] = pool.try_alloc(1000)
+    return worker
+
+
+@pytest.mark.parametrize(("role", "waits"), [("encoder", False), ("denoiser", True), ("decoder", True)])
+async def test_it_frees_everything_and_only_a_receiver_waits_out_the_quarantine(role: Role, waits: bool) -> None:
+    worker = holding(role)
+    stale_outbox = worker._outbox
+    stale_outbox.put(b"a report about a forgotten request")
+    started = time.monotonic()
+    await worker._forget_everything()
+    waited = time.monotonic() - started
+    assert worker._pool is not None and worker._pool.allocated_blocks == 0
+    assert not worker._staged and not worker._allocs
+    assert worker._outbox is not stale_outbox  # the unsent report is dropped with it
+    assert (waited >= QUARANTINE_S) == waits
