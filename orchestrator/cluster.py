@@ -39,11 +39,15 @@ class LocalCluster:
         self._env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.daemon: subprocess.Popen | None = None
         self.workers: dict[str, subprocess.Popen] = {}
+        self._spawned: set[str] = set()
         self.control = Control(self.config.daemon.control_endpoint)
 
     def _spawn(self, name: str, *args: str) -> subprocess.Popen:
-        # Appended to: a process started again under the same name (a restart) keeps the story.
-        log = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 - lives as long as the process
+        # A process started again under the same name (a restart) appends: its log keeps the
+        # story. A first start replaces whatever an earlier cluster left there.
+        mode = "ab" if name in self._spawned else "wb"
+        self._spawned.add(name)
+        log = open(self.log_dir / f"{name}.log", mode)  # noqa: SIM115 - lives as long as the process
         try:
             return subprocess.Popen([sys.executable, "-m", "orchestrator", *args, "--config", str(self.config_path)],
                                     stdout=log, stderr=subprocess.STDOUT, env=self._env, start_new_session=True)
