@@ -6,11 +6,15 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import anyio
 import msgspec
 
 from orchestrator.config import load_config
+
+if TYPE_CHECKING:
+    from orchestrator.client import Control
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "local.toml"
 
@@ -79,42 +83,40 @@ def _submit(args: argparse.Namespace) -> int:
     return 0
 
 
-def _stats(args: argparse.Namespace) -> int:
+def _control(args: argparse.Namespace, **options: float) -> Control:
+    """The control client for ``--endpoint``, or for the config's control endpoint."""
     from orchestrator.client import Control
+
+    return Control(args.endpoint or load_config(args.config).daemon.control_endpoint, **options)
+
+
+def _stats(args: argparse.Namespace) -> int:
     from orchestrator.report import stats_table
 
-    cfg = load_config(args.config)
-    stats = Control(args.endpoint or cfg.daemon.control_endpoint).stats()
+    stats = _control(args).stats()
     print(json.dumps(msgspec.to_builtins(stats), indent=2) if args.json else stats_table(stats))
     return 0
 
 
 def _workers(args: argparse.Namespace) -> int:
-    from orchestrator.client import Control
     from orchestrator.report import workers_table
 
-    cfg = load_config(args.config)
-    workers = Control(args.endpoint or cfg.daemon.control_endpoint).workers()
+    workers = _control(args).workers()
     print(json.dumps(msgspec.to_builtins(workers), indent=2) if args.json else workers_table(workers.instances))
     return 0
 
 
 def _drain(args: argparse.Namespace) -> int:
-    from orchestrator.client import Control
-
-    cfg = load_config(args.config)
-    draining = Control(args.endpoint or cfg.daemon.control_endpoint).drain()
+    draining = _control(args).drain()
     print(f"draining: new requests are refused; the daemon exits once its {draining.in_flight} requests in "
           "flight finish, or its drain_timeout_s passes")
     return 0
 
 
 def _metrics(args: argparse.Namespace) -> int:
-    from orchestrator.client import Control
     from orchestrator.metrics import serve_metrics
 
-    cfg = load_config(args.config)
-    control = Control(args.endpoint or cfg.daemon.control_endpoint, timeout_s=args.scrape_timeout)
+    control = _control(args, timeout_s=args.scrape_timeout)
     print(f"serving Prometheus metrics on http://{args.host}:{args.port}/metrics", flush=True)
     serve_metrics(control.stats, args.port, args.host)
     return 0
