@@ -65,6 +65,10 @@ def _submit_frames(params: GenParams, request_id: str, timeout_s: float | None, 
                          timeout_s=timeout_s, priority=priority))
 
 
+def _cancel_frame(request_id: str) -> bytes:
+    return encode(Cancel(protocol=PROTOCOL_VERSION, request_id=request_id))
+
+
 def _decode_reply(parts: list[bytes]) -> Generation | Rejected | Cancelled:
     header = CLIENT_REPLY.decode(parts[0])
     if isinstance(header, Result):
@@ -99,7 +103,7 @@ class Client:
         return reply
 
     def cancel(self, request_id: str, *, timeout_s: float = 10.0) -> bool:
-        reply = self._request([encode(Cancel(protocol=PROTOCOL_VERSION, request_id=request_id))], timeout_s)
+        reply = self._request([_cancel_frame(request_id)], timeout_s)
         if isinstance(reply, Rejected):
             raise Rejection(reply)
         assert isinstance(reply, Cancelled)
@@ -189,7 +193,7 @@ class AsyncClient:
             # busy on work nobody awaits. Its answers, the ack included, find no waiter.
             if not self._sock.closed:  # closed: the client is gone, and the daemon's deadline ends it
                 with anyio.CancelScope(shield=True), anyio.move_on_after(CANCEL_SEND_S):
-                    await self._sock.send_multipart([b"", encode(Cancel(protocol=PROTOCOL_VERSION, request_id=rid))])
+                    await self._sock.send_multipart([b"", _cancel_frame(rid)])
             raise
         finally:
             leftover = self._waiting.pop(rid, None)
@@ -213,7 +217,7 @@ class AsyncClient:
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(self.endpoint)
         try:
-            await sock.send_multipart([b"", encode(Cancel(protocol=PROTOCOL_VERSION, request_id=request_id))])
+            await sock.send_multipart([b"", _cancel_frame(request_id)])
             with anyio.fail_after(timeout_s):
                 parts = await sock.recv_multipart()
         finally:
