@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from contextlib import ExitStack
+
 import pytest
 
 from actors.mailbox import MailboxFull, Switchboard
@@ -29,6 +31,24 @@ def test_mail_posted_before_the_owner_starts_waits_for_it() -> None:
     assert seen == ["early"] and len(box) == 1
 
 
+def test_mail_queued_when_its_owner_stops_stays_unread_and_counted() -> None:
+    board = Switchboard()
+    a, b = board.mailbox("a", 8), board.mailbox("b", 8)
+    seen: list[str] = []
+    b_owner = ExitStack()
+    b_owner.enter_context(b.owned_by(seen.append))
+
+    def on_a(mail: str) -> None:
+        b.post(mail)  # queued behind this handler...
+        b_owner.close()  # ...which stops b's owner before it runs
+
+    with a.owned_by(on_a):
+        a.post("x")
+    assert seen == [] and len(b) == 1
+    with b.owned_by(seen.append):
+        assert seen == ["x"] and len(b) == 0
+
+
 def test_a_post_from_a_handler_queues_and_runs_after_it() -> None:
     board = Switchboard()
     a, b = board.mailbox("a", 8), board.mailbox("b", 8)
@@ -45,7 +65,7 @@ def test_a_post_from_a_handler_queues_and_runs_after_it() -> None:
     with a.owned_by(on_a), b.owned_by(lambda mail: trace.append(f"b:{mail}")):
         a.post("1")
     # Never re-entered: each handler runs to its end before the next mail is handed out,
-    # and ready mailboxes take turns one mail at a time.
+    # and mail is handed out in the order it was posted, across mailboxes.
     assert trace == ["a:1:start", "a:1:end", "b:1", "a:2:start", "a:2:end", "b:2"]
 
 
