@@ -17,7 +17,7 @@ import structlog
 
 from actors.base import reply_once, serve_mailbox
 from actors.mail import AdmissionMail, Credit, Dispatch, Enqueue, Forget, Job, PoolMail, QueryStats
-from actors.mailbox import Mailbox
+from actors.mailbox import Mailbox, MailboxCounts
 from transfer.protocol import ROLES, Role
 
 log = structlog.get_logger()
@@ -26,7 +26,7 @@ log = structlog.get_logger()
 class AdmissionStats(msgspec.Struct, frozen=True):
     queue_depths: dict[str, int]
     credits: dict[str, int]
-    mailbox: int
+    mailbox: MailboxCounts
 
 
 class RoleQueue:
@@ -113,7 +113,7 @@ class AdmissionActor:
                     AdmissionStats(
                         {role: len(q) for role, q in self._queues.items()},
                         dict(self._credits),
-                        self._inbox.peak,
+                        self._inbox.counts(),
                     ),
                 )
 

@@ -133,7 +133,7 @@ class ControlActor:
                         alive=prealloc is not None,
                     )
                 )
-        mailboxes = {owner: answer.mailbox for owner, answer in answers.items()}
+        mailboxes = {owner: answer.mailbox.peak for owner, answer in answers.items()}
         return Stats(
             uptime_s=time.monotonic() - self._started,
             draining=frontend.draining,
@@ -147,4 +147,5 @@ class ControlActor:
             failed_by_reason=tracker.failed_by_reason,
             late_reports=negotiator.late_reports,
             mailboxes=mailboxes,
+            mail_handled={owner: answer.mailbox.handled for owner, answer in answers.items()},
         )

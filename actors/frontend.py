@@ -23,7 +23,7 @@ import zmq.asyncio
 from actors.base import reply_once, serve_mailbox
 from actors.edges import bound_router
 from actors.mail import Admit, CancelRequest, Deliver, FrontendMail, LimitsChanged, QueryStats, SetDraining, TrackerMail
-from actors.mailbox import Mailbox
+from actors.mailbox import Mailbox, MailboxCounts
 from orchestrator.config import DaemonConfig
 from orchestrator.limits import limits_violation
 from transfer.protocol import (
@@ -49,7 +49,7 @@ FLUSH_ON_CLOSE_MS = 1000
 class FrontendStats(msgspec.Struct, frozen=True):
     in_flight: int
     draining: bool
-    mailbox: int
+    mailbox: MailboxCounts
 
 
 class FrontendActor:
@@ -154,7 +154,7 @@ class FrontendActor:
             case LimitsChanged(role=role, limits=limits):
                 self._limits[role] = limits
             case QueryStats(reply=reply):
-                reply_once(reply, FrontendStats(len(self._clients), self._draining, self._inbox.peak))
+                reply_once(reply, FrontendStats(len(self._clients), self._draining, self._inbox.counts()))
 
     def _send(self, identity: bytes, message: ClientReply, frames: tuple | list = ()) -> None:
         """Queue a reply: replies leave together once the daemon is quiet."""

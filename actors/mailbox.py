@@ -27,13 +27,20 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Generic, TypeVar
+from typing import Generic, NamedTuple, TypeVar
 
 M = TypeVar("M")
 
 
 class MailboxFull(RuntimeError):
     """A mailbox hit its bound: the sizing invariant above was broken."""
+
+
+class MailboxCounts(NamedTuple):
+    """What an actor reports about its mailbox in its stats answer."""
+
+    peak: int  # the most mail it held at once
+    handled: int  # mail its owner has handled: the daemon's internal hops, counted
 
 
 class Switchboard:
@@ -85,6 +92,7 @@ class Switchboard:
                         box._unread.append(mail)  # its owner stopped: the mail stays unread
                         continue
                     box._queued -= 1
+                    box.handled += 1
                     handler(mail)
                 while quiet and not queue:
                     quiet.pop(0)()
@@ -94,13 +102,14 @@ class Switchboard:
 
 class Mailbox(Generic[M]):
     """One actor's inbox. Mail waits only while other handlers run, or until its owner
-    starts; ``peak`` is the most it ever held at once."""
+    starts; ``peak`` is the most it ever held at once, ``handled`` how much its owner took."""
 
-    __slots__ = ("name", "peak", "_board", "_bound", "_queued", "_unread", "_handler")
+    __slots__ = ("name", "peak", "handled", "_board", "_bound", "_queued", "_unread", "_handler")
 
     def __init__(self, board: Switchboard, name: str, bound: int) -> None:
         self.name = name
         self.peak = 0
+        self.handled = 0
         self._board = board
         self._bound = bound
         self._queued = 0  # on the board's queue or unread here
@@ -113,6 +122,9 @@ class Mailbox(Generic[M]):
     @property
     def board(self) -> Switchboard:
         return self._board
+
+    def counts(self) -> MailboxCounts:
+        return MailboxCounts(self.peak, self.handled)
 
     def post(self, mail: M) -> None:
         queued = self._queued

@@ -53,7 +53,7 @@ from actors.mail import (
     Tick,
     TrackerMail,
 )
-from actors.mailbox import Mailbox
+from actors.mailbox import Mailbox, MailboxCounts
 from actors.slots import SlotBook
 from orchestrator.config import DaemonConfig
 from transfer.protocol import (
@@ -96,7 +96,7 @@ class NegotiatorStats(msgspec.Struct, frozen=True):
     fast_path: dict[str, int]
     slow_path: dict[str, int]
     late_reports: int
-    mailbox: int
+    mailbox: MailboxCounts
 
 
 class TransferNegotiator:
@@ -357,7 +357,7 @@ class TransferNegotiator:
                     prealloc[instance] = PreallocCounts(free, total)
                 in_flight = sum(1 for f in self._flights.values() if f.state != FlightState.RUNNING)
                 reply_once(reply, NegotiatorStats(prealloc, in_flight, dict(self._fast), dict(self._slow),
-                                                  self._late, self._inbox.peak))
+                                                  self._late, self._inbox.counts()))
             case _:
                 raise AssertionError(f"unexpected mail {mail!r}")
 

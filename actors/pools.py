@@ -34,7 +34,7 @@ from actors.mail import (
     Send,
     TrackerMail,
 )
-from actors.mailbox import Mailbox
+from actors.mailbox import Mailbox, MailboxCounts
 from transfer.protocol import Abort, Reason, Role, WorkOrder, encode
 from transfer.sockets import NOBLOCK, send_frames
 
@@ -71,7 +71,7 @@ class InstanceSlots(msgspec.Struct, frozen=True):
 class PoolStats(msgspec.Struct, frozen=True):
     role: str
     instances: list[InstanceSlots]
-    mailbox: int
+    mailbox: MailboxCounts
 
 
 class PoolActor:
@@ -161,7 +161,7 @@ class PoolActor:
                 reply_once(reply, PoolStats(self.role, [
                     InstanceSlots(i.instance, i.name, i.address, i.session, i.free, i.capacity, i.served, i.failed)
                     for i in self._instances.values()
-                ], self._inbox.peak))
+                ], self._inbox.counts()))
 
     def _take(self, inst: Instance, rid: str) -> None:
         inst.free -= 1

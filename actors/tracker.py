@@ -33,7 +33,7 @@ from actors.mail import (
     Tick,
     TrackerMail,
 )
-from actors.mailbox import Mailbox
+from actors.mailbox import Mailbox, MailboxCounts
 from actors.states import ACTIVE_BY_ROLE, RequestState, check_move
 from transfer.protocol import Reason, Rejected, Result, StageTiming, next_role
 
@@ -53,7 +53,7 @@ class TrackerStats(msgspec.Struct, frozen=True):
     by_state: dict[str, int]
     completed: int
     failed_by_reason: dict[str, int]
-    mailbox: int
+    mailbox: MailboxCounts
 
 
 class TrackerActor:
@@ -105,7 +105,7 @@ class TrackerActor:
                 by_state: dict[str, int] = {}
                 for entry in self._table.values():
                     by_state[entry.state] = by_state.get(entry.state, 0) + 1
-                reply_once(reply, TrackerStats(by_state, self._completed, dict(self._failed), self._inbox.peak))
+                reply_once(reply, TrackerStats(by_state, self._completed, dict(self._failed), self._inbox.counts()))
 
     def _handed_off(self, mail: HandedOff) -> None:
         entry = self._table.get(mail.request_id)

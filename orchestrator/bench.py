@@ -8,7 +8,8 @@ backlog of 2,048 requests submitted at once. For each: requests per second, p50/
 daemon's CPU time per request read from /proc (user + system, so a noisy machine still
 compares), the daemon's wake-ups per request (voluntary context switches of all its
 threads, ZMQ's I/O thread included: what costs most on a VM), and at the backlog the
-daemon's resident memory at its peak.
+daemon's resident memory at its peak, and the mail its actors handled per request (its
+internal hops, from ``Stats.mail_handled``) with what one such hop costs in this process.
 
 "Added p50" is the daemon-alone p50 at concurrency 1 minus the p50 of a do-nothing ROUTER
 answered through the same client in the same run, as the reference head was measured.
@@ -24,12 +25,14 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import anyio
 import msgspec
 import zmq
 
+from actors.mailbox import Mailbox, Switchboard
 from orchestrator.client import AsyncClient
 from orchestrator.cluster import LocalCluster
 from orchestrator.config import load_config
@@ -135,11 +138,31 @@ class RssPeak(threading.Thread):
             self.peak = max(self.peak, rss_mib(self.pid))
 
 
+def hop_us(hops: int = 200_000) -> float:
+    """CPU µs of one hop between two actors on a switchboard (a post and its handling)."""
+    board = Switchboard()
+    ping, pong = board.mailbox("ping", 8), board.mailbox("pong", 8)
+
+    def bounce(to: Mailbox[int]) -> Callable[[int], None]:
+        def handle(left: int) -> None:
+            if left:
+                to.post(left - 1)
+        return handle
+
+    with ping.owned_by(bounce(pong)), pong.owned_by(bounce(ping)):
+        t0 = time.process_time()
+        for _ in range(hops // 1000):
+            ping.post(999)
+        elapsed = time.process_time() - t0
+    return elapsed / (ping.handled + pong.handled) * 1e6
+
+
 def measure(cluster: LocalCluster, name: str, concurrency: int, total: int) -> dict[str, float]:
     assert cluster.daemon is not None
     pid = cluster.daemon.pid
     endpoint = cluster.config.daemon.client_endpoint
     anyio.run(closed_loop, endpoint, concurrency, min(total, 200), backend="asyncio")  # warm up
+    handled0 = sum(cluster.control.stats().mail_handled.values())
     peak = RssPeak(pid)
     peak.start()
     cpu0, switches0, t0 = cpu_seconds(pid), context_switches(pid), time.perf_counter()
@@ -148,23 +171,25 @@ def measure(cluster: LocalCluster, name: str, concurrency: int, total: int) -> d
     switches = context_switches(pid) - switches0
     peak.stop.set()
     peak.join()
+    hops = sum(cluster.control.stats().mail_handled.values()) - handled0
     latencies.sort()
     return {
         "name": name, "requests": total, "req_s": total / wall,
         "p50_ms": latencies[len(latencies) // 2] * 1000,
         "p99_ms": latencies[int(len(latencies) * 0.99) - 1] * 1000,
         "cpu_ms": cpu / total * 1000, "wakeups": switches / total, "rss_mib": peak.peak, "stages": stages,
+        "hops": hops / total,
     }
 
 
 def print_table(title: str, rows: list[dict[str, float]]) -> None:
     print(f"\n{title}")
     print(f"{'concurrency':<13} {'requests':>8} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'daemon CPU ms/req':>18} "
-          f"{'vs reference':>13} {'wake-ups/req':>13} {'daemon RSS MiB':>15}")
+          f"{'vs reference':>13} {'wake-ups/req':>13} {'hops/req':>9} {'daemon RSS MiB':>15}")
     for row in rows:
         ratio = REFERENCE_CPU_MS[row["name"]] / row["cpu_ms"]
         print(f"{row['name']:<13} {row['requests']:>8} {row['req_s']:>8.0f} {row['p50_ms']:>8.2f} {row['p99_ms']:>8.2f} "
-              f"{row['cpu_ms']:>18.3f} {ratio:>12.1f}x {row['wakeups']:>13.1f} {row['rss_mib']:>15.1f}")
+              f"{row['cpu_ms']:>18.3f} {ratio:>12.1f}x {row['wakeups']:>13.1f} {row['hops']:>9.1f} {row['rss_mib']:>15.1f}")
 
 
 def print_stage_breakdown(title: str, row: dict) -> None:
@@ -229,6 +254,9 @@ def main(argv: list[str] | None = None) -> int:
     for row, echo_ms in ((rows[0], echo_cpu_1_ms), (rows[2], echo_cpu_16_ms)):
         print(f"daemon alone, CPU per request at concurrency {row['name']} = {row['cpu_ms'] / (6 * echo_ms):.1f}x "
               f"the CPU a do-nothing ROUTER spends on the same 12 socket messages")
+    hop = hop_us()
+    print(f"one hop between actors costs {hop:.2f} us of CPU here, so the {rows[2]['hops']:.1f} hops of a request "
+          f"cost {hop * rows[2]['hops']:.1f} us of the {BUDGET_CPU_MS * 1000:.0f} us budget")
     return 0
 
 

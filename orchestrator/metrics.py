@@ -73,6 +73,11 @@ def _daemon_metrics(stats: Stats) -> Iterator[Metric]:
     for actor, peak in sorted(stats.mailboxes.items()):
         peaks.add_metric([actor], peak)
     yield peaks
+    handled = CounterMetricFamily("triptych_mail_handled", "Mail each actor has handled: the daemon's internal hops",
+                                  labels=["actor"])
+    for actor, count in sorted(stats.mail_handled.items()):
+        handled.add_metric([actor], count)
+    yield handled
 
 
 def _instance_metrics(stats: Stats) -> Iterator[Metric]:

@@ -195,6 +195,9 @@ class Stats(Wire):
     failed_by_reason: dict[str, int]
     late_reports: int  # worker reports about requests that had already ended, dropped
     mailboxes: dict[str, int]  # the most mail each actor's mailbox held at once
+    # Mail each actor has handled since start: the daemon's internal hops (a request makes
+    # about 25 on the fast path; timers add a few per second).
+    mail_handled: dict[str, int] = {}
 
 
 class Workers(Wire):

@@ -72,6 +72,26 @@ def test_everything_is_free_after_the_work_ends(cluster: LocalCluster) -> None:
     assert {i.role for i in stats.instances} == {"encoder", "denoiser", "decoder"}
 
 
+def test_a_fast_path_request_makes_a_fixed_number_of_internal_hops(cluster: LocalCluster) -> None:
+    """The daemon's cost per request is counted in mail between its actors (actors/mailbox.py)."""
+    before = wait_for(cluster, all_free)
+    with Client(endpoint(cluster)) as client:
+        client.submit(params(200), timeout_s=10)
+    after = wait_for(cluster, all_free)
+    for hop in HOPS:
+        assert after.fast_path[hop] == before.fast_path.get(hop, 0) + 1
+    hops = {actor: after.mail_handled[actor] - before.mail_handled[actor] - 1 for actor in after.mail_handled}
+    # Less the stats query each actor answered. The tracker and the negotiator also take
+    # timer ticks, so only the others have an exact count: the result delivered (frontend),
+    # three jobs queued and three slots credited back (admission), and per pool a dispatch,
+    # its orders (Work or Ready, then Push; the decoder has no push) and the slot's release.
+    assert {actor: n for actor, n in hops.items() if actor not in ("tracker", "negotiator")} == {
+        "frontend": 1, "admission": 6, "pool.encoder": 4, "pool.denoiser": 4, "pool.decoder": 3,
+    }
+    assert hops["negotiator"] >= 3  # a placement per stage
+    assert hops["tracker"] >= 4  # admitted, two hand-offs, finished
+
+
 async def test_a_failing_stage_fails_only_that_request(cluster: LocalCluster) -> None:
     failing = GenParams(prompt="please fail now", seed=7, output="raw")
     outcomes: dict[str, object] = {}

@@ -1,4 +1,5 @@
-"""What the benchmark reads from /proc about the daemon: CPU time, wake-ups, resident memory."""
+"""What the benchmark reads from /proc about the daemon (CPU time, wake-ups, resident memory), and
+what it measures in-process (the cost of one hop between actors)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import os
 import threading
 import time
 
-from orchestrator.bench import context_switches, cpu_seconds, rss_mib
+from orchestrator.bench import context_switches, cpu_seconds, hop_us, rss_mib
 
 
 def test_cpu_time_grows_with_work_and_not_with_sleep() -> None:
@@ -42,3 +43,7 @@ def test_every_sleep_of_every_live_thread_counts_as_a_wake_up() -> None:
 
 def test_resident_memory_is_read_in_mib() -> None:
     assert 10 < rss_mib(os.getpid()) < 24 * 1024
+
+
+def test_a_hop_between_actors_is_timed_over_the_mail_actually_handled() -> None:
+    assert 0.01 < hop_us(hops=20_000) < 100

@@ -69,7 +69,7 @@ def test_a_post_from_a_handler_queues_and_runs_after_it() -> None:
     assert trace == ["a:1:start", "a:1:end", "b:1", "a:2:start", "a:2:end", "b:2"]
 
 
-def test_a_full_mailbox_fails_loudly_and_peak_remembers_the_most_queued() -> None:
+def test_a_full_mailbox_fails_loudly_and_its_counts_keep_the_peak_and_the_handled() -> None:
     board = Switchboard()
     box = board.mailbox("small", 2)
     box.post(1)
@@ -80,6 +80,7 @@ def test_a_full_mailbox_fails_loudly_and_peak_remembers_the_most_queued() -> Non
     with box.owned_by(lambda mail: None):
         box.post(4)
     assert (len(box), box.peak) == (0, 2)
+    assert box.counts() == (2, 3)  # the two posted before the owner, and the one after
 
 
 def test_a_handler_error_reaches_the_poster_and_the_board_recovers() -> None:
