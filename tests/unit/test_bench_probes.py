@@ -4,10 +4,11 @@ what it measures in-process (the cost of one hop between actors)."""
 from __future__ import annotations
 
 import os
+import resource
 import threading
 import time
 
-from orchestrator.bench import context_switches, cpu_seconds, hop_us, rss_mib
+from orchestrator.bench import context_switches, cpu_seconds, hop_us, main_thread_user_seconds, rss_mib
 
 
 def test_cpu_time_grows_with_work_and_not_with_sleep() -> None:
@@ -19,6 +20,26 @@ def test_cpu_time_grows_with_work_and_not_with_sleep() -> None:
     assert busy - before >= 0.1
     time.sleep(0.2)
     assert cpu_seconds(os.getpid()) - busy < 0.1
+
+
+def spin(seconds: float) -> None:
+    """Spend ``seconds`` of this thread's user CPU, however busy the machine is."""
+    start = resource.getrusage(resource.RUSAGE_THREAD).ru_utime
+    while resource.getrusage(resource.RUSAGE_THREAD).ru_utime - start < seconds:
+        sum(range(10_000))
+
+
+def test_main_thread_user_time_counts_the_main_thread_only() -> None:
+    pid = os.getpid()
+    mine0, all0 = main_thread_user_seconds(pid), cpu_seconds(pid)
+    spin(0.3)
+    mine1, all1 = main_thread_user_seconds(pid), cpu_seconds(pid)
+    assert mine1 - mine0 >= 0.2 and all1 - all0 >= 0.2
+    other = threading.Thread(target=spin, args=(0.3,))
+    other.start()
+    other.join()
+    assert cpu_seconds(pid) - all1 >= 0.2  # the other thread's work is the process's...
+    assert main_thread_user_seconds(pid) - mine1 < 0.05  # ...not the main thread's
 
 
 def test_every_sleep_of_every_live_thread_counts_as_a_wake_up() -> None:
