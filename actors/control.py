@@ -146,6 +146,7 @@ class ControlActor:
             completed=tracker.completed,
             failed_by_reason=tracker.failed_by_reason,
             late_reports=negotiator.late_reports,
+            retried=frontend.retried,
             mailboxes=mailboxes,
             mail_handled={owner: answer.mailbox.handled for owner, answer in answers.items()},
         )

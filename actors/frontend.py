@@ -12,7 +12,9 @@ refuse duplicates, to shed load past ``max_in_flight`` and to refuse work while 
 from __future__ import annotations
 
 import itertools
+import time
 import uuid
+from dataclasses import dataclass
 
 import anyio
 import msgspec
@@ -32,6 +34,7 @@ from transfer.protocol import (
     Cancel,
     Cancelled,
     ClientReply,
+    GenParams,
     Reason,
     Rejected,
     Role,
@@ -49,7 +52,20 @@ FLUSH_ON_CLOSE_MS = 1000
 class FrontendStats(msgspec.Struct, frozen=True):
     in_flight: int
     draining: bool
+    retried: int
     mailbox: MailboxCounts
+
+
+@dataclass(slots=True)
+class Asked:
+    """Who asked for an admitted request, and what it takes to start it again."""
+
+    identity: bytes
+    request_id: str  # the client's id
+    params: GenParams
+    priority: int
+    deadline: float  # monotonic: a retry gets what is left of it, never more
+    retries_left: int
 
 
 class FrontendActor:
@@ -72,10 +88,11 @@ class FrontendActor:
         # Each admission gets its own internal key, never reused, so news about an ended
         # request can never be mistaken for a later one that reuses the client's id.
         self._keys = itertools.count()
-        self._clients: dict[str, tuple[bytes, str]] = {}  # internal key -> (identity, client's id)
+        self._clients: dict[str, Asked] = {}  # internal key -> who asked
         self._in_flight: dict[str, str] = {}  # client's id -> internal key
         self._limits: dict[Role, StageLimits] = {}
         self._draining = False
+        self._retried = 0
         self._unsent: list[list] = []  # replies waiting for the flush
         self._log = log.bind(actor="frontend")
 
@@ -134,27 +151,52 @@ class FrontendActor:
             self._send(identity, Rejected(request_id=rid, reason=problem[0], message=problem[1]))
             return
         timeout_s = min(msg.timeout_s or self._cfg.request_timeout_s, self._cfg.max_request_timeout_s)
-        key = f"{rid}#{next(self._keys)}"
-        self._clients[key] = (identity, rid)
-        self._in_flight[rid] = key
-        self._tracker.post(Admit(request_id=key, params=msg.params, timeout_s=timeout_s, priority=msg.priority))
+        self._admit(Asked(identity, rid, msg.params, msg.priority, time.monotonic() + timeout_s,
+                          self._cfg.worker_lost_retries), timeout_s)
+
+    def _admit(self, asked: Asked, timeout_s: float) -> None:
+        key = f"{asked.request_id}#{next(self._keys)}"
+        self._clients[key] = asked
+        self._in_flight[asked.request_id] = key
+        self._tracker.post(Admit(request_id=key, params=asked.params, timeout_s=timeout_s, priority=asked.priority))
+
+    def _retry(self, asked: Asked, failure: ClientReply) -> bool:
+        """Start a request again whose worker was lost, if it may; True if it did.
+
+        The old admission's every slot and buffer is freed by its own failure (the Forget
+        chain, as for any failure), and the retry is a new admission under a new key, so
+        nothing the old one left behind can touch it. Not while draining: the drain may
+        already count the request as ended.
+        """
+        if not (isinstance(failure, Rejected) and failure.reason == Reason.WORKER_LOST):
+            return False
+        left_s = asked.deadline - time.monotonic()
+        if asked.retries_left == 0 or self._draining or left_s <= 0:
+            return False
+        asked.retries_left -= 1
+        self._retried += 1
+        self._admit(asked, left_s)
+        self._log.warning("request.retried", request_id=asked.request_id, why=failure.message,
+                          retries_left=asked.retries_left, left_s=round(left_s, 3))
+        return True
 
     # ------------------------------------------------------------------ outbound
 
     def _handle(self, mail: FrontendMail) -> None:
         match mail:
             case Deliver(request_id=key, message=message, frames=frames):
-                client = self._clients.pop(key, None)
-                if client is not None:
-                    identity, rid = client
-                    del self._in_flight[rid]
-                    self._send(identity, msgspec.structs.replace(message, request_id=rid), frames)
+                asked = self._clients.pop(key, None)
+                if asked is not None:
+                    del self._in_flight[asked.request_id]
+                    if not self._retry(asked, message):
+                        self._send(asked.identity, msgspec.structs.replace(message, request_id=asked.request_id), frames)
             case SetDraining():
                 self._draining = True
             case LimitsChanged(role=role, limits=limits):
                 self._limits[role] = limits
             case QueryStats(reply=reply):
-                reply_once(reply, FrontendStats(len(self._clients), self._draining, self._inbox.counts()))
+                reply_once(reply, FrontendStats(len(self._clients), self._draining, self._retried,
+                                                self._inbox.counts()))
 
     def _send(self, identity: bytes, message: ClientReply, frames: tuple | list = ()) -> None:
         """Queue a reply: replies leave together once the daemon is quiet."""

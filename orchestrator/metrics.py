@@ -52,6 +52,8 @@ def _daemon_metrics(stats: Stats) -> Iterator[Metric]:
     for reason, count in sorted(stats.failed_by_reason.items()):
         failed.add_metric([reason], count)
     yield failed
+    yield CounterMetricFamily("triptych_requests_retried", "Requests started again after their worker was lost",
+                              value=stats.retried)
     in_flight = GaugeMetricFamily("triptych_requests_in_flight", "Requests in flight, by state", labels=["state"])
     for state, count in sorted(stats.requests_by_state.items()):
         in_flight.add_metric([state], count)

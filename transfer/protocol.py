@@ -198,6 +198,9 @@ class Stats(Wire):
     # Mail each actor has handled since start: the daemon's internal hops (a request makes
     # about 25 on the fast path; timers add a few per second).
     mail_handled: dict[str, int] = {}
+    # Requests started again because their worker was lost (daemon.worker_lost_retries);
+    # the lost attempt also counts in failed_by_reason["worker_lost"].
+    retried: int = 0
 
 
 class Workers(Wire):

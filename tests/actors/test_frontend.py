@@ -21,7 +21,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream
 
 from actors.base import ask_stats
 from actors.frontend import FrontendActor, FrontendStats
-from actors.mail import Admit, CancelRequest, Deliver, FrontendMail
+from actors.mail import Admit, CancelRequest, Deliver, FrontendMail, SetDraining
 from actors.mailbox import Mailbox, Switchboard
 from orchestrator.config import DaemonConfig
 from tests.actors.streams import open_stream
@@ -167,10 +167,67 @@ async def test_a_submit_without_an_id_gets_one(ctx: zmq.asyncio.Context, tmp_pat
             key = await f.admitted("")
             rid, n = key.rsplit("#", 1)
             assert len(rid) == 32 and n == "0"
-            f.inbox.post(Deliver(request_id=key, message=Rejected(request_id=key, reason=Reason.WORKER_LOST,
-                                                                  message="gone")))
+            f.inbox.post(Deliver(request_id=key, message=Rejected(request_id=key, reason=Reason.STAGE_FAILED,
+                                                                  message="nan")))
             reply, _ = await f.reply()
             assert reply.request_id == rid
+
+
+def lost(key: str) -> Deliver:
+    return Deliver(request_id=key, message=Rejected(request_id=key, reason=Reason.WORKER_LOST, message="gone"))
+
+
+async def test_a_request_whose_worker_was_lost_starts_again_once_under_a_new_key(
+    ctx: zmq.asyncio.Context, tmp_path: Path
+) -> None:
+    with anyio.fail_after(5):
+        async with running_frontend(ctx, tmp_path) as f:
+            await f.ask(Submit(protocol=PROTOCOL_VERSION, params=PARAMS, request_id="r", priority=7))
+            first = await f.tracker.receive()
+            f.inbox.post(lost(first.request_id))
+            again = await f.tracker.receive()  # the client hears nothing yet
+            assert isinstance(again, Admit) and again.request_id == "r#1"
+            assert (again.params, again.priority) == (PARAMS, 7)
+            assert 0 < again.timeout_s <= first.timeout_s  # what is left of the deadline, never more
+            stats = await f.stats()
+            assert (stats.in_flight, stats.retried) == (1, 1)
+
+            # A cancel reaches the new admission.
+            await f.ask(Cancel(protocol=PROTOCOL_VERSION, request_id="r"))
+            assert await f.reply() == (Cancelled(request_id="r", found=True), [])
+            assert await f.tracker.receive() == CancelRequest(request_id="r#1")
+
+            # Lost again: retries are spent (worker_lost_retries = 1), so the client hears why.
+            f.inbox.post(lost("r#1"))
+            reply, _ = await f.reply()
+            assert reply == Rejected(request_id="r", reason=Reason.WORKER_LOST, message="gone")
+            assert (await f.stats()).in_flight == 0
+            assert_empty(f.tracker)
+
+            # A retried request's result reaches its client like any other.
+            await f.admitted("s")
+            f.inbox.post(lost("s#2"))
+            assert (await f.tracker.receive()).request_id == "s#3"
+            f.inbox.post(Deliver(request_id="s#3", message=Result(request_id="s#3", outputs=OUTPUTS, stages=[],
+                                                                  total_ms=1.0), frames=[b"\x00" * 4]))
+            assert await f.reply() == (Result(request_id="s", outputs=OUTPUTS, stages=[], total_ms=1.0), [b"\x00" * 4])
+
+
+async def test_no_retry_past_the_deadline_or_while_draining(ctx: zmq.asyncio.Context, tmp_path: Path) -> None:
+    with anyio.fail_after(5):
+        async with running_frontend(ctx, tmp_path) as f:
+            await f.ask(Submit(protocol=PROTOCOL_VERSION, params=PARAMS, request_id="late", timeout_s=0.05))
+            late = await f.tracker.receive()
+            await anyio.sleep(0.1)
+            f.inbox.post(lost(late.request_id))
+            assert (await f.reply())[0].reason == Reason.WORKER_LOST
+
+            key = await f.admitted("drained")
+            f.inbox.post(SetDraining())
+            f.inbox.post(lost(key))  # the drain may already count it as ended: answer now
+            assert (await f.reply())[0].reason == Reason.WORKER_LOST
+            assert (await f.stats()).retried == 0
+            assert_empty(f.tracker)
 
 
 async def test_the_submits_priority_reaches_the_tracker(ctx: zmq.asyncio.Context, tmp_path: Path) -> None:

@@ -1,0 +1,46 @@
+"""A worker killed mid-request: the request starts again on the workers left (within its
+deadline) and its client gets the right bytes, not an error; nothing leaks."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import anyio
+import torch
+
+from orchestrator.client import AsyncClient
+from orchestrator.stages.null import expected_outputs
+from tests.e2e.conftest import StartCluster, all_free, wait_for
+from transfer.protocol import GenParams, Stats
+
+
+def denoising_instance(stats: Stats) -> str | None:
+    """The name of the denoiser holding a request, if one does."""
+    busy = [i.name for i in stats.instances if i.role == "denoiser" and i.slots_free < i.slots_total]
+    return busy[0] if len(busy) == 1 and stats.requests_by_state.get("denoising") == 1 else None
+
+
+async def test_a_request_whose_denoiser_dies_is_retried_on_the_other_one(start_cluster: StartCluster) -> None:
+    cluster = start_cluster(**{"model.null": {"denoiser_ms": 1500.0}})
+    params = GenParams(prompt="survivor", seed=7, output="raw")
+    killed: list[str] = []
+
+    async def kill_its_denoiser() -> None:
+        stats = await anyio.to_thread.run_sync(lambda: wait_for(cluster, lambda s: denoising_instance(s) is not None))
+        name = denoising_instance(stats)
+        assert name is not None
+        os.kill(cluster.workers[name].pid, signal.SIGKILL)
+        killed.append(name)
+
+    with anyio.fail_after(60):
+        async with AsyncClient(cluster.config.daemon.client_endpoint) as client, anyio.create_task_group() as tg:
+            tg.start_soon(kill_its_denoiser)
+            generation = await client.submit(params, timeout_s=30)
+    assert torch.equal(generation.outputs["images"], expected_outputs(params, cluster.config.model.null)["images"])
+    served_by = {stats.instance for stats in generation.result.stages if stats.role == "denoiser"}
+    stats = wait_for(cluster, all_free)
+    survivor = [i for i in stats.instances if i.role == "denoiser"]
+    assert [i.name for i in survivor] != killed and {i.instance for i in survivor} == served_by
+    assert stats.retried == 1 and stats.failed_by_reason == {"worker_lost": 1}
+    assert "request.retried" in cluster.log_of("daemon")
