@@ -27,7 +27,7 @@ import zmq
 import zmq.asyncio
 
 from orchestrator.config import Config
-from orchestrator.stages import Stage, StageError, build_stage
+from orchestrator.stages import Stage, StageError, StageStopped, StopFlag, build_stage
 from orchestrator.work_socket import bind_work_socket
 from transfer import frames
 from transfer.engine import Engine, MooncakeEngine, TransferError
@@ -90,6 +90,7 @@ class WorkerRuntime:
         self._compute = anyio.CapacityLimiter(self._wcfg.compute_threads)
         self._transfer = anyio.CapacityLimiter(1)
         self._scopes: dict[str, anyio.CancelScope] = {}  # compute and alloc tasks, by request
+        self._stops: dict[str, StopFlag] = {}  # stage runs, by request: set, they end at their next step
         self._staged: dict[str, Block] = {}
         self._allocs: dict[str, Block] = {}
         self._pushing: set[str] = set()
@@ -140,7 +141,13 @@ class WorkerRuntime:
             tg.start_soon(self._send_reports, dealer)
             # Read on the loop without zmq.asyncio; nothing else uses this socket.
             tg.start_soon(PlainPump(work, partial(self._on_orders, tg=tg), copy=True).run)
-            forgotten = await self._watch_daemon(dealer)
+            try:
+                forgotten = await self._watch_daemon(dealer)
+            finally:
+                # Forgotten or shutting down, nobody will read what the running stages
+                # make: they end at their next step.
+                for stop in self._stops.values():
+                    stop.set()
             # Leaving the group waits for the stage and push threads to end: no write of
             # ours is in flight after it.
             tg.cancel_scope.cancel()
@@ -219,8 +226,9 @@ class WorkerRuntime:
     def _on_order(self, order: WorkOrder, tg: anyio.abc.TaskGroup) -> None:
         match order:
             case Work() | Ready():
+                stop = self._stops[order.request_id] = StopFlag()
                 tg.start_soon(self._guarded, order.request_id, self._cancel_scope(order.request_id),
-                              self._run_stage, order)
+                              partial(self._run_stage, stop=stop), order)
             case Alloc():
                 tg.start_soon(self._guarded, order.request_id, self._cancel_scope(order.request_id),
                               self._alloc, order)
@@ -248,6 +256,9 @@ class WorkerRuntime:
         scope = self._scopes.pop(rid, None)
         if scope is not None:
             scope.cancel()
+        stop = self._stops.pop(rid, None)
+        if stop is not None:
+            stop.set()  # the stage's thread cannot be cancelled, only asked to stop
         block = self._allocs.pop(rid, None)
         if block is not None:
             self._pool.free(block)
@@ -267,7 +278,7 @@ class WorkerRuntime:
 
     # ------------------------------------------------------------------ compute path
 
-    async def _run_stage(self, order: Work | Ready) -> None:
+    async def _run_stage(self, order: Work | Ready, *, stop: StopFlag) -> None:
         rid = order.request_id
         started = time.perf_counter()
         compute_ms = 0.0
@@ -275,13 +286,17 @@ class WorkerRuntime:
             inputs = self._take_inputs(order) if isinstance(order, Ready) else {}
             started = time.perf_counter()
             assert self._stage is not None
-            outputs = await anyio.to_thread.run_sync(self._stage.run, order.params, inputs, limiter=self._compute)
+            outputs = await anyio.to_thread.run_sync(partial(self._stage.run, order.params, inputs, stop=stop),
+                                                     limiter=self._compute)
             compute_ms = (time.perf_counter() - started) * 1000
             if self.role == "decoder":
                 specs, buffers = frames.to_frames(outputs)
                 self._report(Done(request_id=rid, ok=True, compute_ms=compute_ms, outputs=specs), buffers)
             else:
                 await self._stage_output(rid, outputs, compute_ms)
+        except StageStopped:
+            # The daemon ended the request and freed its slot: it expects no report.
+            self._log.info("worker.stage_stopped", request_id=rid, ran_ms=round((time.perf_counter() - started) * 1000))
         except StageError as exc:
             self._report(Done(request_id=rid, ok=False, compute_ms=compute_ms, reason=exc.reason, error=str(exc)))
         except (PoolError, ValueError) as exc:
@@ -290,6 +305,9 @@ class WorkerRuntime:
             self._log.exception("worker.stage_crashed", request_id=rid)
             self._report(Done(request_id=rid, ok=False, compute_ms=compute_ms,
                               error=f"{type(exc).__name__}: {exc}"))
+        finally:
+            if self._stops.get(rid) is stop:
+                del self._stops[rid]
 
     def _take_inputs(self, ready: Ready) -> dict[str, torch.Tensor]:
         """Copy the input out of the receive memory, then give an allocation back at once."""

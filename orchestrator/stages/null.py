@@ -3,6 +3,9 @@
 Each output is a pure function of the request (seed, prompt) *and of the stage's input*,
 so a client can recompute the whole chain with ``expected_outputs`` and compare bytes: a
 corrupted hand-off or one request's tensors landing in another's slot changes the result.
+
+A stop cuts the denoiser's time short, as a real one stops between steps; the encoder and
+the decoder only check it before they start, as one forward pass cannot be interrupted.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import time
 import torch
 
 from orchestrator.config import NullStageConfig
-from orchestrator.stages.base import Stage, StageError, Tensors
+from orchestrator.stages.base import NEVER, Stage, StageError, StopFlag, Tensors
 from orchestrator.stages.images import image_outputs
 from transfer.protocol import GenParams, StageLimits
 
@@ -57,25 +60,26 @@ class _NullStage(Stage):
     def limits(self) -> StageLimits:
         return LIMITS
 
-    def _wait(self, ms: float) -> None:
-        if ms > 0:
-            time.sleep(ms / 1000)
+    @staticmethod
+    def _forward(ms: float, stop: StopFlag) -> None:
+        stop.check()
+        time.sleep(ms / 1000)
 
 
 class NullEncoder(_NullStage):
     role = "encoder"
 
-    def run(self, params: GenParams, inputs: Tensors) -> Tensors:
+    def run(self, params: GenParams, inputs: Tensors, *, stop: StopFlag = NEVER) -> Tensors:
         self.check(params)
-        self._wait(self._cfg.encoder_ms)
+        self._forward(self._cfg.encoder_ms, stop)
         return encode(params, self._cfg)
 
 
 class NullDenoiser(_NullStage):
     role = "denoiser"
 
-    def run(self, params: GenParams, inputs: Tensors) -> Tensors:
-        self._wait(self._cfg.denoiser_ms)
+    def run(self, params: GenParams, inputs: Tensors, *, stop: StopFlag = NEVER) -> Tensors:
+        stop.sleep(self._cfg.denoiser_ms / 1000)
         if self._cfg.fail_prompt and self._cfg.fail_prompt in params.prompt:
             raise StageError(f"null denoiser told to fail on prompt {params.prompt!r}")
         if "embeds" not in inputs:
@@ -86,8 +90,8 @@ class NullDenoiser(_NullStage):
 class NullDecoder(_NullStage):
     role = "decoder"
 
-    def run(self, params: GenParams, inputs: Tensors) -> Tensors:
-        self._wait(self._cfg.decoder_ms)
+    def run(self, params: GenParams, inputs: Tensors, *, stop: StopFlag = NEVER) -> Tensors:
+        self._forward(self._cfg.decoder_ms, stop)
         if "latents" not in inputs:
             raise StageError(f"decoder input lacks 'latents' (got {sorted(inputs)})")
         return image_outputs(decode(params, inputs), params)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
+import time
 from functools import partial
 
 import anyio
@@ -26,6 +28,7 @@ from transfer.protocol import (
 )
 
 SLOW = {"model.null": {"denoiser_ms": 1500.0}}
+SLOW_DECODE = {"model.null": {"decoder_ms": 1500.0}}  # one forward pass: a stop cannot cut it short
 
 
 def p(i: int) -> GenParams:
@@ -39,22 +42,41 @@ def rejected_reason(client: Client, params: GenParams, **kw: object) -> Reason:
 
 
 def test_deadline_mid_pipeline_times_out_and_frees_everything(start_cluster: StartCluster) -> None:
-    cluster = start_cluster(**SLOW)
+    cluster = start_cluster(**SLOW_DECODE)
     endpoint = cluster.config.daemon.client_endpoint
     with Client(endpoint) as client:
         with pytest.raises(Rejection) as caught:
             client.submit(p(1), timeout_s=0.5)
     assert caught.value.reason == Reason.TIMED_OUT
-    assert "denoising" in caught.value.rejected.message
+    assert "decoding" in caught.value.rejected.message
     freed = wait_for(cluster, all_free, timeout_s=2)  # released at expiry, not when the worker finishes
     assert freed.failed_by_reason == {"timed_out": 1}
-    # The denoiser finishes a second later and reports; that report must change nothing.
+    # The decoder finishes a second later and reports; that report must change nothing.
     after = wait_for(cluster, lambda s: s.late_reports >= 1, timeout_s=10)
     assert all_free(after) and after.completed == 0 and after.failed_by_reason == {"timed_out": 1}
     with Client(endpoint) as client:
         assert client.submit(p(2), timeout_s=20).result.request_id
     final = wait_for(cluster, all_free)
     assert final.completed == 1 and final.failed_by_reason == {"timed_out": 1}
+
+
+def test_a_request_that_ends_mid_denoise_stops_the_denoiser_at_its_next_step(start_cluster: StartCluster) -> None:
+    """The stage's thread cannot be cancelled; the worker asks it to stop, and the GPU is free
+    for the next request at once instead of after the rest of the loop."""
+    cluster = start_cluster(layout={"encoder": 1, "denoiser": 1, "decoder": 1},
+                            **{"model.null": {"denoiser_ms": 3000.0}})
+    with Client(cluster.config.daemon.client_endpoint) as client:
+        with pytest.raises(Rejection) as caught:
+            client.submit(p(1), timeout_s=0.5)
+        assert "denoising" in caught.value.rejected.message
+        started = time.monotonic()
+        client.submit(p(2), timeout_s=20)  # the same denoiser, free since the stop
+    # One denoise (3 s), not also the 2.5 s the first had left (5.5 s in all).
+    assert time.monotonic() - started < 4.25
+    stopped = [json.loads(line) for line in cluster.log_of("denoiser0").splitlines() if "worker.stage_stopped" in line]
+    assert len(stopped) == 1 and stopped[0]["ran_ms"] < 1500
+    stats = wait_for(cluster, all_free)
+    assert (stats.completed, stats.failed_by_reason, stats.late_reports) == (1, {"timed_out": 1}, 0)
 
 
 async def test_duplicate_in_flight_request_id_is_rejected(start_cluster: StartCluster) -> None:

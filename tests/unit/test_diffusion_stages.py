@@ -19,7 +19,7 @@ from diffusers import AutoencoderKL, UNet2DConditionModel
 from PIL import Image
 
 from orchestrator.config import DiffusersConfig
-from orchestrator.stages.base import Stage, StageError, Tensors
+from orchestrator.stages.base import Stage, StageError, StageStopped, StopFlag, Tensors
 from orchestrator.stages.diffusion import build_diffusion_stage, tiny
 from orchestrator.stages.diffusion.reference import monolithic
 from transfer.frames import layout, pack, unpack
@@ -142,6 +142,36 @@ def test_fail_marker_fails_mid_loop(family: str) -> None:
     assert err.value.reason is Reason.STAGE_FAILED
     assert len(forwards) == 1, "step 0 ran, step 1 failed"
     assert denoiser.run(msgspec.structs.replace(params, prompt="fine"), embeds)["latents"].shape == (1, 4, 16, 16)
+
+
+class StopAtCheck(StopFlag):
+    """Asks to stop at its ``at``-th check: a stop arriving mid-loop, without any timing."""
+
+    def __init__(self, at: int) -> None:
+        super().__init__()
+        self.checks, self._at = 0, at
+
+    def check(self) -> None:
+        self.checks += 1
+        if self.checks == self._at:
+            self.set()
+        super().check()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_stop_ends_the_denoising_loop_before_the_next_step(family: str) -> None:
+    cfg = DiffusersConfig(family=family)
+    denoiser = stage(cfg, "denoiser")
+    model = denoiser.pipe.unet if family == "sd15" else denoiser.pipe.transformer
+    forwards = []
+    model.register_forward_hook(lambda *a: forwards.append(1))
+    params = GenParams(prompt="stop me", width=32, height=32, steps=10)
+    embeds = stage(cfg, "encoder").run(params, {})
+
+    stop = StopAtCheck(at=4)  # the check before the run, then before steps 0, 1 and 2
+    with pytest.raises(StageStopped):
+        denoiser.run(params, embeds, stop=stop)
+    assert (stop.checks, len(forwards)) == (4, 2), "steps 0 and 1 ran; step 2 stopped before its forward"
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 import torch
 
 from orchestrator.config import NullStageConfig
-from orchestrator.stages.base import StageError, limits_violation
+from orchestrator.stages.base import NEVER, StageError, StageStopped, StopFlag, limits_violation
 from orchestrator.stages.images import decode_png
 from orchestrator.stages.null import (
     LIMITS,
@@ -186,3 +189,28 @@ def test_params_inside_the_limits_pass() -> None:
 )
 def test_limits_violation_names_the_problem(overrides: dict[str, int], message: str) -> None:
     assert limits_violation(LIMITS_UNDER_TEST, params(**({"width": 16, "height": 16} | overrides))) == message
+
+
+# --------------------------------------------------------------------------- stopping
+
+
+def test_a_stop_cuts_the_denoisers_time_short_and_the_others_check_before_starting() -> None:
+    slow = NullStageConfig(encoder_ms=0, denoiser_ms=5000, decoder_ms=0, embed_shape=(1, 4, 8))
+    stop = StopFlag()
+    timer = threading.Timer(0.1, stop.set)
+    timer.start()
+    started = time.monotonic()
+    with pytest.raises(StageStopped):
+        NullDenoiser(slow).run(params(), encode(params(), slow), stop=stop)
+    assert time.monotonic() - started < 2.5  # of 5 s
+    timer.join()
+    with pytest.raises(StageStopped):
+        NullEncoder(slow).run(params(), {}, stop=stop)
+    with pytest.raises(StageStopped):
+        NullDecoder(slow).run(params(), {"latents": torch.zeros(1, 4, 3, 2)}, stop=stop)
+
+
+def test_the_shared_never_flag_cannot_be_set() -> None:
+    with pytest.raises(RuntimeError, match="shared"):
+        NEVER.set()
+    NEVER.check()  # and so never stops anything
