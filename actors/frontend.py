@@ -35,6 +35,7 @@ from transfer.protocol import (
     Cancelled,
     ClientReply,
     GenParams,
+    Progress,
     Reason,
     Rejected,
     Role,
@@ -64,6 +65,7 @@ class Asked:
     request_id: str  # the client's id
     params: GenParams
     priority: int
+    progress: bool
     deadline: float  # monotonic: a retry gets what is left of it, never more
     retries_left: int
 
@@ -151,14 +153,15 @@ class FrontendActor:
             self._send(identity, Rejected(request_id=rid, reason=problem[0], message=problem[1]))
             return
         timeout_s = min(msg.timeout_s or self._cfg.request_timeout_s, self._cfg.max_request_timeout_s)
-        self._admit(Asked(identity, rid, msg.params, msg.priority, time.monotonic() + timeout_s,
+        self._admit(Asked(identity, rid, msg.params, msg.priority, msg.progress, time.monotonic() + timeout_s,
                           self._cfg.worker_lost_retries), timeout_s)
 
     def _admit(self, asked: Asked, timeout_s: float) -> None:
         key = f"{asked.request_id}#{next(self._keys)}"
         self._clients[key] = asked
         self._in_flight[asked.request_id] = key
-        self._tracker.post(Admit(request_id=key, params=asked.params, timeout_s=timeout_s, priority=asked.priority))
+        self._tracker.post(Admit(request_id=key, params=asked.params, timeout_s=timeout_s, priority=asked.priority,
+                                 progress=asked.progress))
 
     def _retry(self, asked: Asked, failure: ClientReply) -> bool:
         """Start a request again whose worker was lost, if it may; True if it did.
@@ -184,6 +187,10 @@ class FrontendActor:
 
     def _handle(self, mail: FrontendMail) -> None:
         match mail:
+            case Deliver(request_id=key, message=Progress() as progress):
+                asked = self._clients.get(key)
+                if asked is not None:
+                    self._send(asked.identity, msgspec.structs.replace(progress, request_id=asked.request_id))
             case Deliver(request_id=key, message=message, frames=frames):
                 asked = self._clients.pop(key, None)
                 if asked is not None:

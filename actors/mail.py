@@ -26,6 +26,7 @@ class Job(msgspec.Struct, frozen=True, kw_only=True):
     role: Role
     params: GenParams
     priority: int = 0  # Submit.priority: higher is served first at every role
+    progress: bool = False  # Submit.progress: the workers report their steps
 
 
 class QueryStats(Mail):
@@ -49,7 +50,8 @@ class Tick(Mail):
 
 
 class Deliver(Mail):
-    """Send ``message`` (then ``frames``, relayed untouched) to whoever asked ``request_id``."""
+    """Send ``message`` (then ``frames``, relayed untouched) to whoever asked ``request_id``.
+    A ``Progress`` leaves the request in flight; any other message is its answer."""
 
     request_id: str
     message: ClientReply
@@ -80,6 +82,7 @@ class Admit(Mail):
     params: GenParams
     timeout_s: float
     priority: int = 0
+    progress: bool = False
 
 
 class HandedOff(Mail):
@@ -116,13 +119,21 @@ class CancelRequest(Mail):
     request_id: str
 
 
+class Stepped(Mail):
+    """The computing instance reported ``step`` of ``steps`` done."""
+
+    request_id: str
+    step: int
+    steps: int
+
+
 class StartDrain(Mail):
     """Stop admitting; set ``drained`` once nothing is in flight."""
 
     drained: anyio.Event
 
 
-TrackerMail = Admit | HandedOff | Finished | Failed | CancelRequest | StartDrain | Tick | QueryStats
+TrackerMail = Admit | HandedOff | Finished | Failed | CancelRequest | Stepped | StartDrain | Tick | QueryStats
 
 
 # --------------------------------------------------------------------------- admission

@@ -50,6 +50,7 @@ from actors.mail import (
     QueryStats,
     Release,
     Send,
+    Stepped,
     Tick,
     TrackerMail,
 )
@@ -73,6 +74,7 @@ from transfer.protocol import (
     RegisterRefused,
     Role,
     Staged,
+    Step,
     Work,
     WorkerMessage,
     WorkOrder,
@@ -226,6 +228,12 @@ class TransferNegotiator:
                 self._pushed(link, msg)
             case Done():
                 self._done(link, msg, frames)
+            case Step(request_id=rid, step=step, steps=steps):
+                flight = self._flights.get(rid)
+                if flight is None or flight.state != FlightState.RUNNING or flight.instance != link.instance:
+                    self._late += 1
+                    return
+                self._tracker.post(Stepped(request_id=rid, step=step, steps=steps))
             case Register():
                 pass  # only a message's first report registers
 
@@ -245,14 +253,14 @@ class TransferNegotiator:
         self._recycle_input(flight)
         flight.stage_output(msg.nbytes, msg.manifest, msg.compute_ms)
         self._admission.post(Enqueue(job=Job(request_id=rid, role=following, params=flight.params,
-                                             priority=flight.priority)))
+                                             priority=flight.priority, progress=flight.progress)))
 
     def _placed(self, job: Job, instance: str) -> None:
         rid = job.request_id
         if job.role == "encoder":
             self._flights[rid] = Flight(request_id=rid, params=job.params, role="encoder", instance=instance,
-                                        priority=job.priority)
-            self._order("encoder", instance, Work(request_id=rid, params=job.params))
+                                        priority=job.priority, progress=job.progress)
+            self._order("encoder", instance, Work(request_id=rid, params=job.params, progress=job.progress))
             return
         flight = self._flights.get(rid)
         if flight is None or flight.state != FlightState.AWAITING:
@@ -311,7 +319,7 @@ class TransferNegotiator:
                                       compute_ms=flight.compute_ms, transfer_ms=msg.transfer_ms,
                                       nbytes=flight.nbytes, fast_path=flight.slot is not None))
         ready = Ready(request_id=rid, params=flight.params, address=flight.address, manifest=flight.manifest,
-                      slot_id=flight.slot.slot_id if flight.slot else None)
+                      slot_id=flight.slot.slot_id if flight.slot else None, progress=flight.progress)
         flight.delivered()
         self._order(flight.role, flight.instance, ready)
 

@@ -30,12 +30,13 @@ from actors.mail import (
     Job,
     QueryStats,
     StartDrain,
+    Stepped,
     Tick,
     TrackerMail,
 )
 from actors.mailbox import Mailbox, MailboxCounts
 from actors.states import ACTIVE_BY_ROLE, RequestState, check_move
-from transfer.protocol import Reason, Rejected, Result, StageTiming, next_role
+from transfer.protocol import Progress, Reason, Rejected, Result, StageTiming, next_role
 
 log = structlog.get_logger()
 
@@ -46,6 +47,7 @@ class Entry:
     deadline: float
     admitted_at: float
     stage_started: float
+    progress: bool  # its client wants Progress messages
     stages: list[StageTiming] = field(default_factory=list)
 
 
@@ -81,13 +83,15 @@ class TrackerActor:
 
     def _handle(self, mail: TrackerMail) -> None:
         match mail:
-            case Admit(request_id=rid, params=params, timeout_s=timeout_s, priority=priority):
+            case Admit(request_id=rid, params=params, timeout_s=timeout_s, priority=priority, progress=progress):
                 now = time.monotonic()
                 deadline = now + timeout_s
-                self._table[rid] = Entry(RequestState.ENCODING, deadline, now, now)
+                entry = self._table[rid] = Entry(RequestState.ENCODING, deadline, now, now, progress)
                 heapq.heappush(self._deadlines, (deadline, rid))
                 self._compact_deadlines()
-                self._admission.post(Enqueue(job=Job(request_id=rid, role="encoder", params=params, priority=priority)))
+                self._admission.post(Enqueue(job=Job(request_id=rid, role="encoder", params=params, priority=priority,
+                                                     progress=progress)))
+                self._tell_progress(rid, entry, now)
             case HandedOff():
                 self._handed_off(mail)
             case Finished():
@@ -96,6 +100,10 @@ class TrackerActor:
                 self._fail(rid, reason, message)
             case CancelRequest(request_id=rid):
                 self._fail(rid, Reason.CANCELLED, "cancelled by the client")
+            case Stepped(request_id=rid, step=step, steps=steps):
+                entry = self._table.get(rid)
+                if entry is not None:
+                    self._tell_progress(rid, entry, time.monotonic(), step=step, steps=steps)
             case Tick():
                 self._expire(time.monotonic())
             case StartDrain(drained=drained):
@@ -128,6 +136,13 @@ class TrackerActor:
         assert following is not None, "the decoder hands nothing off"
         self._move(entry, ACTIVE_BY_ROLE[following])
         entry.stage_started = now
+        self._tell_progress(mail.request_id, entry, now)
+
+    def _tell_progress(self, rid: str, entry: Entry, now: float, *, step: int = 0, steps: int = 0) -> None:
+        """A ``Progress`` to the client, if it asked for them."""
+        if entry.progress:
+            self._frontend.post(Deliver(request_id=rid, message=Progress(
+                request_id=rid, state=entry.state, elapsed_ms=(now - entry.admitted_at) * 1000, step=step, steps=steps)))
 
     def _finished(self, mail: Finished) -> None:
         rid = mail.request_id

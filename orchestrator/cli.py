@@ -12,9 +12,10 @@ import anyio
 import msgspec
 
 from orchestrator.config import load_config
+from transfer.protocol import GenParams, Progress
 
 if TYPE_CHECKING:
-    from orchestrator.client import Control
+    from orchestrator.client import Control, Generation
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "local.toml"
 
@@ -56,9 +57,29 @@ def _instant_workers(args: argparse.Namespace) -> int:
     return 0
 
 
+def _print_progress(progress: Progress) -> None:
+    steps = f" step {progress.step}/{progress.steps}" if progress.steps else ""
+    print(f"  {progress.elapsed_ms:9.1f} ms  {progress.state}{steps}", file=sys.stderr)
+
+
+def _generate(endpoint: str, params: GenParams, args: argparse.Namespace) -> Generation:
+    """One request; with ``--progress`` on a DEALER, printing each ``Progress`` to stderr."""
+    from orchestrator.client import AsyncClient, Client
+
+    options = {"request_id": args.request_id, "timeout_s": args.timeout, "priority": args.priority}
+    if not args.progress:
+        with Client(endpoint) as client:
+            return client.submit(params, **options)
+
+    async def watched() -> Generation:
+        async with AsyncClient(endpoint) as client:
+            return await client.submit(params, on_progress=_print_progress, **options)
+
+    return anyio.run(watched)
+
+
 def _submit(args: argparse.Namespace) -> int:
-    from orchestrator.client import Client, Rejection
-    from transfer.protocol import GenParams
+    from orchestrator.client import Rejection
 
     cfg = load_config(args.config)
     params = GenParams(prompt=args.prompt, negative_prompt=args.negative_prompt, width=args.width,
@@ -66,13 +87,11 @@ def _submit(args: argparse.Namespace) -> int:
                        num_images=args.num_images, output=args.output)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    with Client(args.endpoint or cfg.daemon.client_endpoint) as client:
-        try:
-            generation = client.submit(params, request_id=args.request_id, timeout_s=args.timeout,
-                                       priority=args.priority)
-        except Rejection as exc:
-            print(f"rejected ({exc.reason}): {exc.rejected.message}", file=sys.stderr)
-            return 2
+    try:
+        generation = _generate(args.endpoint or cfg.daemon.client_endpoint, params, args)
+    except Rejection as exc:
+        print(f"rejected ({exc.reason}): {exc.rejected.message}", file=sys.stderr)
+        return 2
     for name, tensor in generation.outputs.items():
         path = out / (name if name.endswith(".png") else f"{generation.result.request_id}-{name}.bin")
         path.write_bytes(tensor.numpy().tobytes())
@@ -155,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--request-id", default="")
     p.add_argument("--priority", type=int, default=0, help="-100..100; higher is served first")
     p.add_argument("--timeout", type=float, default=None)
+    p.add_argument("--progress", action="store_true", help="print where the request stands while it runs")
     p.add_argument("--out", default="out")
     p = command("stats", _stats, "print the daemon's stats")
     p.add_argument("--endpoint", default="")

@@ -9,6 +9,7 @@ Every wait has a deadline. A request that fails raises ``Rejection`` carrying th
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import anyio
@@ -30,6 +31,7 @@ from transfer.protocol import (
     GenParams,
     GetStats,
     ListWorkers,
+    Progress,
     Rejected,
     Result,
     Stats,
@@ -60,16 +62,17 @@ class Generation:
     outputs: dict[str, torch.Tensor]
 
 
-def _submit_frames(params: GenParams, request_id: str, timeout_s: float | None, priority: int) -> bytes:
+def _submit_frames(params: GenParams, request_id: str, timeout_s: float | None, priority: int,
+                   progress: bool = False) -> bytes:
     return encode(Submit(protocol=PROTOCOL_VERSION, params=params, request_id=request_id,
-                         timeout_s=timeout_s, priority=priority))
+                         timeout_s=timeout_s, priority=priority, progress=progress))
 
 
 def _cancel_frame(request_id: str) -> bytes:
     return encode(Cancel(protocol=PROTOCOL_VERSION, request_id=request_id))
 
 
-def _decode_reply(parts: list[bytes]) -> Generation | Rejected | Cancelled:
+def _decode_reply(parts: list[bytes]) -> Generation | Rejected | Cancelled | Progress:
     header = CLIENT_REPLY.decode(parts[0])
     if isinstance(header, Result):
         return Generation(header, frames.from_frames(header.outputs, parts[1:]))
@@ -109,11 +112,11 @@ class Client:
         assert isinstance(reply, Cancelled)
         return reply.found
 
-    def send_raw(self, parts: list[bytes], *, timeout_s: float = 10.0) -> Generation | Rejected | Cancelled:
+    def send_raw(self, parts: list[bytes], *, timeout_s: float = 10.0) -> Generation | Rejected | Cancelled | Progress:
         """Send arbitrary frames (for probing the daemon with bad input)."""
         return self._request(parts, timeout_s)
 
-    def _request(self, parts: list[bytes], timeout_s: float) -> Generation | Rejected | Cancelled:
+    def _request(self, parts: list[bytes], timeout_s: float) -> Generation | Rejected | Cancelled | Progress:
         self._sock.send_multipart(parts)
         if not self._sock.poll(int(timeout_s * 1000)):
             # A REQ socket that missed its reply cannot send again: start a fresh one.
@@ -138,7 +141,9 @@ CANCEL_SEND_S = 1.0
 
 class AsyncClient:
     """DEALER client: any number of requests in flight, answered in any order. A request whose
-    ``submit`` is cancelled (the caller gave up) is cancelled at the daemon too.
+    ``submit`` is cancelled (the caller gave up) is cancelled at the daemon too. ``submit``'s
+    ``on_progress`` gets the request's ``Progress`` messages as they come (on the client's
+    reading task: keep it quick).
 
     Use as ``async with AsyncClient(endpoint) as client: await client.submit(...)``.
     """
@@ -148,6 +153,7 @@ class AsyncClient:
         self._ctx = zmq.asyncio.Context()
         self._sock: zmq.asyncio.Socket | None = None
         self._waiting: dict[str, anyio.abc.ObjectSendStream[Generation | Rejected | Cancelled]] = {}
+        self._listeners: dict[str, Callable[[Progress], None]] = {}
         self._tg: anyio.abc.TaskGroup | None = None
 
     async def __aenter__(self) -> AsyncClient:
@@ -171,16 +177,24 @@ class AsyncClient:
         while True:
             parts = await self._sock.recv_multipart()
             reply = _decode_reply(parts[1:])  # parts[0] is the empty delimiter
+            if isinstance(reply, Progress):
+                listener = self._listeners.get(reply.request_id)
+                if listener is not None:
+                    listener(reply)
+                continue
             rid = reply.result.request_id if isinstance(reply, Generation) else reply.request_id
             waiter = self._waiting.pop(rid, None)
             if waiter is not None:
                 with waiter:
                     waiter.send_nowait(reply)
 
-    async def _request(self, rid: str, body: bytes, wait_s: float) -> Generation | Rejected | Cancelled:
+    async def _request(self, rid: str, body: bytes, wait_s: float,
+                       on_progress: Callable[[Progress], None] | None = None) -> Generation | Rejected | Cancelled:
         assert self._sock is not None
         tx, rx = anyio.create_memory_object_stream[Generation | Rejected | Cancelled](1)
         self._waiting[rid] = tx
+        if on_progress is not None:
+            self._listeners[rid] = on_progress
         try:
             with rx:
                 await self._sock.send_multipart([b"", body])
@@ -196,15 +210,17 @@ class AsyncClient:
                     await self._sock.send_multipart([b"", _cancel_frame(rid)])
             raise
         finally:
+            self._listeners.pop(rid, None)
             leftover = self._waiting.pop(rid, None)
             if leftover is not None:
                 leftover.close()
 
     async def submit(self, params: GenParams, *, request_id: str = "", timeout_s: float | None = None,
-                     priority: int = 0) -> Generation:
+                     priority: int = 0, on_progress: Callable[[Progress], None] | None = None) -> Generation:
         # The client picks the id so it can match the answer among many in flight.
         rid = request_id or uuid.uuid4().hex
-        reply = await self._request(rid, _submit_frames(params, rid, timeout_s, priority), _wait_s(timeout_s))
+        body = _submit_frames(params, rid, timeout_s, priority, progress=on_progress is not None)
+        reply = await self._request(rid, body, _wait_s(timeout_s), on_progress)
         if isinstance(reply, Rejected):
             raise Rejection(reply)
         assert isinstance(reply, Generation)

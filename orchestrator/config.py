@@ -68,6 +68,8 @@ class WorkerConfig(Section):
     prealloc_slots: Annotated[int, msgspec.Meta(ge=0)] = 2
     prealloc_slot_bytes: PositiveInt = 16 * MiB
     alloc_timeout_s: PositiveFloat = 10.0
+    # For requests whose client asked for progress: the least time between two Step reports.
+    progress_interval_s: PositiveFloat = 0.5
     # The work socket's transport: "tcp" on bind_host/advertise_host, or "ipc" (a Unix socket
     # under the temp directory) when the daemon runs on the same host, which costs the
     # daemon's ZMQ I/O thread less per order.

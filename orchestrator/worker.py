@@ -12,10 +12,13 @@ So an ``Alloc`` or ``Push`` is answered while a long denoising loop runs.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
+import math
 import os
 import socket
 import time
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -27,7 +30,7 @@ import zmq
 import zmq.asyncio
 
 from orchestrator.config import Config
-from orchestrator.stages import Stage, StageError, StageStopped, StopFlag, build_stage
+from orchestrator.stages import RunControl, Stage, StageError, StageStopped, build_stage
 from orchestrator.work_socket import bind_work_socket
 from transfer import frames
 from transfer.engine import Engine, MooncakeEngine, TransferError
@@ -50,6 +53,7 @@ from transfer.protocol import (
     RegisterRefused,
     Role,
     Staged,
+    Step,
     Work,
     WorkOrder,
     encode,
@@ -90,7 +94,7 @@ class WorkerRuntime:
         self._compute = anyio.CapacityLimiter(self._wcfg.compute_threads)
         self._transfer = anyio.CapacityLimiter(1)
         self._scopes: dict[str, anyio.CancelScope] = {}  # compute and alloc tasks, by request
-        self._stops: dict[str, StopFlag] = {}  # stage runs, by request: set, they end at their next step
+        self._runs: dict[str, RunControl] = {}  # stage runs, by request: stopped, they end at their next step
         self._staged: dict[str, Block] = {}
         self._allocs: dict[str, Block] = {}
         self._pushing: set[str] = set()
@@ -146,8 +150,8 @@ class WorkerRuntime:
             finally:
                 # Forgotten or shutting down, nobody will read what the running stages
                 # make: they end at their next step.
-                for stop in self._stops.values():
-                    stop.set()
+                for control in self._runs.values():
+                    control.stop()
             # Leaving the group waits for the stage and push threads to end: no write of
             # ours is in flight after it.
             tg.cancel_scope.cancel()
@@ -226,9 +230,10 @@ class WorkerRuntime:
     def _on_order(self, order: WorkOrder, tg: anyio.abc.TaskGroup) -> None:
         match order:
             case Work() | Ready():
-                stop = self._stops[order.request_id] = StopFlag()
-                tg.start_soon(self._guarded, order.request_id, self._cancel_scope(order.request_id),
-                              partial(self._run_stage, stop=stop), order)
+                rid = order.request_id
+                control = self._runs[rid] = RunControl(self._step_reporter(rid) if order.progress else None)
+                tg.start_soon(self._guarded, rid, self._cancel_scope(rid), partial(self._run_stage, control=control),
+                              order)
             case Alloc():
                 tg.start_soon(self._guarded, order.request_id, self._cancel_scope(order.request_id),
                               self._alloc, order)
@@ -256,9 +261,9 @@ class WorkerRuntime:
         scope = self._scopes.pop(rid, None)
         if scope is not None:
             scope.cancel()
-        stop = self._stops.pop(rid, None)
-        if stop is not None:
-            stop.set()  # the stage's thread cannot be cancelled, only asked to stop
+        control = self._runs.pop(rid, None)
+        if control is not None:
+            control.stop()  # the stage's thread cannot be cancelled, only asked to stop
         block = self._allocs.pop(rid, None)
         if block is not None:
             self._pool.free(block)
@@ -270,6 +275,22 @@ class WorkerRuntime:
     def _report(self, msg: Any, buffers: list[Any] | None = None) -> None:
         self._outbox.put(encode(msg), buffers or ())
 
+    def _step_reporter(self, rid: str) -> Callable[[int, int], None]:
+        """For a run whose client asked for progress: called on the stage's thread before
+        each step, it hands a ``Step`` to the loop at most every ``progress_interval_s``."""
+        loop = asyncio.get_running_loop()
+        interval_s = self._wcfg.progress_interval_s
+        last = -math.inf
+
+        def on_step(done: int, total: int) -> None:
+            nonlocal last
+            now = time.monotonic()
+            if now - last >= interval_s:
+                last = now
+                loop.call_soon_threadsafe(self._report, Step(request_id=rid, step=done, steps=total))
+
+        return on_step
+
     async def _send_reports(self, dealer: zmq.asyncio.Socket) -> None:
         """The one writer on the daemon link once registered: every report and heartbeat."""
         while True:
@@ -278,7 +299,7 @@ class WorkerRuntime:
 
     # ------------------------------------------------------------------ compute path
 
-    async def _run_stage(self, order: Work | Ready, *, stop: StopFlag) -> None:
+    async def _run_stage(self, order: Work | Ready, *, control: RunControl) -> None:
         rid = order.request_id
         started = time.perf_counter()
         compute_ms = 0.0
@@ -286,7 +307,7 @@ class WorkerRuntime:
             inputs = self._take_inputs(order) if isinstance(order, Ready) else {}
             started = time.perf_counter()
             assert self._stage is not None
-            outputs = await anyio.to_thread.run_sync(partial(self._stage.run, order.params, inputs, stop=stop),
+            outputs = await anyio.to_thread.run_sync(partial(self._stage.run, order.params, inputs, control=control),
                                                      limiter=self._compute)
             compute_ms = (time.perf_counter() - started) * 1000
             if self.role == "decoder":
@@ -306,8 +327,8 @@ class WorkerRuntime:
             self._report(Done(request_id=rid, ok=False, compute_ms=compute_ms,
                               error=f"{type(exc).__name__}: {exc}"))
         finally:
-            if self._stops.get(rid) is stop:
-                del self._stops[rid]
+            if self._runs.get(rid) is control:
+                del self._runs[rid]
 
     def _take_inputs(self, ready: Ready) -> dict[str, torch.Tensor]:
         """Copy the input out of the receive memory, then give an allocation back at once."""

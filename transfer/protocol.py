@@ -2,7 +2,8 @@
 
 Three families share one encoding (msgpack, tag field ``kind``):
 
-* client <-> daemon: ``Submit``/``Cancel`` in, ``Result``/``Rejected``/``Cancelled`` out;
+* client <-> daemon: ``Submit``/``Cancel`` in, ``Result``/``Rejected``/``Cancelled`` out, and
+  ``Progress`` before the answer when the submit asked for it;
 * control: ``GetStats``/``ListWorkers``/``Drain`` in, ``Stats``/``Workers``/``Draining`` out;
 * worker <-> daemon: registration, heartbeats, work and the tensor hand-off.
 
@@ -99,6 +100,9 @@ class Submit(Wire):
     # Seconds from receipt; None takes the daemon's default. Bounded so a typo cannot pin
     # slots for a day.
     timeout_s: Annotated[float, msgspec.Meta(gt=0, le=86400)] | None = None
+    # Send ``Progress`` messages before the answer. Only for a client that can take several
+    # replies to one request (DEALER): a REQ socket takes exactly one.
+    progress: bool = False
 
 
 class Cancel(Wire):
@@ -144,8 +148,20 @@ class Cancelled(Wire):
     found: bool
 
 
+class Progress(Wire):
+    """Where a request that asked for it stands: at each stage it enters, and at most every
+    ``progress_interval_s`` of denoising, with the steps done. Never the last message about
+    a request: its ``Result`` or ``Rejected`` is."""
+
+    request_id: str
+    state: str  # "encoding", "denoising" or "decoding"
+    elapsed_ms: float  # since the daemon admitted the request
+    step: NonNegative = 0  # denoising steps done so far (0 outside denoising)
+    steps: NonNegative = 0  # of how many (0: not known yet)
+
+
 ClientRequest = Submit | Cancel
-ClientReply = Result | Rejected | Cancelled
+ClientReply = Result | Rejected | Cancelled | Progress
 
 
 # --------------------------------------------------------------------------- control
@@ -287,6 +303,7 @@ class Work(Wire):
     params: GenParams
     part: NonNegative = 0
     parts: Annotated[int, msgspec.Meta(ge=1)] = 1
+    progress: bool = False  # report ``Step``s while computing
 
 
 class Staged(Wire):
@@ -348,6 +365,7 @@ class Ready(Wire):
     address: NonNegative
     manifest: list[TensorSpec]
     slot_id: int | None = None  # the preallocated slot used, or None for an allocation
+    progress: bool = False  # report ``Step``s while computing
 
 
 class Done(Wire):
@@ -370,7 +388,16 @@ class Abort(Wire):
     request_id: str
 
 
-WorkerMessage = Register | Heartbeat | Staged | Allocated | AllocRejected | Pushed | Done
+class Step(Wire):
+    """Worker -> daemon, for an order with ``progress``: ``step`` of ``steps`` are done.
+    Sent at most every ``progress_interval_s`` (a worker setting), never after the stage ends."""
+
+    request_id: str
+    step: NonNegative
+    steps: NonNegative
+
+
+WorkerMessage = Register | Heartbeat | Staged | Allocated | AllocRejected | Pushed | Done | Step
 DaemonToWorker = Registered | RegisterRefused
 WorkOrder = Work | Alloc | Push | Ready | Abort
 

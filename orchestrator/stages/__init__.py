@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from orchestrator.config import ModelConfig
-from orchestrator.stages.base import NEVER, Stage, StageError, StageStopped, StopFlag, Tensors
+from orchestrator.stages.base import UNATTENDED, RunControl, Stage, StageError, StageStopped, Tensors
 from transfer.protocol import Role
 
-__all__ = ["NEVER", "Stage", "StageError", "StageStopped", "StopFlag", "Tensors", "build_stage"]
+__all__ = ["UNATTENDED", "RunControl", "Stage", "StageError", "StageStopped", "Tensors", "build_stage"]
 
 
 def build_stage(role: Role, model: ModelConfig, *, torch_threads: int) -> Stage:

@@ -4,16 +4,18 @@ A stage never sees sockets, pools or Mooncake. It takes the request's parameters
 tensors the previous stage produced, and returns the tensors the next stage (or, for the
 decoder, the client) receives. Anything it raises fails that request alone.
 
-A request can end while its stage runs (cancelled, timed out, failed elsewhere): the worker
-then sets the run's ``StopFlag``, and a stage that loops (the denoiser, step by step) checks
-it between iterations, so an abandoned request gives its GPU back within one step instead of
-finishing work nobody will read.
+Each run gets a ``RunControl``. A stage that loops (the denoiser, step by step) calls its
+``step`` before each iteration: that reports progress when the client asked for it, and
+raises ``StageStopped`` once the request has ended (cancelled, timed out, failed elsewhere),
+so an abandoned request gives its GPU back within one step instead of finishing work nobody
+will read.
 """
 
 from __future__ import annotations
 
 import abc
 import threading
+from collections.abc import Callable
 from typing import ClassVar
 
 import torch
@@ -36,32 +38,43 @@ class StageStopped(Exception):
     """The run's request ended while it ran; nobody waits for its output."""
 
 
-class StopFlag:
-    """Set by the worker's event loop, read by the stage's thread."""
+StepFn = Callable[[int, int], None]  # (steps done, steps in all)
 
-    def __init__(self) -> None:
-        self._event = threading.Event()
 
-    def set(self) -> None:
-        self._event.set()
+class RunControl:
+    """One stage run's link to its worker: stopped from the worker's event loop, read and
+    stepped from the stage's thread."""
+
+    def __init__(self, on_step: StepFn | None = None) -> None:
+        self._stopped = threading.Event()
+        self._on_step = on_step
+
+    def stop(self) -> None:
+        self._stopped.set()
 
     def check(self) -> None:
         """Raise ``StageStopped`` if the request has ended."""
-        if self._event.is_set():
+        if self._stopped.is_set():
             raise StageStopped
+
+    def step(self, done: int, total: int) -> None:
+        """Before each step of a loop: ``done`` of ``total`` are finished."""
+        self.check()
+        if self._on_step is not None:
+            self._on_step(done, total)
 
     def sleep(self, seconds: float) -> None:
         """``time.sleep`` that ends early, raising ``StageStopped``, when the request ends."""
-        if self._event.wait(seconds):
+        if self._stopped.wait(seconds):
             raise StageStopped
 
 
-class _NeverStop(StopFlag):
-    def set(self) -> None:
-        raise RuntimeError("NEVER is shared: make a StopFlag of your own to stop a run")
+class _Unattended(RunControl):
+    def stop(self) -> None:
+        raise RuntimeError("UNATTENDED is shared: give a run a RunControl of its own to stop it")
 
 
-NEVER = _NeverStop()  # for runs outside a worker (tests, tools): nothing stops them
+UNATTENDED = _Unattended()  # for runs outside a worker (tests, tools): nobody stops or watches them
 
 
 class Stage(abc.ABC):
@@ -74,9 +87,9 @@ class Stage(abc.ABC):
         """What this stage's model can honour; sent to the daemon at registration."""
 
     @abc.abstractmethod
-    def run(self, params: GenParams, inputs: Tensors, *, stop: StopFlag = NEVER) -> Tensors:
+    def run(self, params: GenParams, inputs: Tensors, *, control: RunControl = UNATTENDED) -> Tensors:
         """Compute this stage for one request. Runs in a worker thread; may block. A stage
-        that loops calls ``stop.check()`` between iterations."""
+        that loops calls ``control.step(done, total)`` before each iteration."""
 
     def check(self, params: GenParams) -> None:
         """Raise ``StageError(reason=INVALID)`` if ``params`` are outside ``limits()``."""

@@ -4,8 +4,9 @@ Each output is a pure function of the request (seed, prompt) *and of the stage's
 so a client can recompute the whole chain with ``expected_outputs`` and compare bytes: a
 corrupted hand-off or one request's tensors landing in another's slot changes the result.
 
-A stop cuts the denoiser's time short, as a real one stops between steps; the encoder and
-the decoder only check it before they start, as one forward pass cannot be interrupted.
+The denoiser spends its time in ``params.steps`` steps, reporting each and stopping between
+them as a real one does; the encoder and the decoder check for a stop only before they
+start, as one forward pass cannot be interrupted.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import time
 import torch
 
 from orchestrator.config import NullStageConfig
-from orchestrator.stages.base import NEVER, Stage, StageError, StopFlag, Tensors
+from orchestrator.stages.base import UNATTENDED, RunControl, Stage, StageError, Tensors
 from orchestrator.stages.images import image_outputs
 from transfer.protocol import GenParams, StageLimits
 
@@ -61,25 +62,27 @@ class _NullStage(Stage):
         return LIMITS
 
     @staticmethod
-    def _forward(ms: float, stop: StopFlag) -> None:
-        stop.check()
+    def _forward(ms: float, control: RunControl) -> None:
+        control.check()
         time.sleep(ms / 1000)
 
 
 class NullEncoder(_NullStage):
     role = "encoder"
 
-    def run(self, params: GenParams, inputs: Tensors, *, stop: StopFlag = NEVER) -> Tensors:
+    def run(self, params: GenParams, inputs: Tensors, *, control: RunControl = UNATTENDED) -> Tensors:
         self.check(params)
-        self._forward(self._cfg.encoder_ms, stop)
+        self._forward(self._cfg.encoder_ms, control)
         return encode(params, self._cfg)
 
 
 class NullDenoiser(_NullStage):
     role = "denoiser"
 
-    def run(self, params: GenParams, inputs: Tensors, *, stop: StopFlag = NEVER) -> Tensors:
-        stop.sleep(self._cfg.denoiser_ms / 1000)
+    def run(self, params: GenParams, inputs: Tensors, *, control: RunControl = UNATTENDED) -> Tensors:
+        for done in range(params.steps):
+            control.step(done, params.steps)
+            control.sleep(self._cfg.denoiser_ms / 1000 / params.steps)
         if self._cfg.fail_prompt and self._cfg.fail_prompt in params.prompt:
             raise StageError(f"null denoiser told to fail on prompt {params.prompt!r}")
         if "embeds" not in inputs:
@@ -90,8 +93,8 @@ class NullDenoiser(_NullStage):
 class NullDecoder(_NullStage):
     role = "decoder"
 
-    def run(self, params: GenParams, inputs: Tensors, *, stop: StopFlag = NEVER) -> Tensors:
-        self._forward(self._cfg.decoder_ms, stop)
+    def run(self, params: GenParams, inputs: Tensors, *, control: RunControl = UNATTENDED) -> Tensors:
+        self._forward(self._cfg.decoder_ms, control)
         if "latents" not in inputs:
             raise StageError(f"decoder input lacks 'latents' (got {sorted(inputs)})")
         return image_outputs(decode(params, inputs), params)

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import msgspec
 import pytest
 import zmq
 import zmq.asyncio
@@ -32,6 +33,7 @@ from transfer.protocol import (
     Cancelled,
     ClientReply,
     GenParams,
+    Progress,
     Reason,
     Rejected,
     Result,
@@ -236,3 +238,23 @@ async def test_the_submits_priority_reaches_the_tracker(ctx: zmq.asyncio.Context
             await f.ask(Submit(protocol=PROTOCOL_VERSION, params=PARAMS, request_id="r", priority=42))
             admit = await f.tracker.receive()
             assert isinstance(admit, Admit) and admit.priority == 42
+
+
+async def test_progress_reaches_its_client_under_its_id_and_leaves_the_request_in_flight(
+    ctx: zmq.asyncio.Context, tmp_path: Path
+) -> None:
+    with anyio.fail_after(5):
+        async with running_frontend(ctx, tmp_path) as f:
+            await f.ask(Submit(protocol=PROTOCOL_VERSION, params=PARAMS, request_id="r", progress=True))
+            admit = await f.tracker.receive()
+            assert isinstance(admit, Admit) and admit.progress
+            news = Progress(request_id=admit.request_id, state="denoising", elapsed_ms=12.5, step=3, steps=20)
+            f.inbox.post(Deliver(request_id=admit.request_id, message=news))
+            assert await f.reply() == (msgspec.structs.replace(news, request_id="r"), [])
+            assert (await f.stats()).in_flight == 1
+            result = Result(request_id=admit.request_id, outputs=OUTPUTS, stages=[], total_ms=1.0)
+            f.inbox.post(Deliver(request_id=admit.request_id, message=result))
+            assert (await f.reply())[0] == msgspec.structs.replace(result, request_id="r")
+            f.inbox.post(Deliver(request_id=admit.request_id, message=news))  # late: nobody to tell
+            assert (await f.stats()).in_flight == 0
+            assert not await f.client.poll(100)

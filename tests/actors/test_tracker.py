@@ -22,13 +22,14 @@ from actors.mail import (
     HandedOff,
     Job,
     StartDrain,
+    Stepped,
     Tick,
     TrackerMail,
 )
 from actors.mailbox import Mailbox, Switchboard
 from actors.tracker import TrackerActor, TrackerStats
 from tests.actors.streams import open_stream
-from transfer.protocol import GenParams, Reason, Rejected, Result, Role, TensorSpec
+from transfer.protocol import GenParams, Progress, Reason, Rejected, Result, Role, TensorSpec
 
 PARAMS = GenParams(prompt="a cat")
 OUTPUTS = [TensorSpec(name="image_0.png", dtype="uint8", shape=(3,), nbytes=3)]
@@ -297,3 +298,42 @@ async def test_the_encoder_job_carries_the_requests_priority() -> None:
             t.inbox.post(Admit(request_id="r1", params=PARAMS, timeout_s=60.0, priority=-3))
             assert await t.admission.receive() == Enqueue(job=Job(request_id="r1", role="encoder", params=PARAMS,
                                                                   priority=-3))
+
+
+# --------------------------------------------------------------------------- progress
+
+
+async def test_a_request_that_asked_for_progress_hears_of_every_stage_and_step() -> None:
+    with anyio.fail_after(5):
+        async with running_tracker() as t:
+            t.inbox.post(Admit(request_id="r1", params=PARAMS, timeout_s=60.0, progress=True))
+            job = (await t.admission.receive()).job
+            assert job.progress  # carried to every stage's order
+
+            def progress(mail: Deliver) -> tuple[str, str, int, int]:
+                assert isinstance(mail.message, Progress) and mail.message.elapsed_ms >= 0
+                return mail.request_id, mail.message.state, mail.message.step, mail.message.steps
+
+            assert progress(await t.frontend.receive()) == ("r1", "encoding", 0, 0)
+            t.inbox.post(handed_off("r1", "encoder"))
+            assert progress(await t.frontend.receive()) == ("r1", "denoising", 0, 0)
+            t.inbox.post(Stepped(request_id="r1", step=4, steps=20))
+            assert progress(await t.frontend.receive()) == ("r1", "denoising", 4, 20)
+            t.inbox.post(handed_off("r1", "denoiser"))
+            assert progress(await t.frontend.receive()) == ("r1", "decoding", 0, 0)
+            t.inbox.post(finished("r1"))
+            assert isinstance((await t.frontend.receive()).message, Result)
+            t.inbox.post(Stepped(request_id="r1", step=5, steps=20))  # late: the request ended
+            await t.stats()
+            t.assert_silent()
+
+
+async def test_a_request_that_did_not_ask_hears_only_its_answer() -> None:
+    with anyio.fail_after(5):
+        async with running_tracker() as t:
+            await run_to_decoding(t)
+            t.inbox.post(Stepped(request_id="r1", step=4, steps=20))
+            t.inbox.post(finished("r1"))
+            assert isinstance((await t.frontend.receive()).message, Result)
+            await t.stats()
+            t.assert_silent()

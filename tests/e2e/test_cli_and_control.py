@@ -18,7 +18,7 @@ from orchestrator.client import AsyncClient, Client
 from orchestrator.stages.images import decode_png
 from orchestrator.stages.null import expected_outputs
 from tests.e2e.conftest import StartCluster, all_free, wait_for
-from transfer.protocol import GenParams
+from transfer.protocol import GenParams, Progress
 
 SMALL = {"encoder": 1, "denoiser": 1, "decoder": 1}
 
@@ -146,3 +146,29 @@ async def test_the_benchmarks_instant_workers_serve_through_the_real_daemon(star
     stats = wait_for(cluster, all_free)
     assert stats.completed == 40 and not stats.failed_by_reason
     assert all(stats.fast_path.get(hop, 0) > 0 for hop in ("encoder->denoiser", "denoiser->decoder"))
+
+
+async def test_progress_follows_a_request_through_every_stage_and_step(start_cluster: StartCluster,
+                                                                       tmp_path) -> None:
+    """An AsyncClient that asks hears each stage and the denoiser's steps, then the right bytes;
+    ``triptych submit --progress`` prints them."""
+    cluster = start_cluster(layout=SMALL, **{"model.null": {"denoiser_ms": 1000.0},
+                                             "workers.denoiser": {"progress_interval_s": 0.1}})
+    params = GenParams(prompt="watched", seed=3, steps=10, output="raw")
+    heard: list[Progress] = []
+    with anyio.fail_after(30):
+        async with AsyncClient(cluster.config.daemon.client_endpoint) as client:
+            generation = await client.submit(params, on_progress=heard.append)
+    assert torch.equal(generation.outputs["images"], expected_outputs(params, cluster.config.model.null)["images"])
+    assert all(p.request_id == generation.result.request_id for p in heard)
+    states = [p.state for p in heard]
+    assert states[0] == "encoding" and states[-1] == "decoding" and "denoising" in states
+    steps = [p.step for p in heard if p.steps]
+    assert all(p.steps == 10 for p in heard if p.steps) and len(steps) >= 3 and steps == sorted(steps)
+    assert [p.elapsed_ms for p in heard] == sorted(p.elapsed_ms for p in heard)
+
+    done = triptych("submit", "--prompt", "watched", "--steps", "10", "--progress", "--out", str(tmp_path),
+                    config=cluster.config_path)
+    assert done.returncode == 0, done.stderr
+    assert "denoising step" in done.stderr and "decoding" in done.stderr
+    assert wait_for(cluster, all_free).completed == 2

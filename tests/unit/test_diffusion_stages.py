@@ -19,7 +19,7 @@ from diffusers import AutoencoderKL, UNet2DConditionModel
 from PIL import Image
 
 from orchestrator.config import DiffusersConfig
-from orchestrator.stages.base import Stage, StageError, StageStopped, StopFlag, Tensors
+from orchestrator.stages.base import RunControl, Stage, StageError, StageStopped, Tensors
 from orchestrator.stages.diffusion import build_diffusion_stage, tiny
 from orchestrator.stages.diffusion.reference import monolithic
 from transfer.frames import layout, pack, unpack
@@ -144,22 +144,23 @@ def test_fail_marker_fails_mid_loop(family: str) -> None:
     assert denoiser.run(msgspec.structs.replace(params, prompt="fine"), embeds)["latents"].shape == (1, 4, 16, 16)
 
 
-class StopAtCheck(StopFlag):
+class StopAtCheck(RunControl):
     """Asks to stop at its ``at``-th check: a stop arriving mid-loop, without any timing."""
 
     def __init__(self, at: int) -> None:
-        super().__init__()
+        super().__init__(on_step=lambda done, total: self.steps.append((done, total)))
         self.checks, self._at = 0, at
+        self.steps: list[tuple[int, int]] = []
 
     def check(self) -> None:
         self.checks += 1
         if self.checks == self._at:
-            self.set()
+            self.stop()
         super().check()
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_a_stop_ends_the_denoising_loop_before_the_next_step(family: str) -> None:
+def test_the_denoising_loop_reports_each_step_and_stops_before_the_next(family: str) -> None:
     cfg = DiffusersConfig(family=family)
     denoiser = stage(cfg, "denoiser")
     model = denoiser.pipe.unet if family == "sd15" else denoiser.pipe.transformer
@@ -168,10 +169,11 @@ def test_a_stop_ends_the_denoising_loop_before_the_next_step(family: str) -> Non
     params = GenParams(prompt="stop me", width=32, height=32, steps=10)
     embeds = stage(cfg, "encoder").run(params, {})
 
-    stop = StopAtCheck(at=4)  # the check before the run, then before steps 0, 1 and 2
+    control = StopAtCheck(at=4)  # the check before the run, then before steps 0, 1 and 2
     with pytest.raises(StageStopped):
-        denoiser.run(params, embeds, stop=stop)
-    assert (stop.checks, len(forwards)) == (4, 2), "steps 0 and 1 ran; step 2 stopped before its forward"
+        denoiser.run(params, embeds, control=control)
+    assert (control.checks, len(forwards)) == (4, 2), "steps 0 and 1 ran; step 2 stopped before its forward"
+    assert control.steps == [(0, 10), (1, 10)]  # each step reported before it ran
 
 
 @pytest.mark.parametrize("family", FAMILIES)

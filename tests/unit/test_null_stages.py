@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from orchestrator.config import NullStageConfig
-from orchestrator.stages.base import NEVER, StageError, StageStopped, StopFlag, limits_violation
+from orchestrator.stages.base import UNATTENDED, RunControl, StageError, StageStopped, limits_violation
 from orchestrator.stages.images import decode_png
 from orchestrator.stages.null import (
     LIMITS,
@@ -194,23 +194,25 @@ def test_limits_violation_names_the_problem(overrides: dict[str, int], message: 
 # --------------------------------------------------------------------------- stopping
 
 
-def test_a_stop_cuts_the_denoisers_time_short_and_the_others_check_before_starting() -> None:
+def test_the_denoiser_steps_and_stops_between_steps_and_the_others_check_before_starting() -> None:
     slow = NullStageConfig(encoder_ms=0, denoiser_ms=5000, decoder_ms=0, embed_shape=(1, 4, 8))
-    stop = StopFlag()
-    timer = threading.Timer(0.1, stop.set)
+    seen: list[tuple[int, int]] = []
+    control = RunControl(on_step=lambda done, total: seen.append((done, total)))
+    timer = threading.Timer(0.3, control.stop)
     timer.start()
     started = time.monotonic()
     with pytest.raises(StageStopped):
-        NullDenoiser(slow).run(params(), encode(params(), slow), stop=stop)
+        NullDenoiser(slow).run(params(steps=10), encode(params(), slow), control=control)
     assert time.monotonic() - started < 2.5  # of 5 s
+    assert seen == [(i, 10) for i in range(len(seen))] and 1 <= len(seen) < 10  # 0.5 s a step
     timer.join()
     with pytest.raises(StageStopped):
-        NullEncoder(slow).run(params(), {}, stop=stop)
+        NullEncoder(slow).run(params(), {}, control=control)
     with pytest.raises(StageStopped):
-        NullDecoder(slow).run(params(), {"latents": torch.zeros(1, 4, 3, 2)}, stop=stop)
+        NullDecoder(slow).run(params(), {"latents": torch.zeros(1, 4, 3, 2)}, control=control)
 
 
-def test_the_shared_never_flag_cannot_be_set() -> None:
+def test_the_shared_unattended_control_cannot_be_stopped() -> None:
     with pytest.raises(RuntimeError, match="shared"):
-        NEVER.set()
-    NEVER.check()  # and so never stops anything
+        UNATTENDED.stop()
+    UNATTENDED.step(0, 1)  # and so never stops anything

@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from orchestrator.stages.base import NEVER, Stage, StageError, StopFlag, Tensors
+from orchestrator.stages.base import UNATTENDED, RunControl, Stage, StageError, Tensors
 from orchestrator.stages.diffusion.families import FamilyAdapter
 from orchestrator.stages.images import image_outputs
 from transfer.protocol import GenParams, Role, StageLimits
@@ -44,13 +44,13 @@ class DiffusionStage(Stage):
     def limits(self) -> StageLimits:
         return self._limits
 
-    def run(self, params: GenParams, inputs: Tensors, *, stop: StopFlag = NEVER) -> Tensors:
+    def run(self, params: GenParams, inputs: Tensors, *, control: RunControl = UNATTENDED) -> Tensors:
         self.check(params)
-        stop.check()
+        control.check()
         with torch.inference_mode():
-            return self._run(params, inputs, stop)
+            return self._run(params, inputs, control)
 
-    def _run(self, params: GenParams, inputs: Tensors, stop: StopFlag) -> Tensors:
+    def _run(self, params: GenParams, inputs: Tensors, control: RunControl) -> Tensors:
         raise NotImplementedError
 
     @staticmethod
@@ -71,7 +71,7 @@ class DiffusionEncoder(DiffusionStage):
         # before each call, so two threads tokenizing at once can pad each other's prompts.
         self._lock = threading.Lock()
 
-    def _run(self, params: GenParams, inputs: Tensors, stop: StopFlag) -> Tensors:
+    def _run(self, params: GenParams, inputs: Tensors, control: RunControl) -> Tensors:
         with self._lock:
             out = self.adapter.encode(self.pipe, params)
         return {k: v.contiguous() for k, v in out.items()}
@@ -90,7 +90,7 @@ class DiffusionDenoiser(DiffusionStage):
         super().__init__(adapter, torch_threads)
         self.fail_marker = fail_marker
 
-    def _run(self, params: GenParams, inputs: Tensors, stop: StopFlag) -> Tensors:
+    def _run(self, params: GenParams, inputs: Tensors, control: RunControl) -> Tensors:
         names = self.adapter.denoiser_inputs
         if self.adapter.uses_cfg(params):
             names += tuple(f"negative_{n}" for n in names)
@@ -98,7 +98,7 @@ class DiffusionDenoiser(DiffusionStage):
         fail = bool(self.fail_marker) and self.fail_marker in params.prompt
 
         def on_step(i: int, total: int) -> None:
-            stop.check()  # an abandoned request frees the GPU after this step, not after the loop
+            control.step(i, total)  # an abandoned request frees the GPU here, not after the loop
             if fail and i == min(1, total - 1):
                 raise StageError(f"prompt contains the fail marker; failed at step {i} of {total}")
 
@@ -111,7 +111,7 @@ class DiffusionDecoder(DiffusionStage):
 
     role: ClassVar[Role] = "decoder"
 
-    def _run(self, params: GenParams, inputs: Tensors, stop: StopFlag) -> Tensors:
+    def _run(self, params: GenParams, inputs: Tensors, control: RunControl) -> Tensors:
         self._require(inputs, ("latents",))
         latents = inputs["latents"]
         factor = self.adapter.vae_scale_factor
