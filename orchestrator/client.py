@@ -137,13 +137,18 @@ class Client:
 
 # How long an abandoned request's Cancel may wait for room on the socket.
 CANCEL_SEND_S = 1.0
+# Progress messages waiting for a slow ``on_progress``; past it, the newest ones are dropped
+# (progress is advisory), and one place is always left for the final answer.
+PROGRESS_BACKLOG = 16
+
+Reply = Generation | Rejected | Cancelled | Progress
 
 
 class AsyncClient:
     """DEALER client: any number of requests in flight, answered in any order. A request whose
     ``submit`` is cancelled (the caller gave up) is cancelled at the daemon too. ``submit``'s
-    ``on_progress`` gets the request's ``Progress`` messages as they come (on the client's
-    reading task: keep it quick).
+    ``on_progress`` gets the request's ``Progress`` messages, called in the task awaiting
+    ``submit``; if it raises, the request is cancelled at the daemon and ``submit`` raises that.
 
     Use as ``async with AsyncClient(endpoint) as client: await client.submit(...)``.
     """
@@ -152,8 +157,7 @@ class AsyncClient:
         self.endpoint = endpoint
         self._ctx = zmq.asyncio.Context()
         self._sock: zmq.asyncio.Socket | None = None
-        self._waiting: dict[str, anyio.abc.ObjectSendStream[Generation | Rejected | Cancelled]] = {}
-        self._listeners: dict[str, Callable[[Progress], None]] = {}
+        self._waiting: dict[str, anyio.abc.ObjectSendStream[Reply]] = {}
         self._tg: anyio.abc.TaskGroup | None = None
 
     async def __aenter__(self) -> AsyncClient:
@@ -178,9 +182,9 @@ class AsyncClient:
             parts = await self._sock.recv_multipart()
             reply = _decode_reply(parts[1:])  # parts[0] is the empty delimiter
             if isinstance(reply, Progress):
-                listener = self._listeners.get(reply.request_id)
-                if listener is not None:
-                    listener(reply)
+                waiter = self._waiting.get(reply.request_id)
+                if waiter is not None and waiter.statistics().current_buffer_used < PROGRESS_BACKLOG - 1:
+                    waiter.send_nowait(reply)
                 continue
             rid = reply.result.request_id if isinstance(reply, Generation) else reply.request_id
             waiter = self._waiting.pop(rid, None)
@@ -191,26 +195,27 @@ class AsyncClient:
     async def _request(self, rid: str, body: bytes, wait_s: float,
                        on_progress: Callable[[Progress], None] | None = None) -> Generation | Rejected | Cancelled:
         assert self._sock is not None
-        tx, rx = anyio.create_memory_object_stream[Generation | Rejected | Cancelled](1)
+        tx, rx = anyio.create_memory_object_stream[Reply](PROGRESS_BACKLOG)
         self._waiting[rid] = tx
-        if on_progress is not None:
-            self._listeners[rid] = on_progress
         try:
             with rx:
                 await self._sock.send_multipart([b"", body])
                 with anyio.fail_after(wait_s):
-                    return await rx.receive()
+                    while isinstance(reply := await rx.receive(), Progress):
+                        if on_progress is not None:
+                            on_progress(reply)
+                    return reply
         except TimeoutError:
             raise TimeoutError(f"no reply from {self.endpoint} for {rid!r} within {wait_s:.1f}s") from None
-        except anyio.get_cancelled_exc_class():
-            # The caller gave up on the request: so should the daemon, rather than keep GPUs
-            # busy on work nobody awaits. Its answers, the ack included, find no waiter.
+        except BaseException:
+            # The caller gave up on the request (cancelled, or its on_progress raised): so
+            # should the daemon, rather than keep GPUs busy on work nobody awaits. Its
+            # answers, the ack included, find no waiter.
             if not self._sock.closed:  # closed: the client is gone, and the daemon's deadline ends it
                 with anyio.CancelScope(shield=True), anyio.move_on_after(CANCEL_SEND_S):
                     await self._sock.send_multipart([b"", _cancel_frame(rid)])
             raise
         finally:
-            self._listeners.pop(rid, None)
             leftover = self._waiting.pop(rid, None)
             if leftover is not None:
                 leftover.close()

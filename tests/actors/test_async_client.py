@@ -1,0 +1,69 @@
+"""AsyncClient against a fake daemon: progress reaches the caller's task, and a caller that
+stops listening (its on_progress raised) cancels the request at the daemon."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import anyio
+import pytest
+import zmq
+import zmq.asyncio
+
+from orchestrator.client import AsyncClient
+from transfer.protocol import CLIENT_REQUEST, Cancel, GenParams, Progress, Result, Submit, encode
+
+PARAMS = GenParams(prompt="watched")
+
+
+async def test_progress_comes_before_the_result_and_a_raising_listener_cancels_the_request(
+    ctx: zmq.asyncio.Context, tmp_path: Path
+) -> None:
+    daemon = ctx.socket(zmq.ROUTER)
+    daemon.setsockopt(zmq.LINGER, 0)
+    endpoint = f"ipc://{tmp_path}/daemon"
+    daemon.bind(endpoint)
+
+    async def receive() -> tuple[bytes, object]:
+        identity, empty, body = await daemon.recv_multipart()
+        return identity, CLIENT_REQUEST.decode(body)
+
+    async def reply(identity: bytes, message: object) -> None:
+        await daemon.send_multipart([identity, b"", encode(message)])
+
+    def progress(rid: str, step: int) -> Progress:
+        return Progress(request_id=rid, state="denoising", elapsed_ms=float(step), step=step, steps=4)
+
+    try:
+        with anyio.fail_after(10):
+            async with AsyncClient(endpoint) as client, anyio.create_task_group() as tg:
+                heard: list[Progress] = []
+
+                async def answer_with_progress() -> None:
+                    identity, submit = await receive()
+                    assert isinstance(submit, Submit) and submit.progress and submit.request_id == "r1"
+                    for step in (1, 2):
+                        await reply(identity, progress("r1", step))
+                    await reply(identity, Result(request_id="r1", outputs=[], stages=[], total_ms=3.0))
+                    await reply(identity, progress("r1", 3))  # after the answer: nobody listens
+
+                tg.start_soon(answer_with_progress)
+                generation = await client.submit(PARAMS, request_id="r1", on_progress=heard.append)
+                assert generation.result.total_ms == 3.0
+                assert [p.step for p in heard] == [1, 2]
+
+                def explode(news: Progress) -> None:
+                    raise ValueError(f"the caller's listener broke at step {news.step}")
+
+                async def answer_then_expect_cancel() -> None:
+                    identity, submit = await receive()
+                    assert isinstance(submit, Submit) and submit.request_id == "r2"
+                    await reply(identity, progress("r2", 1))
+                    _, cancel = await receive()
+                    assert cancel == Cancel(protocol=submit.protocol, request_id="r2")
+
+                tg.start_soon(answer_then_expect_cancel)
+                with pytest.raises(ValueError, match="broke at step 1"):
+                    await client.submit(PARAMS, request_id="r2", on_progress=explode)
+    finally:
+        daemon.close(linger=0)
