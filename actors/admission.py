@@ -3,7 +3,8 @@ drained as that role's capacity frees.
 
 It never looks at instances. Pools send ``Credit`` when slots free up (or vanish with a
 worker) and admission hands the first waiting job to the pool for each credit, so a
-queued request never spins and an idle pool never waits on a poll.
+queued request never spins and an idle pool never waits on a poll. A job whose client asked
+for progress and that has to wait is reported to the tracker with how many wait before it.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import msgspec
 import structlog
 
 from actors.base import reply_once, serve_mailbox
-from actors.mail import AdmissionMail, Credit, Dispatch, Enqueue, Forget, Job, PoolMail, QueryStats
+from actors.mail import AdmissionMail, Credit, Dispatch, Enqueue, Forget, Job, PoolMail, QueryStats, Queued, TrackerMail
 from actors.mailbox import Mailbox, MailboxCounts
 from transfer.protocol import ROLES, Role
 
@@ -46,7 +47,11 @@ class RoleQueue:
     def __len__(self) -> int:
         return len(self._priority_of)
 
-    def push(self, job: Job, *, front: bool = False) -> None:
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._priority_of
+
+    def push(self, job: Job, *, front: bool = False) -> int:
+        """Queue ``job``; returns how many jobs will leave before it."""
         jobs = self._by_priority.get(job.priority)
         if jobs is None:
             jobs = self._by_priority[job.priority] = OrderedDict()
@@ -55,6 +60,8 @@ class RoleQueue:
         self._priority_of[job.request_id] = job.priority
         if front:  # a pool lost the instance it was going to use: first among its equals
             jobs.move_to_end(job.request_id, last=False)
+        higher = self._priorities[bisect.bisect_right(self._priorities, job.priority):]
+        return sum(len(self._by_priority[p]) for p in higher) + (0 if front else len(jobs) - 1)
 
     def pop(self) -> Job:
         if not self._priorities:
@@ -82,9 +89,11 @@ class RoleQueue:
 class AdmissionActor:
     """Owns the waiting queues and each role's count of unclaimed free slots."""
 
-    def __init__(self, inbox: Mailbox[AdmissionMail], pools: dict[Role, Mailbox[PoolMail]]) -> None:
+    def __init__(self, inbox: Mailbox[AdmissionMail], pools: dict[Role, Mailbox[PoolMail]],
+                 tracker: Mailbox[TrackerMail]) -> None:
         self._inbox = inbox
         self._pools = pools
+        self._tracker = tracker
         self._queues: dict[Role, RoleQueue] = {role: RoleQueue() for role in ROLES}
         # Free slots the pool has reported and admission has not yet handed a job for.
         # Negative after a worker leaves with dispatches still in flight to it.
@@ -96,8 +105,10 @@ class AdmissionActor:
     def _handle(self, mail: AdmissionMail) -> None:
         match mail:
             case Enqueue(job=job, front=front):
-                self._queues[job.role].push(job, front=front)
+                ahead = self._queues[job.role].push(job, front=front)
                 self._dispatch(job.role)
+                if job.progress and job.request_id in self._queues[job.role]:
+                    self._tracker.post(Queued(request_id=job.request_id, role=job.role, position=ahead + 1))
             case Credit(role=role, delta=delta):
                 self._credits[role] += delta
                 self._dispatch(role)

@@ -119,6 +119,14 @@ class CancelRequest(Mail):
     request_id: str
 
 
+class Queued(Mail):
+    """A job that asked for progress found no free slot at ``role``: it is ``position`` in line (1: next)."""
+
+    request_id: str
+    role: Role
+    position: int
+
+
 class Stepped(Mail):
     """The computing instance reported ``step`` of ``steps`` done."""
 
@@ -133,7 +141,9 @@ class StartDrain(Mail):
     drained: anyio.Event
 
 
-TrackerMail = Admit | HandedOff | Finished | Failed | CancelRequest | Stepped | StartDrain | Tick | QueryStats
+TrackerMail = (
+    Admit | HandedOff | Finished | Failed | CancelRequest | Queued | Stepped | StartDrain | Tick | QueryStats
+)
 
 
 # --------------------------------------------------------------------------- admission

@@ -29,6 +29,7 @@ from actors.mail import (
     HandedOff,
     Job,
     QueryStats,
+    Queued,
     StartDrain,
     Stepped,
     Tick,
@@ -104,6 +105,11 @@ class TrackerActor:
                 entry = self._table.get(rid)
                 if entry is not None:
                     self._tell_progress(rid, entry, time.monotonic(), step=step, steps=steps)
+            case Queued(request_id=rid, role=role, position=position):
+                entry = self._table.get(rid)
+                if entry is not None:
+                    # Waiting for the next stage's slot while this one's output is staged.
+                    self._tell_progress(rid, entry, time.monotonic(), state=ACTIVE_BY_ROLE[role], position=position)
             case Tick():
                 self._expire(time.monotonic())
             case StartDrain(drained=drained):
@@ -138,11 +144,13 @@ class TrackerActor:
         entry.stage_started = now
         self._tell_progress(mail.request_id, entry, now)
 
-    def _tell_progress(self, rid: str, entry: Entry, now: float, *, step: int = 0, steps: int = 0) -> None:
+    def _tell_progress(self, rid: str, entry: Entry, now: float, *, state: RequestState | None = None,
+                       step: int = 0, steps: int = 0, position: int = 0) -> None:
         """A ``Progress`` to the client, if it asked for them."""
         if entry.progress:
             self._frontend.post(Deliver(request_id=rid, message=Progress(
-                request_id=rid, state=entry.state, elapsed_ms=(now - entry.admitted_at) * 1000, step=step, steps=steps)))
+                request_id=rid, state=state or entry.state, elapsed_ms=(now - entry.admitted_at) * 1000, step=step,
+                steps=steps, position=position)))
 
     def _finished(self, mail: Finished) -> None:
         rid = mail.request_id

@@ -63,7 +63,7 @@ async def serve(cfg: Config, *, task_status: anyio.abc.TaskStatus[dict[str, str]
                 pool = PoolActor(role, inbox, ctx=ctx, policy=d.dispatch, send_hwm=d.worker_send_hwm,
                                  admission=ad, tracker=tr, negotiator=ng)
                 await tg.start(pool.run)
-            await tg.start(AdmissionActor(ad, pools).run)
+            await tg.start(AdmissionActor(ad, pools, tr).run)
             await tg.start(TrackerActor(tr, frontend=fe, admission=ad).run)
             owners = {"frontend": fe, "tracker": tr, "admission": ad, "negotiator": ng,
                       **{f"pool.{role}": inbox for role, inbox in pools.items()}}

@@ -149,15 +149,18 @@ class Cancelled(Wire):
 
 
 class Progress(Wire):
-    """Where a request that asked for it stands: at each stage it enters, and at most every
-    ``progress_interval_s`` of denoising, with the steps done. Never the last message about
-    a request: its ``Result`` or ``Rejected`` is."""
+    """Where a request that asked for it stands: at each stage it enters, when it has to wait
+    for a stage's slot (with its place in the queue), and at most every ``progress_interval_s``
+    of denoising, with the steps done. Never the last message about a request: its
+    ``Result`` or ``Rejected`` is."""
 
     request_id: str
     state: str  # "encoding", "denoising" or "decoding"
     elapsed_ms: float  # since the daemon admitted the request
     step: NonNegative = 0  # denoising steps done so far (0 outside denoising)
     steps: NonNegative = 0  # of how many (0: not known yet)
+    # Its place in the stage's queue when it had to wait for a slot (1: next); 0: not waiting.
+    position: NonNegative = 0
 
 
 ClientRequest = Submit | Cancel

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import anyio
@@ -13,9 +14,9 @@ from anyio.streams.memory import MemoryObjectReceiveStream
 
 from actors.admission import AdmissionActor, AdmissionStats
 from actors.base import ask_stats
-from actors.mail import AdmissionMail, Credit, Dispatch, Enqueue, Forget, Job
+from actors.mail import AdmissionMail, Credit, Dispatch, Enqueue, Forget, Job, Queued
 from actors.mailbox import Mailbox, Switchboard
-from tests.actors.streams import open_stream
+from tests.actors.streams import open_stream, queued
 from transfer.protocol import ROLES, GenParams, Role
 
 PARAMS = GenParams(prompt="p")
@@ -25,6 +26,7 @@ PARAMS = GenParams(prompt="p")
 class Admission:
     inbox: Mailbox[AdmissionMail]
     pools: dict[Role, MemoryObjectReceiveStream[Any]]
+    tracker: MemoryObjectReceiveStream[Any]
 
     async def stats(self) -> AdmissionStats:
         """Ask for stats; the answer also proves every earlier mail was handled."""
@@ -63,10 +65,11 @@ async def running_admission() -> AsyncIterator[Admission]:
         board = Switchboard()
         inbox = board.mailbox("admission", 32)
         pools = {role: open_stream(stack, board, f"pool.{role}") for role in ROLES}
-        actor = AdmissionActor(inbox, {role: box for role, (box, _) in pools.items()})
+        tracker_box, tracker_rx = open_stream(stack, board, "tracker")
+        actor = AdmissionActor(inbox, {role: box for role, (box, _) in pools.items()}, tracker_box)
         async with anyio.create_task_group() as tg:
             await tg.start(actor.run)
-            yield Admission(inbox, {role: rx for role, (_, rx) in pools.items()})
+            yield Admission(inbox, {role: rx for role, (_, rx) in pools.items()}, tracker_rx)
             tg.cancel_scope.cancel()
 
 
@@ -199,3 +202,19 @@ async def test_a_higher_priority_job_goes_out_before_older_ones() -> None:
             a.inbox.post(Enqueue(job=Job(request_id="urgent", role="encoder", params=PARAMS, priority=5)))
             a.inbox.post(Credit(role="encoder", delta=2))
             assert await a.dispatched() == ["urgent", "old1"]
+
+
+async def test_a_job_that_asked_for_progress_and_must_wait_hears_its_place_in_line() -> None:
+    with anyio.fail_after(5):
+        async with running_admission() as a:
+            watched = partial(Job, role="denoiser", params=PARAMS, progress=True)
+            a.inbox.post(Credit(role="denoiser", delta=1))
+            a.inbox.post(Enqueue(job=watched(request_id="first")))  # a free slot: no wait, no news
+            a.inbox.post(Enqueue(job=watched(request_id="second")))
+            a.inbox.post(Enqueue(job=job("unwatched", "denoiser")))  # did not ask: no news
+            a.inbox.post(Enqueue(job=watched(request_id="third")))
+            a.inbox.post(Enqueue(job=watched(request_id="urgent", priority=5)))
+            assert await a.dispatched("denoiser") == ["first"]
+            assert queued(a.tracker) == [Queued(request_id="second", role="denoiser", position=1),
+                                 Queued(request_id="third", role="denoiser", position=3),
+                                 Queued(request_id="urgent", role="denoiser", position=1)]

@@ -64,7 +64,7 @@ async def running_chain(ctx: zmq.asyncio.Context) -> AsyncIterator[Chain]:
         ad_inbox, pool_inbox = board.mailbox("admission", 32), board.mailbox("pool.encoder", 32)
         to_pools = {role: stream(f"pool.{role}") for role in ROLES}
         (pa_box, pa_rx), (pt_box, pt_rx), (pn_box, pn_rx) = stream("admission"), stream("tracker"), stream("negotiator")
-        admission = AdmissionActor(ad_inbox, {role: box for role, (box, _) in to_pools.items()})
+        admission = AdmissionActor(ad_inbox, {role: box for role, (box, _) in to_pools.items()}, pt_box)
         pool = PoolActor("encoder", pool_inbox, ctx=ctx, policy="round_robin", send_hwm=100, admission=pa_box,
                          tracker=pt_box, negotiator=pn_box)
         async with anyio.create_task_group() as tg:

@@ -21,6 +21,7 @@ from actors.mail import (
     Forget,
     HandedOff,
     Job,
+    Queued,
     StartDrain,
     Stepped,
     Tick,
@@ -310,17 +311,20 @@ async def test_a_request_that_asked_for_progress_hears_of_every_stage_and_step()
             job = (await t.admission.receive()).job
             assert job.progress  # carried to every stage's order
 
-            def progress(mail: Deliver) -> tuple[str, str, int, int]:
-                assert isinstance(mail.message, Progress) and mail.message.elapsed_ms >= 0
-                return mail.request_id, mail.message.state, mail.message.step, mail.message.steps
+            def progress(mail: Deliver) -> tuple[str, str, int, int, int]:
+                news = mail.message
+                assert isinstance(news, Progress) and news.elapsed_ms >= 0
+                return mail.request_id, news.state, news.step, news.steps, news.position
 
-            assert progress(await t.frontend.receive()) == ("r1", "encoding", 0, 0)
+            assert progress(await t.frontend.receive()) == ("r1", "encoding", 0, 0, 0)
+            t.inbox.post(Queued(request_id="r1", role="denoiser", position=2))  # staged, waiting for a denoiser
+            assert progress(await t.frontend.receive()) == ("r1", "denoising", 0, 0, 2)
             t.inbox.post(handed_off("r1", "encoder"))
-            assert progress(await t.frontend.receive()) == ("r1", "denoising", 0, 0)
+            assert progress(await t.frontend.receive()) == ("r1", "denoising", 0, 0, 0)
             t.inbox.post(Stepped(request_id="r1", step=4, steps=20))
-            assert progress(await t.frontend.receive()) == ("r1", "denoising", 4, 20)
+            assert progress(await t.frontend.receive()) == ("r1", "denoising", 4, 20, 0)
             t.inbox.post(handed_off("r1", "denoiser"))
-            assert progress(await t.frontend.receive()) == ("r1", "decoding", 0, 0)
+            assert progress(await t.frontend.receive()) == ("r1", "decoding", 0, 0, 0)
             t.inbox.post(finished("r1"))
             assert isinstance((await t.frontend.receive()).message, Result)
             t.inbox.post(Stepped(request_id="r1", step=5, steps=20))  # late: the request ended
@@ -333,6 +337,7 @@ async def test_a_request_that_did_not_ask_hears_only_its_answer() -> None:
         async with running_tracker() as t:
             await run_to_decoding(t)
             t.inbox.post(Stepped(request_id="r1", step=4, steps=20))
+            t.inbox.post(Queued(request_id="r1", role="decoder", position=1))
             t.inbox.post(finished("r1"))
             assert isinstance((await t.frontend.receive()).message, Result)
             await t.stats()

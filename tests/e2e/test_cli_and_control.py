@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from functools import partial
 
 import anyio
 import pytest
@@ -166,9 +167,20 @@ async def test_progress_follows_a_request_through_every_stage_and_step(start_clu
     steps = [p.step for p in heard if p.steps]
     assert all(p.steps == 10 for p in heard if p.steps) and len(steps) >= 3 and steps == sorted(steps)
     assert [p.elapsed_ms for p in heard] == sorted(p.elapsed_ms for p in heard)
+    assert all(p.position == 0 for p in heard)  # nothing else ran: it never waited for a slot
+
+    # One more than the denoiser's capacity (3): the last one waits, and hears its place.
+    capacity = cluster.config.workers.denoiser.capacity
+    waits: list[Progress] = []
+    with anyio.fail_after(30):
+        async with AsyncClient(cluster.config.daemon.client_endpoint) as client, anyio.create_task_group() as tg:
+            for i in range(capacity + 1):
+                tg.start_soon(partial(client.submit, GenParams(prompt=f"crowd {i}", steps=10, output="raw"),
+                                      on_progress=lambda p: waits.append(p) if p.position else None))
+    assert [(p.state, p.position) for p in waits] == [("denoising", 1)]
 
     done = triptych("submit", "--prompt", "watched", "--steps", "10", "--progress", "--out", str(tmp_path),
                     config=cluster.config_path)
     assert done.returncode == 0, done.stderr
     assert "denoising step" in done.stderr and "decoding" in done.stderr
-    assert wait_for(cluster, all_free).completed == 2
+    assert wait_for(cluster, all_free).completed == capacity + 3

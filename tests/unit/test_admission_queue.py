@@ -103,10 +103,10 @@ class RoleQueueMachine(RuleBasedStateMachine):
     def push(self, front: bool, priority: int) -> None:
         self.next_id += 1
         rid = f"r{self.next_id}"
-        self.queue.push(job(rid, priority), front=front)
         # Back: after every job of this priority or higher; front: before the others of its priority.
         ahead = [p for p, _ in self.model]
         at = next((i for i, p in enumerate(ahead) if (p <= priority if front else p < priority)), len(ahead))
+        assert self.queue.push(job(rid, priority), front=front) == at  # how many leave before it
         self.model.insert(at, (priority, rid))
 
     @precondition(lambda self: self.model)
@@ -122,8 +122,9 @@ class RoleQueueMachine(RuleBasedStateMachine):
         self.model.remove(entry)
 
     @invariant()
-    def same_length(self) -> None:
+    def same_jobs(self) -> None:
         assert len(self.queue) == len(self.model)
+        assert all(rid in self.queue for _, rid in self.model) and "never-pushed" not in self.queue
 
 
 TestRoleQueueMachine = RoleQueueMachine.TestCase
