@@ -62,6 +62,9 @@ class Generation:
     outputs: dict[str, torch.Tensor]
 
 
+Reply = Generation | Rejected | Cancelled | Progress  # what the client socket brings, decoded
+
+
 def _submit_frames(params: GenParams, request_id: str, timeout_s: float | None, priority: int,
                    progress: bool = False) -> bytes:
     return encode(Submit(protocol=PROTOCOL_VERSION, params=params, request_id=request_id,
@@ -72,7 +75,7 @@ def _cancel_frame(request_id: str) -> bytes:
     return encode(Cancel(protocol=PROTOCOL_VERSION, request_id=request_id))
 
 
-def _decode_reply(parts: list[bytes]) -> Generation | Rejected | Cancelled | Progress:
+def _decode_reply(parts: list[bytes]) -> Reply:
     header = CLIENT_REPLY.decode(parts[0])
     if isinstance(header, Result):
         return Generation(header, frames.from_frames(header.outputs, parts[1:]))
@@ -112,11 +115,11 @@ class Client:
         assert isinstance(reply, Cancelled)
         return reply.found
 
-    def send_raw(self, parts: list[bytes], *, timeout_s: float = 10.0) -> Generation | Rejected | Cancelled | Progress:
+    def send_raw(self, parts: list[bytes], *, timeout_s: float = 10.0) -> Reply:
         """Send arbitrary frames (for probing the daemon with bad input)."""
         return self._request(parts, timeout_s)
 
-    def _request(self, parts: list[bytes], timeout_s: float) -> Generation | Rejected | Cancelled | Progress:
+    def _request(self, parts: list[bytes], timeout_s: float) -> Reply:
         self._sock.send_multipart(parts)
         if not self._sock.poll(int(timeout_s * 1000)):
             # A REQ socket that missed its reply cannot send again: start a fresh one.
@@ -140,8 +143,6 @@ CANCEL_SEND_S = 1.0
 # Progress messages waiting for a slow ``on_progress``; past it, the newest ones are dropped
 # (progress is advisory), and one place is always left for the final answer.
 PROGRESS_BACKLOG = 16
-
-Reply = Generation | Rejected | Cancelled | Progress
 
 
 class AsyncClient:
