@@ -18,7 +18,6 @@ import math
 import os
 import socket
 import time
-from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -31,6 +30,7 @@ import zmq.asyncio
 
 from orchestrator.config import Config
 from orchestrator.stages import RunControl, Stage, StageError, StageStopped, build_stage
+from orchestrator.stages.base import StepFn
 from orchestrator.work_socket import bind_work_socket
 from transfer import frames
 from transfer.engine import Engine, MooncakeEngine, TransferError
@@ -275,7 +275,7 @@ class WorkerRuntime:
     def _report(self, msg: Any, buffers: list[Any] | None = None) -> None:
         self._outbox.put(encode(msg), buffers or ())
 
-    def _step_reporter(self, rid: str) -> Callable[[int, int], None]:
+    def _step_reporter(self, rid: str) -> StepFn:
         """For a run whose client asked for progress: called on the stage's thread before
         each step, it hands a ``Step`` to the loop at most every ``progress_interval_s``."""
         loop = asyncio.get_running_loop()

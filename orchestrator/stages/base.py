@@ -38,7 +38,7 @@ class StageStopped(Exception):
     """The run's request ended while it ran; nobody waits for its output."""
 
 
-StepFn = Callable[[int, int], None]  # (steps done, steps in all)
+StepFn = Callable[[int, int], None]  # (steps done, steps in all), called before each step
 
 
 class RunControl:

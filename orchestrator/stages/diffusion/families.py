@@ -17,7 +17,6 @@ import copy
 import inspect
 import json
 import math
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -29,11 +28,9 @@ from diffusers.schedulers.scheduling_utils import SchedulerMixin
 from diffusers.utils.torch_utils import randn_tensor
 
 from orchestrator.config import DiffusersConfig
-from orchestrator.stages.base import Tensors
+from orchestrator.stages.base import StepFn, Tensors
 from orchestrator.stages.diffusion import tiny
 from transfer.protocol import GenParams, Role, StageLimits
-
-StepFn = Callable[[int, int], None]  # (step index, total steps), called before each step
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 

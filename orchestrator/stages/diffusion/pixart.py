@@ -14,8 +14,8 @@ import torch
 from diffusers import DiffusionPipeline, PixArtAlphaPipeline
 from diffusers.utils.torch_utils import maybe_adjust_dtype_for_device
 
-from orchestrator.stages.base import Tensors
-from orchestrator.stages.diffusion.families import FamilyAdapter, StepFn
+from orchestrator.stages.base import StepFn, Tensors
+from orchestrator.stages.diffusion.families import FamilyAdapter
 from transfer.protocol import GenParams, Role
 
 MAX_SEQUENCE_LENGTH = 120  # __call__'s default

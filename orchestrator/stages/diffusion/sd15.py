@@ -11,8 +11,8 @@ from typing import Any, ClassVar
 import torch
 from diffusers import DiffusionPipeline, StableDiffusionPipeline
 
-from orchestrator.stages.base import Tensors
-from orchestrator.stages.diffusion.families import FamilyAdapter, StepFn
+from orchestrator.stages.base import StepFn, Tensors
+from orchestrator.stages.diffusion.families import FamilyAdapter
 from transfer.protocol import GenParams, Role
 
 
