@@ -58,9 +58,9 @@ def _instant_workers(args: argparse.Namespace) -> int:
 
 
 def _print_progress(progress: Progress) -> None:
-    steps = f" step {progress.step}/{progress.steps}" if progress.steps else ""
-    waiting = f" (waiting, number {progress.position} in line)" if progress.position else ""
-    print(f"  {progress.elapsed_ms:9.1f} ms  {progress.state}{steps}{waiting}", file=sys.stderr)
+    from orchestrator.report import progress_line
+
+    print(progress_line(progress), file=sys.stderr)
 
 
 def _generate(endpoint: str, params: GenParams, args: argparse.Namespace) -> Generation:

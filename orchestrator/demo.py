@@ -3,7 +3,8 @@
 Starts the daemon and the four workers as separate processes, submits a handful of prompts
 concurrently, writes the PNGs to ``./out/``, checks every image against the answer the
 same model gives in one process (bitwise, for the embedded tiny models), prints per-stage
-timings and the final stats, then shuts everything down and exits 0.
+timings, how the last request went (its ``Progress`` messages) and the final stats, then
+shuts everything down and exits 0.
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ import torch
 from orchestrator.client import AsyncClient, Generation
 from orchestrator.cluster import LocalCluster
 from orchestrator.config import Config, load_config
-from orchestrator.report import stats_table
+from orchestrator.report import progress_line, stats_table
 from orchestrator.stages.images import decode_png
-from transfer.protocol import GenParams
+from transfer.protocol import GenParams, Progress
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = [
@@ -50,11 +51,13 @@ def expected_images(cfg: Config, params: GenParams) -> torch.Tensor | None:
     return monolithic_images(cfg.model.diffusers, params)
 
 
-async def generate(endpoint: str, requests: list[GenParams]) -> list[Generation]:
+async def generate(endpoint: str, requests: list[GenParams], watched: list[Progress]) -> list[Generation]:
+    """Every request at once; the last one (the most likely to wait) reports to ``watched``."""
     results: list[Generation | None] = [None] * len(requests)
 
     async def one(client: AsyncClient, i: int) -> None:
-        results[i] = await client.submit(requests[i], request_id=f"demo-{i}", timeout_s=120)
+        on_progress = watched.append if i == len(requests) - 1 else None
+        results[i] = await client.submit(requests[i], request_id=f"demo-{i}", timeout_s=120, on_progress=on_progress)
 
     async with AsyncClient(endpoint) as client, anyio.create_task_group() as tg:
         for i in range(len(requests)):
@@ -87,7 +90,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"cluster up in {time.monotonic() - started:.1f}s: "
               f"{', '.join(i.instance for i in cluster.control.stats().instances)}", flush=True)
         t0 = time.monotonic()
-        generations = anyio.run(generate, cluster.config.daemon.client_endpoint, requests, backend="asyncio")
+        watched: list[Progress] = []
+        generations = anyio.run(generate, cluster.config.daemon.client_endpoint, requests, watched,
+                                backend="asyncio")
         wall = time.monotonic() - t0
         print(f"\n{len(generations)} requests in {wall:.2f}s wall\n")
         print(f"{'request':<8} {'stage':<9} {'instance':<12} {'queued ms':>10} {'compute ms':>11} "
@@ -100,6 +105,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{result.request_id:<8} {stage.role:<9} {stage.instance:<12} {stage.queued_ms:>10.2f} "
                       f"{stage.compute_ms:>11.2f} {stage.transfer_ms:>12.2f} {stage.transfer_bytes:>8} {path:>5}")
             bad += _check_and_write(cfg, params, generation, args.out)
+        print(f"\nhow demo-{len(requests) - 1} went, as its client heard it:")
+        print("\n".join(map(progress_line, watched)))
         print("\n" + stats_table(cluster.control.stats()))
     finally:
         codes = cluster.stop()

@@ -1,8 +1,14 @@
-"""Human-readable renderings of ``Stats`` and stage timings."""
+"""Human-readable renderings of ``Stats``, stage timings and ``Progress``."""
 
 from __future__ import annotations
 
-from transfer.protocol import InstanceStats, Stats
+from transfer.protocol import InstanceStats, Progress, Stats
+
+
+def progress_line(progress: Progress) -> str:
+    steps = f" step {progress.step}/{progress.steps}" if progress.steps else ""
+    waiting = f" (waiting, number {progress.position} in line)" if progress.position else ""
+    return f"  {progress.elapsed_ms:9.1f} ms  {progress.state}{steps}{waiting}"
 
 
 def stats_table(stats: Stats) -> str:
