@@ -10,6 +10,7 @@ import anyio
 import torch
 
 from orchestrator.client import AsyncClient
+from orchestrator.report import stats_table
 from orchestrator.stages.null import expected_outputs
 from tests.e2e.conftest import StartCluster, all_free, wait_for
 from transfer.protocol import GenParams, Stats
@@ -43,4 +44,5 @@ async def test_a_request_whose_denoiser_dies_is_retried_on_the_other_one(start_c
     survivor = [i for i in stats.instances if i.role == "denoiser"]
     assert [i.name for i in survivor] != killed and {i.instance for i in survivor} == served_by
     assert stats.retried == 1 and stats.failed_by_reason == {"worker_lost": 1}
+    assert "retried=1" in stats_table(stats)  # what `triptych stats` prints
     assert "request.retried" in cluster.log_of("daemon")
