@@ -44,24 +44,27 @@ def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
     return GaugeMetricFamily(name, doc, value=value)
 
 
+def _labelled(family: type[GaugeMetricFamily | CounterMetricFamily], name: str, doc: str, label: str,
+              values: dict[str, int]) -> Metric:
+    """One sample per key of ``values``, the key as the ``label``."""
+    metric = family(name, doc, labels=[label])
+    for key, value in sorted(values.items()):
+        metric.add_metric([key], value)
+    return metric
+
+
 def _daemon_metrics(stats: Stats) -> Iterator[Metric]:
     yield _gauge("triptych_uptime_seconds", "Seconds since the daemon started", stats.uptime_s)
     yield _gauge("triptych_draining", "1 while the daemon drains and refuses new requests", int(stats.draining))
     yield CounterMetricFamily("triptych_requests_completed", "Requests answered with a result", value=stats.completed)
-    failed = CounterMetricFamily("triptych_requests_failed", "Requests that ended in an error, by reason", labels=["reason"])
-    for reason, count in sorted(stats.failed_by_reason.items()):
-        failed.add_metric([reason], count)
-    yield failed
+    yield _labelled(CounterMetricFamily, "triptych_requests_failed", "Requests that ended in an error, by reason",
+                    "reason", stats.failed_by_reason)
     yield CounterMetricFamily("triptych_requests_retried", "Requests started again after their worker was lost",
                               value=stats.retried)
-    in_flight = GaugeMetricFamily("triptych_requests_in_flight", "Requests in flight, by state", labels=["state"])
-    for state, count in sorted(stats.requests_by_state.items()):
-        in_flight.add_metric([state], count)
-    yield in_flight
-    queued = GaugeMetricFamily("triptych_queue_depth", "Jobs waiting for a free slot, by role", labels=["role"])
-    for role, depth in sorted(stats.queue_depths.items()):
-        queued.add_metric([role], depth)
-    yield queued
+    yield _labelled(GaugeMetricFamily, "triptych_requests_in_flight", "Requests in flight, by state", "state",
+                    stats.requests_by_state)
+    yield _labelled(GaugeMetricFamily, "triptych_queue_depth", "Jobs waiting for a free slot, by role", "role",
+                    stats.queue_depths)
     yield _gauge("triptych_handoffs_in_flight", "Hand-offs between stages in progress", stats.handoffs_in_flight)
     handoffs = CounterMetricFamily("triptych_handoffs", "Hand-offs by hop and path (fast: a preallocated slot)",
                                    labels=["hop", "path"])
@@ -71,15 +74,10 @@ def _daemon_metrics(stats: Stats) -> Iterator[Metric]:
     yield handoffs
     yield CounterMetricFamily("triptych_late_reports", "Worker reports about requests that had already ended",
                               value=stats.late_reports)
-    peaks = GaugeMetricFamily("triptych_mailbox_peak", "The most mail an actor's mailbox held at once", labels=["actor"])
-    for actor, peak in sorted(stats.mailboxes.items()):
-        peaks.add_metric([actor], peak)
-    yield peaks
-    handled = CounterMetricFamily("triptych_mail_handled", "Mail each actor has handled: the daemon's internal hops",
-                                  labels=["actor"])
-    for actor, count in sorted(stats.mail_handled.items()):
-        handled.add_metric([actor], count)
-    yield handled
+    yield _labelled(GaugeMetricFamily, "triptych_mailbox_peak", "The most mail an actor's mailbox held at once",
+                    "actor", stats.mailboxes)
+    yield _labelled(CounterMetricFamily, "triptych_mail_handled",
+                    "Mail each actor has handled: the daemon's internal hops", "actor", stats.mail_handled)
 
 
 def _instance_metrics(stats: Stats) -> Iterator[Metric]:
