@@ -5,7 +5,7 @@ from __future__ import annotations
 import hmac
 from dataclasses import dataclass
 
-from transfer.protocol import PROTOCOL_VERSION, Register, Role
+from transfer.protocol import PROTOCOL_VERSION, LocalMemory, Register, Role
 
 
 @dataclass(slots=True)
@@ -20,6 +20,7 @@ class Link:
     pool_base: int
     pool_size: int
     last_seen: float
+    local: LocalMemory | None = None  # its pool as shared memory, for senders on its host
 
     def holds(self, address: int, nbytes: int) -> bool:
         return self.pool_base <= address and address + nbytes <= self.pool_base + self.pool_size
@@ -40,4 +41,6 @@ def registration_problem(msg: Register, token: str) -> str | None:
         end > start for (_, end), (start, _) in zip(spans, spans[1:], strict=False)
     ):
         return "slot ids repeat or slots overlap"
+    if msg.local is not None and (msg.local.base, msg.local.size) != (msg.pool_base, msg.pool_size):
+        return "the shared memory it advertises is not its registered pool"
     return None

@@ -12,7 +12,7 @@ import anyio
 import msgspec
 from anyio.abc import ObjectSendStream
 
-from transfer.protocol import ClientReply, GenParams, Reason, Role, StageLimits, TensorSpec, WorkOrder
+from transfer.protocol import ClientReply, GenParams, Reason, Role, StageLimits, TensorSpec, Via, WorkOrder
 
 
 class Mail(msgspec.Struct, tag=True, frozen=True, kw_only=True):
@@ -95,6 +95,7 @@ class HandedOff(Mail):
     transfer_ms: float
     nbytes: int
     fast_path: bool
+    via: Via = "mooncake"
 
 
 class Finished(Mail):

@@ -195,7 +195,7 @@ class TransferNegotiator:
             self._evict(stale, f"{stale.instance} re-registered as a new process")
         instance = f"{msg.role}-{next(self._ids)}"
         link = Link(routing_id, instance, msg.role, msg.name, msg.session, msg.pool_base, msg.pool_size,
-                    time.monotonic())
+                    time.monotonic(), msg.local)
         self._links[routing_id] = link
         self._by_instance[instance] = link
         if msg.role != "encoder":
@@ -294,9 +294,12 @@ class TransferNegotiator:
         self._push(flight)
 
     def _push(self, flight: Flight) -> None:
-        receiver = self._by_instance[flight.receiver]
+        receiver, sender = self._by_instance[flight.receiver], self._by_instance[flight.instance]
+        # Two workers of one kernel: the sender may copy into the receiver's shared pool.
+        same_host = receiver.local is not None and sender.local is not None and receiver.local.host == sender.local.host
         self._order(flight.role, flight.instance, Push(request_id=flight.request_id, session=receiver.session,
-                                                       address=flight.address, nbytes=flight.nbytes))
+                                                       address=flight.address, nbytes=flight.nbytes,
+                                                       local=receiver.local if same_host else None))
 
     def _pushed(self, link: Link, msg: Pushed) -> None:
         flight = self._flights.get(msg.request_id)
@@ -317,7 +320,7 @@ class TransferNegotiator:
         self._pools[flight.role].post(Release(request_id=rid, instance=flight.instance, ok=True))
         self._tracker.post(HandedOff(request_id=rid, role=flight.role, instance=flight.instance,
                                       compute_ms=flight.compute_ms, transfer_ms=msg.transfer_ms,
-                                      nbytes=flight.nbytes, fast_path=flight.slot is not None))
+                                      nbytes=flight.nbytes, fast_path=flight.slot is not None, via=msg.via))
         ready = Ready(request_id=rid, params=flight.params, address=flight.address, manifest=flight.manifest,
                       slot_id=flight.slot.slot_id if flight.slot else None, progress=flight.progress)
         flight.delivered()

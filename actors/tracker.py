@@ -136,6 +136,7 @@ class TrackerActor:
                 transfer_ms=mail.transfer_ms,
                 transfer_bytes=mail.nbytes,
                 fast_path=mail.fast_path,
+                via=mail.via,
             )
         )
         following = next_role(mail.role)

@@ -99,7 +99,8 @@ def _submit(args: argparse.Namespace) -> int:
         print(path)
     for stage in generation.result.stages:
         print(f"  {stage.role:<9} {stage.instance:<12} queued {stage.queued_ms:8.2f} ms  compute "
-              f"{stage.compute_ms:8.2f} ms  transfer {stage.transfer_ms:7.2f} ms  {stage.transfer_bytes} B")
+              f"{stage.compute_ms:8.2f} ms  transfer {stage.transfer_ms:7.2f} ms  {stage.transfer_bytes} B"
+              f"{f' by {stage.via}' if stage.via else ''}")
     return 0
 
 

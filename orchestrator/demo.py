@@ -96,14 +96,15 @@ def main(argv: list[str] | None = None) -> int:
         wall = time.monotonic() - t0
         print(f"\n{len(generations)} requests in {wall:.2f}s wall\n")
         print(f"{'request':<8} {'stage':<9} {'instance':<12} {'queued ms':>10} {'compute ms':>11} "
-              f"{'transfer ms':>12} {'bytes':>8} {'path':>5}")
+              f"{'transfer ms':>12} {'bytes':>8} {'path':>5} {'via':>8}")
         bad = 0
         for params, generation in zip(requests, generations, strict=True):
             result = generation.result
             for stage in result.stages:
                 path = "" if stage.fast_path is None else ("fast" if stage.fast_path else "slow")
                 print(f"{result.request_id:<8} {stage.role:<9} {stage.instance:<12} {stage.queued_ms:>10.2f} "
-                      f"{stage.compute_ms:>11.2f} {stage.transfer_ms:>12.2f} {stage.transfer_bytes:>8} {path:>5}")
+                      f"{stage.compute_ms:>11.2f} {stage.transfer_ms:>12.2f} {stage.transfer_bytes:>8} {path:>5} "
+                      f"{stage.via or '':>8}")
             bad += _check_and_write(cfg, params, generation, args.out)
         print(f"\nhow demo-{len(requests) - 1} went, as its client heard it:")
         print("\n".join(map(progress_line, watched)))

@@ -4,7 +4,8 @@ Three paths that never wait on each other:
 
 * compute: the stage's synchronous torch code, in ``compute_threads`` worker threads;
 * transfer: Mooncake writes, in one push thread of their own (a write blocks, sleeping,
-  until the peer acks, and one writer per engine is what Mooncake handles best);
+  until the peer acks, and one writer per engine is what Mooncake handles best), or a
+  plain copy when the receiver shares this host (transfer/shm.py);
 * control: allocations, aborts and all socket traffic, on the event loop.
 
 So an ``Alloc`` or ``Push`` is answered while a long denoising loop runs.
@@ -54,11 +55,13 @@ from transfer.protocol import (
     Role,
     Staged,
     Step,
+    Via,
     Work,
     WorkOrder,
     encode,
 )
 from transfer.reports import ReportOutbox
+from transfer.shm import LocalCopyError, LocalWriter, SharedRegion
 from transfer.sockets import PlainPump
 
 log = structlog.get_logger()
@@ -89,6 +92,10 @@ class WorkerRuntime:
         self._engine = engine
         self._stage: Stage | None = None
         self._pool: MemoryPool | None = None
+        # Same-host copies (transfer.same_host_copy): the pool in shared memory, advertised,
+        # and the writer into peers' pools.
+        self._region: SharedRegion | None = None
+        self._writer: LocalWriter | None = None
         self._outbox = ReportOutbox()
         self._key = b""
         self._compute = anyio.CapacityLimiter(self._wcfg.compute_threads)
@@ -109,7 +116,10 @@ class WorkerRuntime:
         )
         receives = self.role != "encoder"
         slot_sizes = [self._wcfg.prealloc_slot_bytes] * self._wcfg.prealloc_slots if receives else []
-        self._pool = pool = MemoryPool(self._wcfg.pool_bytes, slot_sizes=slot_sizes)
+        if self._cfg.transfer.same_host_copy:
+            self._region, self._writer = SharedRegion(self._wcfg.pool_bytes), LocalWriter()
+        self._pool = pool = MemoryPool(self._wcfg.pool_bytes, slot_sizes=slot_sizes,
+                                       memory=self._region.tensor if self._region else None)
         if self._engine is None:
             self._engine = MooncakeEngine(self._cfg.transfer)
         self._engine.register(pool.base, pool.size)
@@ -177,6 +187,7 @@ class WorkerRuntime:
             protocol=PROTOCOL_VERSION, token=self._cfg.daemon.token, role=self.role, name=self.name,
             work_address=work_address, session=self._engine.session, pool_base=self._pool.base,
             pool_size=self._pool.size, slots=self._pool.slots, capacity=self._wcfg.capacity,
+            local=self._region.describe(self._pool.base, self._pool.size) if self._region else None,
             limits=self._stage.limits(),
         )
         deadline = time.monotonic() + self._wcfg.connect_timeout_s
@@ -377,9 +388,9 @@ class WorkerRuntime:
         self._pushing.add(rid)
         started = time.perf_counter()
         error = ""
+        via: Via = "mooncake"
         try:
-            await anyio.to_thread.run_sync(self._engine.write, order.session, self._pool.address(block),
-                                           order.address, order.nbytes, limiter=self._transfer)
+            via = await anyio.to_thread.run_sync(self._move, order, self._pool.address(block), limiter=self._transfer)
         except TransferError as exc:
             error = str(exc)
         except Exception as exc:  # noqa: BLE001 - the daemon must hear Pushed, whatever happened
@@ -390,7 +401,19 @@ class WorkerRuntime:
             del self._staged[rid]
             self._pool.free(block)
         self._report(Pushed(request_id=rid, ok=not error, transfer_ms=(time.perf_counter() - started) * 1000,
-                            error=error))
+                            error=error, via=via))
+
+    def _move(self, order: Push, src_addr: int) -> Via:
+        """On the push thread: copy into a same-host receiver's shared pool, else transfer."""
+        assert self._engine is not None
+        if order.local is not None and self._writer is not None:
+            try:
+                self._writer.write(order.local, src_addr, order.address, order.nbytes)
+                return "memcpy"
+            except LocalCopyError as exc:
+                self._log.warning("worker.local_copy_failed", request_id=order.request_id, error=str(exc))
+        self._engine.write(order.session, src_addr, order.address, order.nbytes)
+        return "mooncake"
 
 
 async def run_worker(role: Role, cfg: Config, name: str | None = None) -> None:

@@ -65,7 +65,10 @@ def _align_up(n: int, alignment: int) -> int:
 class MemoryPool:
     """Owns one contiguous CPU region: its prealloc slots, free list and waiter queue."""
 
-    def __init__(self, size: int, *, slot_sizes: Sequence[int] = (), alignment: int = ALIGNMENT) -> None:
+    def __init__(self, size: int, *, slot_sizes: Sequence[int] = (), alignment: int = ALIGNMENT,
+                 memory: torch.Tensor | None = None) -> None:
+        """``memory``: a uint8 tensor of at least ``size`` bytes, aligned, to live in (shared
+        memory, say); by default the pool allocates its own."""
         if size <= 0:
             raise ValueError(f"pool size must be positive, got {size}")
         if alignment <= 0 or alignment & (alignment - 1):
@@ -73,11 +76,16 @@ class MemoryPool:
         if any(s <= 0 for s in slot_sizes):
             raise ValueError(f"slot sizes must be positive, got {list(slot_sizes)}")
         self._alignment = alignment
-        # Over-allocate so the region itself starts on an aligned address: offsets are then
-        # aligned absolutely, not only relative to the base (torch's CPU allocator gives 64).
-        raw = torch.empty(size + alignment, dtype=torch.uint8)
-        pad = -raw.data_ptr() % alignment
-        self.buffer = raw[pad : pad + size]
+        if memory is None:
+            # Over-allocate so the region itself starts on an aligned address: offsets are then
+            # aligned absolutely, not only relative to the base (torch's CPU allocator gives 64).
+            raw = torch.empty(size + alignment, dtype=torch.uint8)
+            pad = -raw.data_ptr() % alignment
+            self.buffer = raw[pad : pad + size]
+        else:
+            if memory.dtype != torch.uint8 or memory.numel() < size or memory.data_ptr() % alignment:
+                raise ValueError(f"pool memory must be {size} aligned uint8 bytes at least")
+            self.buffer = memory[:size]
         # Touch every page now, so the first transfer into the pool does not page-fault
         # (and so RDMA registration with location "*" can find the pages' NUMA node).
         self.buffer.zero_()

@@ -30,6 +30,8 @@ ROLES: tuple[Role, ...] = ("encoder", "denoiser", "decoder")
 RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
 Dim = Annotated[int, msgspec.Meta(ge=1, le=16384)]
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+# How a hand-off's bytes moved: the transfer engine, or a copy into shared memory (same host).
+Via = Literal["mooncake", "memcpy"]
 
 
 class Reason(enum.StrEnum):
@@ -122,6 +124,7 @@ class StageTiming(Plain):
     transfer_ms: float = 0.0  # pushing this stage's output to the next stage
     transfer_bytes: NonNegative = 0
     fast_path: bool | None = None  # None for the decoder, which has no outgoing hand-off
+    via: Via | None = None  # None for the decoder
 
 
 class Result(Wire):
@@ -261,6 +264,18 @@ class StageLimits(Plain):
     model: str = ""
 
 
+class LocalMemory(Plain):
+    """How a peer on the same host maps a worker's pool: a shared file (memfd) it opens at
+    ``path`` and checks by ``device``/``inode``, holding ``[base, base + size)``."""
+
+    host: str  # the kernel instance (boot id): equal only for workers of one host
+    path: str  # /proc/<pid>/fd/<fd>
+    device: NonNegative
+    inode: NonNegative
+    base: NonNegative  # the pool's address in its owner, as registered
+    size: NonNegative
+
+
 class Register(Wire):
     """Worker -> daemon, first message on its DEALER. The connection becomes its identity."""
 
@@ -275,6 +290,7 @@ class Register(Wire):
     slots: list[SlotInfo]
     capacity: Annotated[int, msgspec.Meta(ge=1, le=1024)]
     limits: StageLimits = StageLimits()
+    local: LocalMemory | None = None  # the pool is shared memory peers on this host may write
 
 
 class Registered(Wire):
@@ -348,6 +364,8 @@ class Push(Wire):
     address: NonNegative
     nbytes: NonNegative
     part: NonNegative = 0
+    # The receiver's pool, when it shares the sender's host: copy there instead of a transfer.
+    local: LocalMemory | None = None
 
 
 class Pushed(Wire):
@@ -358,6 +376,7 @@ class Pushed(Wire):
     transfer_ms: float
     error: str = ""
     part: NonNegative = 0
+    via: Via = "mooncake"
 
 
 class Ready(Wire):

@@ -34,6 +34,7 @@ from transfer.protocol import (
     Alloc,
     Allocated,
     GenParams,
+    LocalMemory,
     Push,
     Register,
     Registered,
@@ -51,6 +52,7 @@ TOKEN = "negotiator-test-token"
 NBYTES = 512
 MANIFEST = [TensorSpec(name="embeds", dtype="float32", shape=(128,), offset=0, nbytes=NBYTES)]
 POOL_BASE = 1 << 20
+POOL_SIZE = 1 << 20
 SLOT_SIZE = 1024
 HOP = "encoder->denoiser"
 
@@ -116,13 +118,20 @@ async def running_negotiator(ctx: zmq.asyncio.Context, tmp_path: Path, **setting
             tg.cancel_scope.cancel()  # run is cancelled and closes the worker socket
 
 
-async def register(sock: zmq.asyncio.Socket, role: Role, session: str, slots: int) -> Registered:
+def shared_pool(host: str, role: Role) -> LocalMemory:
+    """A fake worker's pool as shared memory on ``host``."""
+    return LocalMemory(host=host, path=f"/proc/1/fd/{ROLES.index(role)}", device=1, inode=ROLES.index(role),
+                       base=POOL_BASE, size=POOL_SIZE)
+
+
+async def register(sock: zmq.asyncio.Socket, role: Role, session: str, slots: int,
+                   local: LocalMemory | None = None) -> Registered:
     """Send ``role``'s Register (``slots`` preallocated slots) on ``sock`` and await the Registered."""
     await sock.send(encode(Register(
         protocol=PROTOCOL_VERSION, token=TOKEN, role=role, name=f"{role}-worker", work_address="ipc://unused",
-        session=session, pool_base=POOL_BASE, pool_size=1 << 20,
+        session=session, pool_base=POOL_BASE, pool_size=POOL_SIZE,
         slots=[SlotInfo(slot_id=i, address=POOL_BASE + i * SLOT_SIZE, size=SLOT_SIZE) for i in range(slots)],
-        capacity=2,
+        capacity=2, local=local,
     )))
     registered = DAEMON_TO_WORKER.decode(await sock.recv())
     assert isinstance(registered, Registered), registered
@@ -131,14 +140,15 @@ async def register(sock: zmq.asyncio.Socket, role: Role, session: str, slots: in
 
 @asynccontextmanager
 async def fake_worker(ctx: zmq.asyncio.Context, n: Negotiator, role: Role, *,
-                      slots: int = 0) -> AsyncIterator[FakeWorker]:
-    """Register a ``role`` worker whose memory pool carries ``slots`` preallocated slots."""
+                      slots: int = 0, host: str | None = None) -> AsyncIterator[FakeWorker]:
+    """Register a ``role`` worker whose memory pool carries ``slots`` preallocated slots
+    (and, with ``host``, is shared memory on that host)."""
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(n.endpoint)
     try:
         session = f"{role}-session"
-        registered = await register(sock, role, session, slots)
+        registered = await register(sock, role, session, slots, shared_pool(host, role) if host else None)
         # Posted before the reply went out, so both are there already.
         join = n.pools[role].receive_nowait()
         assert isinstance(join, Join) and join.instance == registered.instance and join.session == session

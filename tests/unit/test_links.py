@@ -6,7 +6,7 @@ import msgspec
 import pytest
 
 from actors.links import Link, registration_problem
-from transfer.protocol import PROTOCOL_VERSION, Register, SlotInfo
+from transfer.protocol import PROTOCOL_VERSION, LocalMemory, Register, SlotInfo
 
 BASE, SIZE = 1 << 20, 4096
 GOOD = Register(protocol=PROTOCOL_VERSION, token="secret", role="denoiser", name="d0", work_address="ipc://w",
@@ -16,6 +16,8 @@ GOOD = Register(protocol=PROTOCOL_VERSION, token="secret", role="denoiser", name
 
 def test_a_good_registration_has_no_problem() -> None:
     assert registration_problem(GOOD, "secret") is None
+    shared = LocalMemory(host="h", path="/proc/1/fd/3", device=1, inode=2, base=BASE, size=SIZE)
+    assert registration_problem(msgspec.structs.replace(GOOD, local=shared), "secret") is None
 
 
 @pytest.mark.parametrize(("change", "problem"), [
@@ -27,6 +29,8 @@ def test_a_good_registration_has_no_problem() -> None:
      "slot ids repeat or slots overlap"),
     ({"slots": [SlotInfo(slot_id=0, address=BASE, size=1024), SlotInfo(slot_id=1, address=BASE + 1023, size=8)]},
      "slot ids repeat or slots overlap"),
+    ({"local": LocalMemory(host="h", path="/proc/1/fd/3", device=1, inode=2, base=BASE, size=SIZE * 2)},
+     "the shared memory it advertises is not its registered pool"),
 ])
 def test_each_broken_rule_is_named(change: dict, problem: str) -> None:
     assert registration_problem(msgspec.structs.replace(GOOD, **change), "secret") == problem

@@ -1,0 +1,35 @@
+"""Workers of one host hand off through each other's shared pools (transfer/shm.py): the
+bytes are right, every hand-off says it was a copy, and everything ends free."""
+
+from __future__ import annotations
+
+import anyio
+import torch
+
+from orchestrator.client import AsyncClient
+from orchestrator.stages.null import expected_outputs
+from tests.e2e.conftest import StartCluster, all_free, wait_for
+from transfer.protocol import GenParams
+
+
+async def test_same_host_hand_offs_are_copies_into_shared_memory(start_cluster: StartCluster) -> None:
+    cluster = start_cluster(transfer={"same_host_copy": True})
+    null = cluster.config.model.null
+    requests = [GenParams(prompt=f"shared {i}", seed=i, width=64 if i % 2 else 256, height=48 if i % 2 else 128,
+                          output="raw") for i in range(12)]
+    results = {}
+
+    async def one(client: AsyncClient, params: GenParams) -> None:
+        results[params.seed] = await client.submit(params, timeout_s=30)
+
+    with anyio.fail_after(60):
+        async with AsyncClient(cluster.config.daemon.client_endpoint) as client, anyio.create_task_group() as tg:
+            for params in requests:
+                tg.start_soon(one, client, params)
+    for params in requests:
+        generation = results[params.seed]
+        assert torch.equal(generation.outputs["images"], expected_outputs(params, null)["images"])
+        assert [s.via for s in generation.result.stages] == ["memcpy", "memcpy", None]
+    stats = wait_for(cluster, all_free)
+    assert stats.slow_path.get("denoiser->decoder", 0) > 0  # into allocations too, not only slots
+    assert "worker.local_copy_failed" not in "".join(cluster.log_of(name) for name in cluster.workers)

@@ -1,0 +1,62 @@
+"""Same-host copies: a worker's pool in shared memory, written by a peer that opens it by path
+and trusts nothing it was told without checking."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import msgspec
+import pytest
+import torch
+
+from transfer.pool import MemoryPool
+from transfer.shm import LocalCopyError, LocalWriter, SharedRegion
+
+SIZE = 1 << 16
+
+
+def test_a_peer_process_writes_into_the_region_through_its_path() -> None:
+    region = SharedRegion(SIZE)
+    pool = MemoryPool(SIZE, memory=region.tensor)
+    target = region.describe(pool.base, pool.size)
+    assert pool.base == region.tensor.data_ptr() and target.size == SIZE
+    peer = f"""
+import msgspec, torch
+from transfer.protocol import LocalMemory
+from transfer.shm import LocalWriter
+target = msgspec.json.decode({msgspec.json.encode(target).decode()!r}, type=LocalMemory)
+src = torch.arange(256, dtype=torch.uint8)
+LocalWriter().write(target, src.data_ptr(), target.base + 4096, 256)
+"""
+    subprocess.run([sys.executable, "-c", peer], check=True, timeout=60)
+    assert torch.equal(pool.buffer[4096:4352], torch.arange(256, dtype=torch.uint8))
+    assert not pool.buffer[:4096].any() and not pool.buffer[4352:].any()
+
+
+def test_a_write_that_cannot_be_trusted_is_refused() -> None:
+    region = SharedRegion(SIZE)
+    target = region.describe(region.tensor.data_ptr(), SIZE)
+    src = torch.ones(64, dtype=torch.uint8)
+    writer = LocalWriter()
+    with pytest.raises(LocalCopyError, match="outside"):
+        writer.write(target, src.data_ptr(), target.base + SIZE - 32, 64)
+    with pytest.raises(LocalCopyError, match="outside"):
+        writer.write(target, src.data_ptr(), target.base - 1, 64)
+    with pytest.raises(LocalCopyError, match="another host"):
+        writer.write(msgspec.structs.replace(target, host="elsewhere"), src.data_ptr(), target.base, 64)
+    with pytest.raises(LocalCopyError, match="not the receiver's pool"):
+        writer.write(msgspec.structs.replace(target, inode=target.inode + 1), src.data_ptr(), target.base, 64)
+    with pytest.raises(LocalCopyError, match="cannot open"):
+        writer.write(msgspec.structs.replace(target, path="/proc/self/fd/999999"), src.data_ptr(), target.base, 64)
+    assert not region.tensor.any()  # nothing was written by any of them
+    writer.write(target, src.data_ptr(), target.base, 64)
+    assert int(region.tensor.sum()) == 64
+
+
+def test_a_pool_lives_in_the_memory_it_is_given_only_if_it_fits_and_is_aligned() -> None:
+    region = SharedRegion(SIZE)
+    with pytest.raises(ValueError, match="aligned"):
+        MemoryPool(SIZE, memory=region.tensor[1:])
+    with pytest.raises(ValueError, match="aligned"):
+        MemoryPool(SIZE * 2, memory=region.tensor)
