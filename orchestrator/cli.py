@@ -194,11 +194,13 @@ def main(argv: list[str] | None = None) -> int:
     # Whole programs of their own; everything after the name is passed through.
     sub.add_parser("demo", help="run the local demo cluster (see --help)", add_help=False)
     sub.add_parser("bench", help="run the control-plane benchmark (see --help)", add_help=False)
+    sub.add_parser("bench-handoff", help="time a large hand-off, Mooncake vs same-host copy (see --help)",
+                   add_help=False)
     args, rest = parser.parse_known_args(argv)
-    if args.command in ("demo", "bench"):
-        from orchestrator import bench, demo
+    if args.command in ("demo", "bench", "bench-handoff"):
+        from orchestrator import bench, demo, handoff_bench
 
-        return {"demo": demo.main, "bench": bench.main}[args.command](rest)
+        return {"demo": demo.main, "bench": bench.main, "bench-handoff": handoff_bench.main}[args.command](rest)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     return args.func(args)

@@ -1,0 +1,79 @@
+"""Data-plane benchmark: how long one hand-off of a large tensor takes between two workers
+on this host, through Mooncake (loopback TCP) and as a copy into shared memory.
+
+1 encoder / 1 denoiser / 1 decoder with null stages whose encoder output is ``--mib`` MiB;
+requests one at a time, so each hand-off has the link to itself. Prints the median and p90
+of the encoder -> denoiser transfer time (``StageTiming.transfer_ms``: the sender's push,
+from its start to the write's completion) for each path, and their ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import anyio
+import msgspec
+
+from orchestrator.client import AsyncClient
+from orchestrator.cluster import LocalCluster
+from orchestrator.config import MiB, load_config
+from transfer.protocol import GenParams
+
+ROOT = Path(__file__).resolve().parent.parent
+LAYOUT = {"encoder": 1, "denoiser": 1, "decoder": 1}
+FLOAT32 = 4
+
+
+async def transfer_times(endpoint: str, requests: int) -> list[float]:
+    """The encoder -> denoiser transfer time of each request, in ms (the first one warms up)."""
+    times = []
+    async with AsyncClient(endpoint) as client:
+        for i in range(requests + 1):
+            generation = await client.submit(GenParams(prompt="handoff", seed=i, width=8, height=8, steps=1,
+                                                       output="raw"), timeout_s=60)
+            times.append(generation.result.stages[0].transfer_ms)
+    return times[1:]
+
+
+def measure(tmp: Path, mib: int, requests: int, same_host_copy: bool) -> list[float]:
+    raw = msgspec.to_builtins(load_config(ROOT / "configs" / "bench.toml"))
+    name = "memcpy" if same_host_copy else "mooncake"
+    raw["daemon"].update(client_endpoint=f"ipc://{tmp}/{name}-client", control_endpoint=f"ipc://{tmp}/{name}-control",
+                         worker_endpoint=f"ipc://{tmp}/{name}-workers")
+    raw["model"]["null"]["embed_shape"] = [mib * MiB // FLOAT32]
+    for role in LAYOUT:
+        raw["workers"][role]["pool_bytes"] = 4 * mib * MiB  # the staged output and an allocation, with room
+    raw["transfer"]["same_host_copy"] = same_host_copy
+    path = tmp / f"{name}.toml"
+    path.write_bytes(msgspec.toml.encode(raw))
+    with LocalCluster(path, layout=LAYOUT, log_dir=tmp / "logs" / name) as cluster:
+        times = anyio.run(transfer_times, cluster.config.daemon.client_endpoint, requests, backend="asyncio")
+        stats = cluster.control.stats()
+    if stats.failed_by_reason:
+        raise SystemExit(f"requests failed: {stats.failed_by_reason}")
+    return times
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--mib", type=int, default=16, help="size of the handed-off tensor")
+    parser.add_argument("--requests", type=int, default=20)
+    args = parser.parse_args(argv)
+    tmp = Path(tempfile.mkdtemp(prefix="triptych-handoff-"))
+    results = {name: measure(tmp, args.mib, args.requests, name == "memcpy") for name in ("mooncake", "memcpy")}
+    print(f"\none {args.mib} MiB hand-off, encoder -> denoiser on one host, {args.requests} requests one at a time")
+    print(f"{'path':<10} {'p50 ms':>8} {'p90 ms':>8} {'GB/s at p50':>12}")
+    for name, times in results.items():
+        p50, p90 = statistics.median(times), statistics.quantiles(times, n=10)[-1]
+        print(f"{name:<10} {p50:>8.2f} {p90:>8.2f} {args.mib * MiB / p50 / 1e6:>12.2f}")
+    ratio = statistics.median(results["mooncake"]) / statistics.median(results["memcpy"])
+    print(f"\nsame-host copy is {ratio:.1f}x faster than Mooncake's loopback transfer at the median")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
