@@ -67,6 +67,9 @@ from transfer.sockets import PlainPump
 log = structlog.get_logger()
 
 REGISTER_RETRY_S = 2.0
+# Same-host copies up to this size run on the event loop (about 0.1 ms at memcpy speed):
+# cheaper than the two thread hops a push thread costs.
+INLINE_COPY_BYTES = 1 << 20
 
 
 class WorkerRefused(RuntimeError):
@@ -95,7 +98,7 @@ class WorkerRuntime:
         # Same-host copies (transfer.same_host_copy): the pool in shared memory, advertised,
         # and the writer into peers' pools.
         self._region: SharedRegion | None = None
-        self._writer: LocalWriter | None = None
+        self._writers: tuple[LocalWriter, LocalWriter] | None = None  # the loop's, the push thread's
         self._outbox = ReportOutbox()
         self._key = b""
         self._compute = anyio.CapacityLimiter(self._wcfg.compute_threads)
@@ -117,7 +120,7 @@ class WorkerRuntime:
         receives = self.role != "encoder"
         slot_sizes = [self._wcfg.prealloc_slot_bytes] * self._wcfg.prealloc_slots if receives else []
         if self._cfg.transfer.same_host_copy:
-            self._region, self._writer = SharedRegion(self._wcfg.pool_bytes), LocalWriter()
+            self._region, self._writers = SharedRegion(self._wcfg.pool_bytes), (LocalWriter(), LocalWriter())
         self._pool = pool = MemoryPool(self._wcfg.pool_bytes, slot_sizes=slot_sizes,
                                        memory=self._region.tensor if self._region else None)
         if self._engine is None:
@@ -390,7 +393,7 @@ class WorkerRuntime:
         error = ""
         via: Via = "mooncake"
         try:
-            via = await anyio.to_thread.run_sync(self._move, order, self._pool.address(block), limiter=self._transfer)
+            via = await self._deliver(order, self._pool.address(block))
         except TransferError as exc:
             error = str(exc)
         except Exception as exc:  # noqa: BLE001 - the daemon must hear Pushed, whatever happened
@@ -403,16 +406,28 @@ class WorkerRuntime:
         self._report(Pushed(request_id=rid, ok=not error, transfer_ms=(time.perf_counter() - started) * 1000,
                             error=error, via=via))
 
-    def _move(self, order: Push, src_addr: int) -> Via:
-        """On the push thread: copy into a same-host receiver's shared pool, else transfer."""
+    async def _deliver(self, order: Push, src_addr: int) -> Via:
+        """Copy into a same-host receiver's shared pool, else transfer with the engine.
+
+        A small copy runs right here on the loop: it costs less than the hop to the push
+        thread and back (0.4-6 ms on a busy 2-core host). Larger copies and every transfer
+        run on the push thread. Each side has its own writer: their mappings are not shared
+        between threads.
+        """
         assert self._engine is not None
-        if order.local is not None and self._writer is not None:
+        if order.local is not None and self._writers is not None:
+            loop_writer, thread_writer = self._writers
             try:
-                self._writer.write(order.local, src_addr, order.address, order.nbytes)
+                if order.nbytes <= INLINE_COPY_BYTES:
+                    loop_writer.write(order.local, src_addr, order.address, order.nbytes)
+                else:
+                    await anyio.to_thread.run_sync(thread_writer.write, order.local, src_addr, order.address,
+                                                   order.nbytes, limiter=self._transfer)
                 return "memcpy"
             except LocalCopyError as exc:
                 self._log.warning("worker.local_copy_failed", request_id=order.request_id, error=str(exc))
-        self._engine.write(order.session, src_addr, order.address, order.nbytes)
+        await anyio.to_thread.run_sync(self._engine.write, order.session, src_addr, order.address, order.nbytes,
+                                       limiter=self._transfer)
         return "mooncake"
 
 

@@ -67,7 +67,8 @@ class SharedRegion:
 
 
 class LocalWriter:
-    """Copies local bytes into same-host receivers' shared pools; one thread at a time."""
+    """Copies local bytes into same-host receivers' shared pools. One thread uses a writer:
+    it unmaps pools it has not used lately, which must not happen under another's copy."""
 
     def __init__(self) -> None:
         self._mapped: OrderedDict[tuple[str, int, int], tuple[mmap.mmap, int]] = OrderedDict()
