@@ -61,7 +61,7 @@ from transfer.protocol import (
     encode,
 )
 from transfer.reports import ReportOutbox
-from transfer.shm import LocalCopyError, LocalWriter, SharedRegion
+from transfer.shm import LocalCopyError, LocalWriter, SharedRegion, shared_region
 from transfer.sockets import PlainPump
 
 log = structlog.get_logger()
@@ -120,7 +120,10 @@ class WorkerRuntime:
         receives = self.role != "encoder"
         slot_sizes = [self._wcfg.prealloc_slot_bytes] * self._wcfg.prealloc_slots if receives else []
         if self._cfg.transfer.same_host_copy:
-            self._region, self._writers = SharedRegion(self._wcfg.pool_bytes), (LocalWriter(), LocalWriter())
+            self._region = shared_region(self._wcfg.pool_bytes)
+            # Without a region of its own it is not told of peers' regions either (the daemon
+            # pairs shared memory only when both ends have it).
+            self._writers = (LocalWriter(), LocalWriter()) if self._region else None
         self._pool = pool = MemoryPool(self._wcfg.pool_bytes, slot_sizes=slot_sizes,
                                        memory=self._region.tensor if self._region else None)
         if self._engine is None:

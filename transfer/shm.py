@@ -22,9 +22,12 @@ import os
 from collections import OrderedDict
 from pathlib import Path
 
+import structlog
 import torch
 
 from transfer.protocol import LocalMemory
+
+log = structlog.get_logger()
 
 BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
 # Receivers whose pools a sender keeps mapped; a restarted receiver is a new file.
@@ -64,6 +67,16 @@ class SharedRegion:
         """What a peer needs to write ``[base, base + size)`` of this region."""
         path, device, inode = self._identity
         return LocalMemory(host=host_id(), path=path, device=device, inode=inode, base=base, size=size)
+
+
+def shared_region(size: int) -> SharedRegion | None:
+    """A ``SharedRegion``, or None where this host will not make one (no memfd, a sandbox):
+    the worker then keeps a private pool and every hand-off goes through the engine."""
+    try:
+        return SharedRegion(size)
+    except OSError as exc:
+        log.warning("shm.unavailable", size=size, error=str(exc))
+        return None
 
 
 class LocalWriter:

@@ -3,6 +3,7 @@ and trusts nothing it was told without checking."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from transfer.pool import MemoryPool
-from transfer.shm import LocalCopyError, LocalWriter, SharedRegion
+from transfer.shm import LocalCopyError, LocalWriter, SharedRegion, shared_region
 
 SIZE = 1 << 16
 
@@ -60,3 +61,13 @@ def test_a_pool_lives_in_the_memory_it_is_given_only_if_it_fits_and_is_aligned()
         MemoryPool(SIZE, memory=region.tensor[1:])
     with pytest.raises(ValueError, match="aligned"):
         MemoryPool(SIZE * 2, memory=region.tensor)
+
+
+def test_a_host_that_cannot_share_memory_gets_no_region_and_says_why(monkeypatch: pytest.MonkeyPatch,
+                                                                       logs: list[dict]) -> None:
+    def refuse(*_: object) -> int:
+        raise OSError(38, "Function not implemented")
+
+    monkeypatch.setattr(os, "memfd_create", refuse)
+    assert shared_region(SIZE) is None
+    assert [entry["event"] for entry in logs] == ["shm.unavailable"]
