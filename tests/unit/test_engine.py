@@ -24,6 +24,7 @@ import transfer.engine
 from orchestrator.config import TransferConfig, transfer_timeout_s
 from transfer.engine import Engine, MooncakeEngine, TransferError
 from transfer.pool import MemoryPool
+from transfer.shm import SharedRegion
 
 pytest.importorskip("mooncake.engine")
 
@@ -173,6 +174,20 @@ def test_write_lands_at_an_offset_and_nowhere_else(pair: Pair) -> None:
         assert landed[:7].eq(0).all() and landed[107:].eq(0).all()
     finally:
         pair.inbox.free(target)
+
+
+def test_write_lands_in_a_pool_that_lives_in_shared_memory(pair: Pair) -> None:
+    """Workers keep their pools in shared memory (transfer/shm.py) and peers on other hosts
+    still write there with Mooncake."""
+    receiver = MooncakeEngine(CFG)
+    shared = MemoryPool(POOL_BYTES, slot_sizes=(SLOT_BYTES,), memory=SharedRegion(POOL_BYTES).tensor)
+    receiver.register(shared.base, shared.size)
+    try:
+        pair.out.buffer[:SLOT_BYTES] = torch.arange(SLOT_BYTES, dtype=torch.int64).remainder(251).to(torch.uint8)
+        pair.sender.write(receiver.session, pair.out.base, shared.slots[0].address, SLOT_BYTES)
+        assert torch.equal(shared.slot_view(0), pair.out.buffer[:SLOT_BYTES])
+    finally:
+        receiver.close()
 
 
 def test_zero_length_write_does_nothing(pair: Pair, monkeypatch: pytest.MonkeyPatch) -> None:
