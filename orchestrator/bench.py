@@ -85,6 +85,18 @@ def rss_mib(pid: int) -> float:
     raise RuntimeError("no VmRSS")
 
 
+def bench_config(tmp: Path, name: str, edit: Callable[[dict], object]) -> Path:
+    """configs/bench.toml with its endpoints on ipc:// paths under ``tmp`` (prefixed ``name``),
+    changed by ``edit`` (given the config as plain dicts), written to ``tmp/<name>.toml``."""
+    raw = msgspec.to_builtins(load_config(ROOT / "configs" / "bench.toml"))
+    raw["daemon"].update(client_endpoint=f"ipc://{tmp}/{name}-client", control_endpoint=f"ipc://{tmp}/{name}-control",
+                         worker_endpoint=f"ipc://{tmp}/{name}-workers")
+    edit(raw)
+    path = tmp / f"{name}.toml"
+    path.write_bytes(msgspec.toml.encode(raw))
+    return path
+
+
 def params(i: int) -> GenParams:
     return GenParams(prompt="bench", seed=i, width=8, height=8, steps=1, output="raw")
 
@@ -229,13 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log-level", default="info", help="the daemon's log level (info logs one line per request)")
     args = parser.parse_args(argv)
     tmp = Path(tempfile.mkdtemp(prefix="triptych-bench-"))
-    cfg = load_config(ROOT / "configs" / "bench.toml")
-    raw = msgspec.to_builtins(cfg)
-    raw["daemon"].update(client_endpoint=f"ipc://{tmp}/client", control_endpoint=f"ipc://{tmp}/control",
-                         worker_endpoint=f"ipc://{tmp}/workers")
-    raw["log"]["level"] = args.log_level
-    path = tmp / "bench.toml"
-    path.write_bytes(msgspec.toml.encode(raw))
+    path = bench_config(tmp, "bench", lambda raw: raw["log"].update(level=args.log_level))
 
     floor_ms, echo_cpu_1_ms = echo_floor(f"ipc://{tmp}/echo1", 2000, 1)
     _, echo_cpu_16_ms = echo_floor(f"ipc://{tmp}/echo16", 16000, 16)

@@ -16,14 +16,13 @@ import tempfile
 from pathlib import Path
 
 import anyio
-import msgspec
 
+from orchestrator.bench import bench_config
 from orchestrator.client import AsyncClient
 from orchestrator.cluster import LocalCluster
-from orchestrator.config import MiB, load_config
+from orchestrator.config import MiB
 from transfer.protocol import GenParams
 
-ROOT = Path(__file__).resolve().parent.parent
 LAYOUT = {"encoder": 1, "denoiser": 1, "decoder": 1}
 FLOAT32 = 4
 
@@ -40,16 +39,15 @@ async def transfer_times(endpoint: str, requests: int) -> list[float]:
 
 
 def measure(tmp: Path, mib: int, requests: int, same_host_copy: bool) -> list[float]:
-    raw = msgspec.to_builtins(load_config(ROOT / "configs" / "bench.toml"))
     name = "memcpy" if same_host_copy else "mooncake"
-    raw["daemon"].update(client_endpoint=f"ipc://{tmp}/{name}-client", control_endpoint=f"ipc://{tmp}/{name}-control",
-                         worker_endpoint=f"ipc://{tmp}/{name}-workers")
-    raw["model"]["null"]["embed_shape"] = [mib * MiB // FLOAT32]
-    for role in LAYOUT:
-        raw["workers"][role]["pool_bytes"] = 4 * mib * MiB  # the staged output and an allocation, with room
-    raw["transfer"]["same_host_copy"] = same_host_copy
-    path = tmp / f"{name}.toml"
-    path.write_bytes(msgspec.toml.encode(raw))
+
+    def sized(raw: dict) -> None:
+        raw["model"]["null"]["embed_shape"] = [mib * MiB // FLOAT32]
+        for role in LAYOUT:
+            raw["workers"][role]["pool_bytes"] = 4 * mib * MiB  # the staged output and an allocation, with room
+        raw["transfer"]["same_host_copy"] = same_host_copy
+
+    path = bench_config(tmp, name, sized)
     with LocalCluster(path, layout=LAYOUT, log_dir=tmp / "logs" / name) as cluster:
         times = anyio.run(transfer_times, cluster.config.daemon.client_endpoint, requests, backend="asyncio")
         stats = cluster.control.stats()
