@@ -131,6 +131,7 @@ class ControlActor:
                         served=slots.served,
                         failed=slots.failed,
                         alive=prealloc is not None,
+                        suspect=slots.suspect,
                     )
                 )
         mailboxes = {owner: answer.mailbox.peak for owner, answer in answers.items()}

@@ -48,6 +48,8 @@ from transfer.sockets import NOBLOCK, PlainPump, send_frames
 log = structlog.get_logger()
 
 FLUSH_ON_CLOSE_MS = 1000
+# Failures that a fresh attempt on other workers can mend (daemon.retries).
+RETRIED = frozenset({Reason.WORKER_LOST, Reason.TRANSFER_FAILED})
 
 
 class FrontendStats(msgspec.Struct, frozen=True):
@@ -154,7 +156,7 @@ class FrontendActor:
             return
         timeout_s = min(msg.timeout_s or self._cfg.request_timeout_s, self._cfg.max_request_timeout_s)
         self._admit(Asked(identity, rid, msg.params, msg.priority, msg.progress, time.monotonic() + timeout_s,
-                          self._cfg.worker_lost_retries), timeout_s)
+                          self._cfg.retries), timeout_s)
 
     def _admit(self, asked: Asked, timeout_s: float) -> None:
         key = f"{asked.request_id}#{next(self._keys)}"
@@ -164,14 +166,16 @@ class FrontendActor:
                                  progress=asked.progress))
 
     def _retry(self, asked: Asked, failure: ClientReply) -> bool:
-        """Start a request again whose worker was lost, if it may; True if it did.
+        """Start a request again whose worker was lost or whose hand-off failed, if it may;
+        True if it did. Both say the pipeline broke under the request, not that the request
+        is bad (which ``invalid`` and ``stage_failed`` say, and retrying would not mend).
 
         The old admission's every slot and buffer is freed by its own failure (the Forget
         chain, as for any failure), and the retry is a new admission under a new key, so
         nothing the old one left behind can touch it. Not while draining: the drain may
         already count the request as ended.
         """
-        if not (isinstance(failure, Rejected) and failure.reason == Reason.WORKER_LOST):
+        if not (isinstance(failure, Rejected) and failure.reason in RETRIED):
             return False
         left_s = asked.deadline - time.monotonic()
         if asked.retries_left == 0 or self._draining or left_s <= 0:

@@ -195,6 +195,15 @@ class Leave(Mail):
     message: str
 
 
+class Suspect(Mail):
+    """A push into ``instance`` failed (``suspect``), or it has been heard from since: while
+    suspected it gets no new work, so a dead worker cannot take request after request
+    until its heartbeats are missed."""
+
+    instance: str
+    suspect: bool
+
+
 class Send(Mail):
     """Send ``order`` to ``instance``'s work socket."""
 
@@ -214,7 +223,7 @@ class Release(Mail):
     ok: bool | None
 
 
-PoolMail = Dispatch | Join | Leave | Send | Release | Forget | QueryStats
+PoolMail = Dispatch | Join | Leave | Suspect | Send | Release | Forget | QueryStats
 
 
 # --------------------------------------------------------------------------- negotiator

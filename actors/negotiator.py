@@ -10,6 +10,10 @@ The tensors never come here: workers write into each other's memory with Mooncak
 only sizes, addresses and manifests cross this actor. The decoder's output frames pass
 through untouched on their way to the frontend.
 
+A push that fails makes its receiver a suspect: it gets no new work until it speaks
+again, and is evicted if it stays silent for two heartbeats, so a dead receiver costs one
+request instead of every request dispatched to it until its heartbeats are missed.
+
 A worker is identified by its ROUTER connection, which only a registration carrying the
 shared token creates; a report about a request counts only if it comes from the instance
 the request's flight names. Anything else is a late or forged message and changes nothing.
@@ -51,6 +55,7 @@ from actors.mail import (
     Release,
     Send,
     Stepped,
+    Suspect,
     Tick,
     TrackerMail,
 )
@@ -85,6 +90,10 @@ from transfer.protocol import (
 from transfer.sockets import NOBLOCK, PlainPump
 
 log = structlog.get_logger()
+
+# A worker a push failed to reach is evicted if it stays silent this many heartbeat periods
+# (two: a heartbeat's jitter never evicts a live one), instead of heartbeat_misses.
+SUSPECT_HEARTBEATS = 2
 
 
 class PreallocCounts(msgspec.Struct, frozen=True):
@@ -160,6 +169,8 @@ class TransferNegotiator:
                 message="not registered (the daemon restarted or evicted this worker)", rejoin=True))
             return
         link.last_seen = time.monotonic()
+        if link.suspect_since is not None:
+            self._suspect(link, None)  # it is alive: the failed push was not its death
         if isinstance(first, Done) and first.outputs:
             self._on_report(link, first, frames[2:])
             return
@@ -313,6 +324,9 @@ class TransferNegotiator:
             del self._flights[rid]
             return
         if not msg.ok:
+            receiver = self._by_instance.get(flight.receiver or "")
+            if receiver is not None and receiver.suspect_since is None:
+                self._suspect(receiver, time.monotonic())
             # The push is over (failed), so the receiver's memory is free to reuse at once.
             self._fail(flight, Reason.TRANSFER_FAILED, f"{flight.instance} -> {flight.receiver}: {msg.error}",
                        outcome=False)
@@ -419,10 +433,21 @@ class TransferNegotiator:
 
     # ------------------------------------------------------------------ liveness
 
+    def _suspect(self, link: Link, since: float | None) -> None:
+        """Suspect ``link`` since ``since`` (a push into it failed), or clear it (None)."""
+        link.suspect_since = since
+        self._pools[link.role].post(Suspect(instance=link.instance, suspect=since is not None))
+
     def _check_liveness(self, now: float) -> None:
-        limit = self._cfg.heartbeat_s * self._cfg.heartbeat_misses
-        for link in [lk for lk in self._links.values() if now - lk.last_seen > limit]:
-            self._evict(link, f"{link.instance} missed heartbeats for {now - link.last_seen:.1f}s", gone=False)
+        heartbeat_s = self._cfg.heartbeat_s
+        limit = heartbeat_s * self._cfg.heartbeat_misses
+        for link in list(self._links.values()):
+            if now - link.last_seen > limit:
+                self._evict(link, f"{link.instance} missed heartbeats for {now - link.last_seen:.1f}s", gone=False)
+            elif link.suspect_since is not None and now - link.suspect_since > SUSPECT_HEARTBEATS * heartbeat_s:
+                # A live worker heartbeats every heartbeat_s, busy or not: this one is gone.
+                self._evict(link, f"{link.instance} went silent after a push into it failed "
+                                  f"(last heard {now - link.last_seen:.1f}s ago)", gone=False)
         while self._quarantine and self._quarantine[0][0] <= now:
             _, flight = self._quarantine.popleft()
             if self._flights.get(flight.request_id) is flight:  # not already released by its Pushed

@@ -3,7 +3,8 @@
 A slot is the unit of a worker's capacity: taken when a job is dispatched to (or a hand-off
 reserved at) an instance, given back when that instance no longer holds the request. The
 pool is the only sender on each instance's PUSH socket; every order is prefixed with the
-key the worker was given at registration, so nobody else can drive a worker.
+key the worker was given at registration, so nobody else can drive a worker. An instance
+the negotiator suspects (a push into it failed) keeps its slots but is offered none.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from actors.mail import (
     QueryStats,
     Release,
     Send,
+    Suspect,
     TrackerMail,
 )
 from actors.mailbox import Mailbox, MailboxCounts
@@ -53,6 +55,7 @@ class Instance:
     free: int = 0
     served: int = 0
     failed: int = 0
+    suspect: bool = False  # its free slots are withheld from admission and dispatch
     holding: set[str] = field(default_factory=set)
     unsent: list[WorkOrder] = field(default_factory=list)  # leaving together at the next flush
 
@@ -66,6 +69,7 @@ class InstanceSlots(msgspec.Struct, frozen=True):
     slots_total: int
     served: int
     failed: int
+    suspect: bool
 
 
 class PoolStats(msgspec.Struct, frozen=True):
@@ -153,13 +157,18 @@ class PoolActor:
                     # it; this copy arrives behind the requeue and removes it.
                     self._bounced.discard(rid)
                     self._admission.post(mail)
+            case Suspect(instance=instance, suspect=suspect):
+                inst = self._instances.get(instance)
+                if inst is not None and inst.suspect != suspect:
+                    self._suspect(inst, suspect)
             case Join():
                 self._join(mail)
             case Leave(instance=instance, reason=reason, message=message):
                 self._leave(instance, reason, message)
             case QueryStats(reply=reply):
                 reply_once(reply, PoolStats(self.role, [
-                    InstanceSlots(i.instance, i.name, i.address, i.session, i.free, i.capacity, i.served, i.failed)
+                    InstanceSlots(i.instance, i.name, i.address, i.session, i.free, i.capacity, i.served, i.failed,
+                                  i.suspect)
                     for i in self._instances.values()
                 ], self._inbox.counts()))
 
@@ -173,8 +182,20 @@ class PoolActor:
         del self._holds[rid]
         inst.holding.discard(rid)
         inst.free += 1
-        self._policy.update(inst.instance, inst.free)
-        self._admission.post(Credit(role=self.role, delta=1))
+        if not inst.suspect:
+            self._policy.update(inst.instance, inst.free)
+            self._admission.post(Credit(role=self.role, delta=1))
+
+    def _suspect(self, inst: Instance, suspect: bool) -> None:
+        """Withhold ``inst``'s free slots from dispatch and admission, or give them back.
+
+        Admission must stop counting them too: a job it dispatched on their credit would
+        find no instance to take it and come straight back, again and again.
+        """
+        inst.suspect = suspect
+        self._policy.update(inst.instance, 0 if suspect else inst.free)
+        self._admission.post(Credit(role=self.role, delta=-inst.free if suspect else inst.free))
+        self._log.warning("pool.suspect" if suspect else "pool.trusted", instance=inst.instance, free=inst.free)
 
     def _send(self, inst: Instance, order: WorkOrder) -> None:
         """Queue ``order``: an instance's orders leave as one message once the daemon is quiet."""
@@ -219,7 +240,8 @@ class PoolActor:
             return
         self._policy.remove(instance)
         self._unsent.pop(instance, None)  # its requests fail below; its socket closes
-        self._admission.post(Credit(role=self.role, delta=-inst.free))
+        if not inst.suspect:  # a suspect's free slots were withdrawn already
+            self._admission.post(Credit(role=self.role, delta=-inst.free))
         for rid in inst.holding:
             del self._holds[rid]
             self._tracker.post(Failed(request_id=rid, reason=reason, message=message))

@@ -39,11 +39,13 @@ class DaemonConfig(Section):
     heartbeat_s: PositiveFloat = 1.0
     heartbeat_misses: PositiveInt = 5  # silence of misses * heartbeat_s evicts a worker
     drain_timeout_s: PositiveFloat = 30.0
-    # A request whose worker was lost (dead, stuck, evicted) starts again from its encoder on
-    # the workers left, this many times, within its own deadline. Stages are deterministic,
-    # so a restart gives the same bytes; the cost is the work redone, and a request that
-    # itself kills workers takes this many more with it. 0 turns retries off.
-    worker_lost_retries: Annotated[int, msgspec.Meta(ge=0, le=10)] = 1
+    # A request whose worker was lost (dead, stuck, evicted) or whose hand-off failed (a write
+    # that could not reach its receiver, a receiver without room in time) starts again from
+    # its encoder on the workers left, this many times, within its own deadline. Stages are
+    # deterministic, so a restart gives the same bytes; the cost is the work redone, and a
+    # request that itself kills workers (or needs more room than any receiver has) takes
+    # this many more attempts with it. 0 turns retries off.
+    retries: Annotated[int, msgspec.Meta(ge=0, le=10)] = 1
     # Memory a silent (evicted, maybe still alive) sender was writing into stays reserved
     # this long, and a rejoining receiver waits this long; it must exceed the workers'
     # MC_TRANSFER_TIMEOUT (checked when the config loads).

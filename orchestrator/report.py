@@ -30,5 +30,6 @@ def workers_table(instances: list[InstanceStats]) -> str:
         lines.append(
             f"{i.instance:<12} {i.role:<9} {i.name:<16} {i.slots_free:>3}/{i.slots_total:<3} "
             f"{i.prealloc_free:>4}/{i.prealloc_total:<4} {i.served:>7} {i.failed:>7}  {i.address}"
+            + ("  (suspect: no new work)" if i.suspect else "")
         )
     return "\n".join(lines)

@@ -200,6 +200,7 @@ class InstanceStats(Plain):
     served: int
     failed: int
     alive: bool
+    suspect: bool = False  # a push into it failed and it is silent since: it gets no new work
 
 
 class Stats(Wire):
@@ -220,8 +221,8 @@ class Stats(Wire):
     # Mail each actor has handled since start: the daemon's internal hops (a request makes
     # about 25 on the fast path; timers add a few per second).
     mail_handled: dict[str, int] = {}
-    # Requests started again because their worker was lost (daemon.worker_lost_retries);
-    # the lost attempt also counts in failed_by_reason["worker_lost"].
+    # Requests started again because their worker was lost or their hand-off failed
+    # (daemon.retries); the failed attempt also counts in failed_by_reason.
     retried: int = 0
 
 

@@ -175,8 +175,28 @@ async def test_a_submit_without_an_id_gets_one(ctx: zmq.asyncio.Context, tmp_pat
             assert reply.request_id == rid
 
 
-def lost(key: str) -> Deliver:
-    return Deliver(request_id=key, message=Rejected(request_id=key, reason=Reason.WORKER_LOST, message="gone"))
+def lost(key: str, reason: Reason = Reason.WORKER_LOST) -> Deliver:
+    return Deliver(request_id=key, message=Rejected(request_id=key, reason=reason, message="gone"))
+
+
+@pytest.mark.parametrize(("reason", "retried"), [
+    (Reason.WORKER_LOST, True),
+    (Reason.TRANSFER_FAILED, True),  # a hand-off that could not reach its receiver
+    (Reason.STAGE_FAILED, False),  # the request itself is at fault: again would fail again
+    (Reason.TIMED_OUT, False),
+    (Reason.CANCELLED, False),
+])
+async def test_only_failures_of_the_pipeline_are_retried(ctx: zmq.asyncio.Context, tmp_path: Path,
+                                                         reason: Reason, retried: bool) -> None:
+    with anyio.fail_after(5):
+        async with running_frontend(ctx, tmp_path) as f:
+            key = await f.admitted("r")
+            f.inbox.post(lost(key, reason))
+            if retried:
+                assert (await f.tracker.receive()).request_id == "r#1"
+            else:
+                assert (await f.reply())[0] == Rejected(request_id="r", reason=reason, message="gone")
+            assert (await f.stats()).retried == int(retried)
 
 
 async def test_a_request_whose_worker_was_lost_starts_again_once_under_a_new_key(
@@ -199,7 +219,7 @@ async def test_a_request_whose_worker_was_lost_starts_again_once_under_a_new_key
             assert await f.reply() == (Cancelled(request_id="r", found=True), [])
             assert await f.tracker.receive() == CancelRequest(request_id="r#1")
 
-            # Lost again: retries are spent (worker_lost_retries = 1), so the client hears why.
+            # Lost again: retries are spent (retries = 1), so the client hears why.
             f.inbox.post(lost("r#1"))
             reply, _ = await f.reply()
             assert reply == Rejected(request_id="r", reason=Reason.WORKER_LOST, message="gone")

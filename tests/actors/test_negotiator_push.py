@@ -9,7 +9,7 @@ import anyio
 import zmq
 import zmq.asyncio
 
-from actors.mail import Failed, Forget, HandedOff, Placed, Release, Send
+from actors.mail import Failed, Forget, HandedOff, Leave, Placed, Release, Send, Suspect, Tick
 from actors.negotiator import PreallocCounts
 from tests.actors.negotiator_harness import (
     HOP,
@@ -18,6 +18,7 @@ from tests.actors.negotiator_harness import (
     PARAMS,
     POOL_BASE,
     TOKEN,
+    FakeWorker,
     Negotiator,
     aborted,
     encoder_and_denoiser,
@@ -33,6 +34,7 @@ from transfer.protocol import (
     PROTOCOL_VERSION,
     Alloc,
     Allocated,
+    Heartbeat,
     Push,
     Pushed,
     Ready,
@@ -42,6 +44,11 @@ from transfer.protocol import (
     SlotInfo,
     encode,
 )
+
+
+def suspected(worker: FakeWorker, suspect: bool = True) -> Suspect:
+    return Suspect(instance=worker.instance, suspect=suspect)
+
 
 # --------------------------------------------------------------------------- the next stage's job
 
@@ -73,7 +80,8 @@ async def test_failed_push_frees_the_receivers_slot_and_fails_the_request(
                 released("r1", encoder, ok=False),
                 aborted("r1", encoder),
             ]
-            assert n.take("denoiser") == [released("r1", denoiser)]
+            # The receiver may be dead: it gets no new work until it is heard from.
+            assert n.take("denoiser") == [suspected(denoiser), released("r1", denoiser)]
             stats = await n.stats()
             assert stats.prealloc[denoiser.instance] == PreallocCounts(2, 2)  # back at once
             assert stats.handoffs_in_flight == 0
@@ -88,6 +96,48 @@ async def test_failed_push_frees_the_receivers_slot_and_fails_the_request(
             n.assert_silent()
 
 
+async def fail_a_push_into(n: Negotiator, encoder: FakeWorker, denoiser: FakeWorker, rid: str) -> None:
+    await push_on_fast_path(n, encoder, denoiser, rid)
+    await encoder.report(Pushed(request_id=rid, ok=False, transfer_ms=0.0, error="peer unreachable"))
+    assert isinstance(await n.tracker.receive(), Failed)
+    n.take("encoder")
+    assert n.take("denoiser") == [suspected(denoiser), released(rid, denoiser)]
+
+
+async def test_a_suspect_receiver_heard_from_again_is_trusted(ctx: zmq.asyncio.Context, tmp_path: Path) -> None:
+    """The push failed for another reason (a link, the sender): one heartbeat clears it."""
+    with anyio.fail_after(5):
+        async with encoder_and_denoiser(ctx, tmp_path, slots=2) as (n, encoder, denoiser):
+            await fail_a_push_into(n, encoder, denoiser, "r1")
+            await denoiser.report(Heartbeat())
+            assert await n.pools["denoiser"].receive() == suspected(denoiser, False)
+            await denoiser.report(Heartbeat())
+            await n.stats()
+            n.assert_silent()  # trusted once, not on every message
+
+
+async def test_a_suspect_receiver_that_stays_silent_is_evicted_in_two_heartbeats(
+    ctx: zmq.asyncio.Context, tmp_path: Path
+) -> None:
+    """Not after heartbeat_misses (5 here): a dead receiver would take every hand-off sent its way."""
+    with anyio.fail_after(5):
+        async with encoder_and_denoiser(ctx, tmp_path, slots=2, heartbeat_s=0.2) as (n, encoder, denoiser):
+            await fail_a_push_into(n, encoder, denoiser, "r1")
+            await encoder.report(Heartbeat())
+            await anyio.sleep(0.3)
+            n.inbox.post(Tick())  # 1.5 heartbeats: not yet
+            await n.stats()
+            n.assert_silent()
+            await anyio.sleep(0.15)
+            await encoder.report(Heartbeat())
+            n.inbox.post(Tick())  # 2.25 heartbeats of silence since the failure
+            leave = await n.pools["denoiser"].receive()
+            assert isinstance(leave, Leave) and leave.instance == denoiser.instance
+            assert leave.reason == Reason.WORKER_LOST and "went silent after a push into it failed" in leave.message
+            assert denoiser.instance not in (await n.stats()).prealloc
+            n.assert_silent()  # the encoder, which spoke, stays
+
+
 async def test_slot_freed_by_a_failed_push_serves_the_next_hand_off(ctx: zmq.asyncio.Context, tmp_path: Path) -> None:
     with anyio.fail_after(5):
         async with encoder_and_denoiser(ctx, tmp_path, slots=1) as (n, encoder, denoiser):
@@ -97,7 +147,7 @@ async def test_slot_freed_by_a_failed_push_serves_the_next_hand_off(ctx: zmq.asy
             await encoder.report(Pushed(request_id="r1", ok=False, transfer_ms=0.0, error="link down"))
             await n.tracker.receive()  # Failed
             n.take("encoder")  # Release, Abort
-            n.take("denoiser")  # Release
+            n.take("denoiser")  # Suspect, Release
             await stage_encoder_output(n, encoder, "r2")
             n.inbox.post(Placed(job=job("r2", "denoiser"), instance=denoiser.instance))
             send = await n.pools["encoder"].receive()
@@ -128,6 +178,7 @@ async def test_failed_push_into_an_allocation_aborts_it_at_the_receiver(
                 aborted("r1", encoder),
             ]
             assert n.take("denoiser") == [
+                suspected(denoiser),
                 released("r1", denoiser),
                 aborted("r1", denoiser),
             ]
@@ -150,7 +201,7 @@ async def test_report_after_a_failed_push_is_late(ctx: zmq.asyncio.Context, tmp_
             assert stats.late_reports == 1
             assert stats.prealloc[denoiser.instance] == PreallocCounts(2, 2)
             assert [type(m) for m in n.take("encoder")] == [Release, Send]  # the first report's
-            assert n.take("denoiser") == [released("r1", denoiser)]
+            assert n.take("denoiser") == [suspected(denoiser), released("r1", denoiser)]
             n.assert_silent()
 
 

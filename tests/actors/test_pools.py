@@ -29,6 +29,7 @@ from actors.mail import (
     PoolMail,
     Release,
     Send,
+    Suspect,
 )
 from actors.mailbox import Mailbox, Switchboard
 from actors.pools import PoolActor, PoolStats
@@ -234,6 +235,49 @@ async def test_dispatches_alternate_between_instances(ctx: zmq.asyncio.Context, 
             await pool.join(address_a, "decoder-1")
             await pool.join(address_b, "decoder-2")
             assert [await pool.dispatch(f"r{i}") for i in range(4)] == ["decoder-1", "decoder-2"] * 2
+
+
+# --------------------------------------------------------------------------- suspects
+
+
+async def test_a_suspect_gets_no_work_and_its_free_slots_leave_admissions_count(
+    ctx: zmq.asyncio.Context, tmp_path: Path
+) -> None:
+    with anyio.fail_after(5):
+        async with (
+            fake_worker(ctx, tmp_path, "a") as (address_a, _),
+            fake_worker(ctx, tmp_path, "b") as (address_b, _),
+            running_pool("denoiser", ctx) as pool,
+        ):
+            await pool.join(address_a, "denoiser-1", capacity=3)
+            await pool.join(address_b, "denoiser-2", capacity=3)
+            assert await pool.dispatch("r1") == "denoiser-1"
+            pool.inbox.post(Suspect(instance="denoiser-1", suspect=True))
+            assert await pool.admission.receive() == Credit(role="denoiser", delta=-2)
+            pool.inbox.post(Suspect(instance="denoiser-1", suspect=True))  # said twice: counted once
+            assert [await pool.dispatch(f"r{i}") for i in range(2, 5)] == ["denoiser-2"] * 3
+            # Its held slot comes back, but not to admission while it is suspected.
+            pool.inbox.post(Release(request_id="r1", instance="denoiser-1", ok=False))
+            [one, _] = (await pool.stats()).instances
+            assert (one.instance, one.slots_free, one.suspect) == ("denoiser-1", 3, True)
+            assert_empty(pool.admission)
+            pool.inbox.post(Suspect(instance="denoiser-1", suspect=False))
+            assert await pool.admission.receive() == Credit(role="denoiser", delta=3)
+            assert await pool.dispatch("r5") == "denoiser-1"
+
+
+async def test_a_suspect_that_leaves_withdraws_nothing_twice(ctx: zmq.asyncio.Context, tmp_path: Path) -> None:
+    with anyio.fail_after(5):
+        async with fake_worker(ctx, tmp_path) as (address, _), running_pool("denoiser", ctx) as pool:
+            await pool.join(address, capacity=3)
+            await pool.dispatch("r1")
+            pool.inbox.post(Suspect(instance="denoiser-1", suspect=True))
+            assert await pool.admission.receive() == Credit(role="denoiser", delta=-2)
+            pool.inbox.post(Leave(instance="denoiser-1", reason=Reason.WORKER_LOST, message="went silent"))
+            assert await pool.tracker.receive() == Failed(request_id="r1", reason=Reason.WORKER_LOST,
+                                                          message="went silent")
+            assert (await pool.stats()).instances == []
+            assert_empty(pool.admission)
 
 
 # --------------------------------------------------------------------------- release and forget

@@ -212,7 +212,8 @@ def test_a_receiver_that_cannot_fit_a_transfer_says_so(start_cluster: StartClust
     assert caught.value.reason == Reason.TRANSFER_FAILED
     assert "cannot fit" in caught.value.rejected.message
     stats = wait_for(cluster, all_free)
-    assert stats.slow_path == {"encoder->denoiser": 1}
+    # Tried again once (daemon.retries): room may lack only for the load of the moment.
+    assert (stats.slow_path, stats.retried) == ({"encoder->denoiser": 2}, 1)
 
 
 def test_a_taken_port_stops_the_daemon_loudly(start_cluster: StartCluster) -> None:

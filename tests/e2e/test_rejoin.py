@@ -43,7 +43,7 @@ async def test_an_evicted_worker_rejoins_in_the_same_process_holding_nothing(sta
     """Stopped mid-denoise past its heartbeats: evicted, its request fails (retries off here:
     tests/e2e/test_worker_loss.py has them); resumed, it finishes the stage it was running,
     learns it was forgotten, frees that output and rejoins."""
-    no_retry = {"daemon": {**QUICK_REJOIN["daemon"], "worker_lost_retries": 0}}
+    no_retry = {"daemon": {**QUICK_REJOIN["daemon"], "retries": 0}}
     cluster = start_cluster(layout={"encoder": 1, "denoiser": 1, "decoder": 1},
                             **{**QUICK_REJOIN, **no_retry}, **{"model.null": {"denoiser_ms": 1500.0}})
     victim = cluster.workers["denoiser0"]

@@ -9,7 +9,7 @@ import signal
 import anyio
 import torch
 
-from orchestrator.client import AsyncClient
+from orchestrator.client import AsyncClient, Client
 from orchestrator.report import stats_table
 from orchestrator.stages.null import expected_outputs
 from tests.e2e.conftest import StartCluster, all_free, wait_for
@@ -46,3 +46,25 @@ async def test_a_request_whose_denoiser_dies_is_retried_on_the_other_one(start_c
     assert stats.retried == 1 and stats.failed_by_reason == {"worker_lost": 1}
     assert "retried=1" in stats_table(stats)  # what `triptych stats` prints
     assert "request.retried" in cluster.log_of("daemon")
+
+
+def test_a_dead_receiver_fails_no_request_and_takes_no_more_work(start_cluster: StartCluster) -> None:
+    """A push into a dead denoiser fails at once; the request starts again on the other one,
+    and the dead one gets nothing more while the daemon waits out two heartbeats, not all
+    ``heartbeat_misses`` (set high here so the two cannot be confused)."""
+    cluster = start_cluster(daemon={"heartbeat_misses": 40})  # 20 s of silence before a plain eviction
+    [dead] = [i.instance for i in cluster.control.stats().instances if i.name == "denoiser1"]
+    victim = cluster.workers["denoiser1"]
+    os.kill(victim.pid, signal.SIGKILL)
+    victim.wait()
+    null_cfg = cluster.config.model.null
+    with Client(cluster.config.daemon.client_endpoint) as client:
+        for i in range(8):
+            params = GenParams(prompt=f"after the crash {i}", seed=i, output="raw")
+            generation = client.submit(params, timeout_s=10)
+            assert torch.equal(generation.outputs["images"], expected_outputs(params, null_cfg)["images"])
+            assert dead not in {s.instance for s in generation.result.stages}
+    stats = wait_for(cluster, lambda s: all_free(s) and len(s.instances) == 3, timeout_s=5)
+    assert "denoiser1" not in {i.name for i in stats.instances}
+    assert (stats.failed_by_reason, stats.retried) == ({"transfer_failed": 1}, 1)
+    assert "went silent after a push into it failed" in cluster.log_of("daemon")
