@@ -59,7 +59,7 @@ def _daemon_metrics(stats: Stats) -> Iterator[Metric]:
     yield CounterMetricFamily("triptych_requests_completed", "Requests answered with a result", value=stats.completed)
     yield _labelled(CounterMetricFamily, "triptych_requests_failed", "Requests that ended in an error, by reason",
                     "reason", stats.failed_by_reason)
-    yield CounterMetricFamily("triptych_requests_retried", "Requests started again after their worker was lost",
+    yield CounterMetricFamily("triptych_requests_retried", "Requests started again after a lost worker or a failed hand-off",
                               value=stats.retried)
     yield _labelled(GaugeMetricFamily, "triptych_requests_in_flight", "Requests in flight, by state", "state",
                     stats.requests_by_state)
@@ -91,6 +91,9 @@ def _instance_metrics(stats: Stats) -> Iterator[Metric]:
         "served": CounterMetricFamily("triptych_worker_served", "Stages this instance completed", labels=INSTANCE_LABELS),
         "failed": CounterMetricFamily("triptych_worker_failed", "Stages that failed on this instance",
                                       labels=INSTANCE_LABELS),
+        "suspect": GaugeMetricFamily("triptych_worker_suspect",
+                                     "1 while a push into this instance failed and it has not been heard from since",
+                                     labels=INSTANCE_LABELS),
     }
     for inst in stats.instances:
         labels = [inst.instance, inst.role, inst.name]

@@ -52,7 +52,8 @@ def test_a_dead_receiver_fails_no_request_and_takes_no_more_work(start_cluster: 
     """A push into a dead denoiser fails at once; the request starts again on the other one,
     and the dead one gets nothing more while the daemon waits out two heartbeats, not all
     ``heartbeat_misses`` (set high here so the two cannot be confused)."""
-    cluster = start_cluster(daemon={"heartbeat_misses": 40})  # 20 s of silence before a plain eviction
+    # Suspected for 3 s (two heartbeats), where a plain eviction would take 60 s of silence.
+    cluster = start_cluster(daemon={"heartbeat_s": 1.5, "heartbeat_misses": 40})
     [dead] = [i.instance for i in cluster.control.stats().instances if i.name == "denoiser1"]
     victim = cluster.workers["denoiser1"]
     os.kill(victim.pid, signal.SIGKILL)
@@ -64,7 +65,12 @@ def test_a_dead_receiver_fails_no_request_and_takes_no_more_work(start_cluster: 
             generation = client.submit(params, timeout_s=10)
             assert torch.equal(generation.outputs["images"], expected_outputs(params, null_cfg)["images"])
             assert dead not in {s.instance for s in generation.result.stages}
-    stats = wait_for(cluster, lambda s: all_free(s) and len(s.instances) == 3, timeout_s=5)
+    meanwhile = cluster.control.stats()
+    [suspect] = [i for i in meanwhile.instances if i.suspect]
+    assert suspect.instance == dead and suspect.slots_free == suspect.slots_total  # it holds nothing
+    [line] = [line for line in stats_table(meanwhile).splitlines() if line.startswith(f"{dead} ")]
+    assert line.endswith("(suspect: no new work)")  # what `triptych stats` prints
+    stats = wait_for(cluster, lambda s: all_free(s) and len(s.instances) == 3, timeout_s=10)
     assert "denoiser1" not in {i.name for i in stats.instances}
     assert (stats.failed_by_reason, stats.retried) == ({"transfer_failed": 1}, 1)
     assert "went silent after a push into it failed" in cluster.log_of("daemon")

@@ -15,7 +15,7 @@ STATS = Stats(
     mail_handled={"tracker": 120}, retried=3,
     instances=[InstanceStats(instance="denoiser-2", role="denoiser", name="gpu3", address="tcp://h:1", session="h:2",
                              slots_free=1, slots_total=2, prealloc_free=0, prealloc_total=2, served=17, failed=1,
-                             alive=True)],
+                             alive=True, suspect=True)],
 )
 
 
@@ -49,6 +49,7 @@ def test_every_stats_figure_becomes_a_labelled_sample() -> None:
         f"triptych_worker_prealloc{{{worker}}} 2.0",
         f"triptych_worker_served_total{{{worker}}} 17.0",
         f"triptych_worker_failed_total{{{worker}}} 1.0",
+        f"triptych_worker_suspect{{{worker}}} 1.0",
     } <= lines
 
 
