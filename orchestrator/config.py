@@ -80,6 +80,12 @@ class WorkerConfig(Section):
     # What the daemon dials: a real address, never a wildcard like 0.0.0.0.
     advertise_host: Annotated[str, msgspec.Meta(pattern=r"^(?!0\.0\.0\.0$|\*$|::$)\S+$")] = "127.0.0.1"
     connect_timeout_s: PositiveFloat = 60.0  # retrying the daemon until it is up
+    # A stage run longer than this is hung (a wedged GPU, a deadlocked kernel): no thread can
+    # be stopped from outside, so the worker logs worker.stage_hung and exits with status 70
+    # for its supervisor to start a fresh process; the daemon sees it go silent, and its
+    # requests start again elsewhere (daemon.retries). The default is the longest deadline
+    # a request can have: no run past it can serve anyone.
+    stage_timeout_s: PositiveFloat = 3600.0
 
 
 class WorkersConfig(Section):
@@ -100,6 +106,7 @@ class NullStageConfig(Section):
     embed_shape: tuple[int, ...] = (1, 77, 64)
     latent_channels: PositiveInt = 4
     fail_prompt: str = ""  # a prompt containing this makes the denoiser raise (tests, demo)
+    hang_prompt: str = ""  # ...makes the denoiser hang, deaf to stops, as a wedged GPU would (tests)
 
 
 class DiffusersConfig(Section):

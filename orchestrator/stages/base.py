@@ -48,6 +48,7 @@ class RunControl:
     def __init__(self, on_step: StepFn | None = None) -> None:
         self._stopped = threading.Event()
         self._on_step = on_step
+        self.started_at: float | None = None  # monotonic; set by the worker when the run's thread starts it
 
     def stop(self) -> None:
         self._stopped.set()

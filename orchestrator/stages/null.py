@@ -12,6 +12,7 @@ start, as one forward pass cannot be interrupted.
 from __future__ import annotations
 
 import hashlib
+import threading
 import time
 
 import torch
@@ -80,6 +81,8 @@ class NullDenoiser(_NullStage):
     role = "denoiser"
 
     def run(self, params: GenParams, inputs: Tensors, *, control: RunControl = UNATTENDED) -> Tensors:
+        if self._cfg.hang_prompt and self._cfg.hang_prompt in params.prompt:
+            threading.Event().wait()  # never set: only the worker's stage watchdog ends this
         for done in range(params.steps):
             control.step(done, params.steps)
             control.sleep(self._cfg.denoiser_ms / 1000 / params.steps)

@@ -3,17 +3,20 @@ deadline) and its client gets the right bytes, not an error; nothing leaks."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 
 import anyio
+import pytest
 import torch
 
-from orchestrator.client import AsyncClient, Client
+from orchestrator.client import AsyncClient, Client, Rejection
 from orchestrator.report import stats_table
 from orchestrator.stages.null import expected_outputs
+from orchestrator.worker import EXIT_STAGE_HUNG
 from tests.e2e.conftest import StartCluster, all_free, wait_for
-from transfer.protocol import GenParams, Stats
+from transfer.protocol import GenParams, Reason, Stats
 
 
 def denoising_instance(stats: Stats) -> str | None:
@@ -74,3 +77,24 @@ def test_a_dead_receiver_fails_no_request_and_takes_no_more_work(start_cluster: 
     assert "denoiser1" not in {i.name for i in stats.instances}
     assert (stats.failed_by_reason, stats.retried) == ({"transfer_failed": 1}, 1)
     assert "went silent after a push into it failed" in cluster.log_of("daemon")
+
+
+def test_a_hung_stage_takes_its_worker_down_and_nothing_else(start_cluster: StartCluster) -> None:
+    """A stage deaf to stops (a wedged GPU) outlives workers.denoiser.stage_timeout_s, though
+    its request ended long before: its worker exits with status 70 for a supervisor to
+    replace, the daemon evicts it when it goes silent, and the other denoiser keeps serving."""
+    cluster = start_cluster(**{"workers.denoiser": {"stage_timeout_s": 1.0}, "model.null": {"hang_prompt": "wedge"}})
+    with Client(cluster.config.daemon.client_endpoint) as client:
+        with pytest.raises(Rejection) as caught:
+            client.submit(GenParams(prompt="wedge the gpu", seed=1, output="raw"), timeout_s=0.5)
+        assert caught.value.reason == Reason.TIMED_OUT  # the stop it was sent changed nothing
+        wait_for(cluster, lambda _: any(p.poll() is not None for p in cluster.workers.values()))
+        [(name, hung)] = [(n, p) for n, p in cluster.workers.items() if p.poll() is not None]
+        assert name.startswith("denoiser") and hung.returncode == EXIT_STAGE_HUNG
+        [event] = [json.loads(line) for line in cluster.log_of(name).splitlines() if "worker.stage_hung" in line]
+        assert event["limit_s"] == 1.0 and event["ran_s"] >= 1.0
+        params = GenParams(prompt="an ordinary request", seed=2, output="raw")
+        generation = client.submit(params, timeout_s=20)
+    assert torch.equal(generation.outputs["images"], expected_outputs(params, cluster.config.model.null)["images"])
+    stats = wait_for(cluster, lambda s: all_free(s) and len(s.instances) == 3)
+    assert name not in {i.name for i in stats.instances}
