@@ -32,6 +32,7 @@ import zmq.asyncio
 from orchestrator.config import Config
 from orchestrator.stages import RunControl, Stage, StageError, StageStopped, build_stage
 from orchestrator.stages.base import StepFn
+from orchestrator.watchdog import StageWatchdog
 from orchestrator.work_socket import bind_work_socket
 from transfer import frames
 from transfer.engine import Engine, MooncakeEngine, TransferError
@@ -67,8 +68,6 @@ from transfer.sockets import PlainPump
 log = structlog.get_logger()
 
 REGISTER_RETRY_S = 2.0
-# The exit status of a worker whose stage hung (workers.<role>.stage_timeout_s): EX_SOFTWARE.
-EXIT_STAGE_HUNG = 70
 # Same-host copies up to this size run on the event loop (about 0.1 ms at memcpy speed):
 # cheaper than the two thread hops a push thread costs.
 INLINE_COPY_BYTES = 1 << 20
@@ -107,13 +106,11 @@ class WorkerRuntime:
         self._transfer = anyio.CapacityLimiter(1)
         self._scopes: dict[str, anyio.CancelScope] = {}  # compute and alloc tasks, by request
         self._runs: dict[str, RunControl] = {}  # stage runs, by request: stopped, they end at their next step
-        # Every run a compute thread has taken or may take, stopped or not, until that thread
-        # returns: what the stage watchdog watches.
-        self._computing: dict[RunControl, str] = {}
+        self._log = log.bind(role=role, worker=self.name)
+        self._watchdog = StageWatchdog(self._wcfg.stage_timeout_s, log=self._log)
         self._staged: dict[str, Block] = {}
         self._allocs: dict[str, Block] = {}
         self._pushing: set[str] = set()
-        self._log = log.bind(role=role, worker=self.name)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -122,6 +119,7 @@ class WorkerRuntime:
         self._stage = await anyio.to_thread.run_sync(
             lambda: build_stage(self.role, self._cfg.model, torch_threads=self._wcfg.torch_threads)
         )
+        self._watchdog.start()
         receives = self.role != "encoder"
         slot_sizes = [self._wcfg.prealloc_slot_bytes] * self._wcfg.prealloc_slots if receives else []
         if self._cfg.transfer.same_host_copy:
@@ -163,7 +161,6 @@ class WorkerRuntime:
         self._log.info("worker.registered", work_address=work_address, session=self._engine.session)
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._heartbeat, registered.heartbeat_s)
-            tg.start_soon(self._watch_stages)
             tg.start_soon(self._send_reports, dealer)
             # Read on the loop without zmq.asyncio; nothing else uses this socket.
             tg.start_soon(PlainPump(work, partial(self._on_orders, tg=tg), copy=True).run)
@@ -225,19 +222,6 @@ class WorkerRuntime:
         while True:
             self._outbox.put(beat)
             await anyio.sleep(period_s)
-
-    async def _watch_stages(self) -> None:
-        """Exit the process if a stage run outlives ``stage_timeout_s``: its thread cannot be
-        stopped, and a worker with a wedged GPU must not keep taking work it cannot do."""
-        limit_s = self._wcfg.stage_timeout_s
-        while True:
-            await anyio.sleep(min(1.0, limit_s / 4))
-            now = time.monotonic()
-            for control, rid in self._computing.items():
-                if control.started_at is not None and now - control.started_at > limit_s:
-                    self._log.error("worker.stage_hung", request_id=rid, ran_s=round(now - control.started_at, 1),
-                                    limit_s=limit_s, exit_status=EXIT_STAGE_HUNG)
-                    os._exit(EXIT_STAGE_HUNG)  # a normal exit would wait for the hung thread
 
     async def _watch_daemon(self, dealer: zmq.asyncio.Socket) -> RegisterRefused:
         """Return the refusal that says the daemon forgot this worker; raise on any other."""
@@ -373,12 +357,10 @@ class WorkerRuntime:
             control.started_at = time.monotonic()  # not before: waiting for a compute thread is no hang
             return stage.run(order.params, inputs, control=control)
 
-        self._computing[control] = rid
-        try:
-            # Not cancellable: even when the request ends, this returns only once the thread does.
+        # Watched until the thread returns, stopped or not: not cancellable, this await
+        # outlasts even the request's end.
+        with self._watchdog.watching(control, rid):
             return await anyio.to_thread.run_sync(run, limiter=self._compute)
-        finally:
-            del self._computing[control]
 
     def _take_inputs(self, ready: Ready) -> dict[str, torch.Tensor]:
         """Copy the input out of the receive memory, then give an allocation back at once."""

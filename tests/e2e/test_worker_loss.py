@@ -14,7 +14,7 @@ import torch
 from orchestrator.client import AsyncClient, Client, Rejection
 from orchestrator.report import stats_table
 from orchestrator.stages.null import expected_outputs
-from orchestrator.worker import EXIT_STAGE_HUNG
+from orchestrator.watchdog import EXIT_STAGE_HUNG
 from tests.e2e.conftest import StartCluster, all_free, wait_for
 from transfer.protocol import GenParams, Reason, Stats
 
@@ -98,3 +98,16 @@ def test_a_hung_stage_takes_its_worker_down_and_nothing_else(start_cluster: Star
     assert torch.equal(generation.outputs["images"], expected_outputs(params, cluster.config.model.null)["images"])
     stats = wait_for(cluster, lambda s: all_free(s) and len(s.instances) == 3)
     assert name not in {i.name for i in stats.instances}
+
+
+def test_a_worker_told_to_stop_during_a_hung_stage_still_exits(start_cluster: StartCluster) -> None:
+    """SIGTERM cancels a worker's tasks, then waits for its stage threads: a hung one would
+    keep the process alive for good, but the watchdog, a thread of its own, still ends it."""
+    cluster = start_cluster(layout={"encoder": 1, "denoiser": 1, "decoder": 1},
+                            **{"workers.denoiser": {"stage_timeout_s": 2.0}, "model.null": {"hang_prompt": "wedge"}})
+    with Client(cluster.config.daemon.client_endpoint) as client, pytest.raises(Rejection):
+        client.submit(GenParams(prompt="wedge the gpu", seed=1, output="raw"), timeout_s=0.5)
+    denoiser = cluster.workers["denoiser0"]
+    denoiser.send_signal(signal.SIGTERM)  # well before the stage's 2 s are up
+    assert denoiser.wait(timeout=10) == EXIT_STAGE_HUNG
+    assert "worker.signal" in cluster.log_of("denoiser0") and "worker.stage_hung" in cluster.log_of("denoiser0")

@@ -1,0 +1,71 @@
+"""The stage watchdog: a worker whose stage hangs exits, so its supervisor can replace it.
+
+A stage is synchronous code on a worker thread, and no thread can be stopped from outside:
+a stop (``RunControl``) only works at the stage's next step. A run that never gets there, a
+wedged GPU or a deadlocked kernel, would hold its compute thread and its capacity for good,
+and the worker would keep heartbeating and taking work it cannot do. So a run longer than
+``workers.<role>.stage_timeout_s`` ends the process with ``EXIT_STAGE_HUNG``; the daemon
+sees it go silent and starts its requests again elsewhere.
+
+The watchdog is a thread of its own, not a task on the worker's event loop: a shutdown
+(SIGTERM) cancels every task and then waits for the stage threads, so a task would be gone
+exactly when a hung stage keeps the process from exiting.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import structlog
+
+from orchestrator.stages import RunControl
+
+EXIT_STAGE_HUNG = 70  # EX_SOFTWARE
+
+
+class StageWatchdog:
+    """Watches every run from the moment its thread starts it until that thread returns."""
+
+    def __init__(self, limit_s: float, *, log: structlog.typing.FilteringBoundLogger,
+                 exit: Callable[[int], object] = os._exit) -> None:
+        self.limit_s = limit_s
+        self._log = log
+        self._exit = exit  # os._exit: a normal exit would wait for the hung thread
+        self._lock = threading.Lock()  # the runs change on the event loop, are read here
+        self._runs: dict[RunControl, str] = {}
+
+    @contextmanager
+    def watching(self, control: RunControl, request_id: str) -> Iterator[None]:
+        """Watch ``control``'s run for the block; its clock starts at ``control.started_at``."""
+        with self._lock:
+            self._runs[control] = request_id
+        try:
+            yield
+        finally:
+            with self._lock:
+                del self._runs[control]
+
+    def start(self) -> None:
+        threading.Thread(target=self._watch, name="stage-watchdog", daemon=True).start()
+
+    def check(self, now: float) -> bool:
+        """Exit if a run has outlived the limit at ``now``; True if the exit was called."""
+        with self._lock:
+            runs = list(self._runs.items())
+        for control, request_id in runs:
+            started = control.started_at
+            if started is not None and now - started > self.limit_s:
+                self._log.error("worker.stage_hung", request_id=request_id, ran_s=round(now - started, 1),
+                                limit_s=self.limit_s, exit_status=EXIT_STAGE_HUNG)
+                self._exit(EXIT_STAGE_HUNG)
+                return True
+        return False
+
+    def _watch(self) -> None:
+        period_s = min(1.0, self.limit_s / 4)
+        while not self.check(time.monotonic()):
+            time.sleep(period_s)
