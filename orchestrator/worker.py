@@ -8,7 +8,8 @@ Three paths that never wait on each other:
   plain copy when the receiver shares this host (transfer/shm.py);
 * control: allocations, aborts and all socket traffic, on the event loop.
 
-So an ``Alloc`` or ``Push`` is answered while a long denoising loop runs.
+So an ``Alloc`` or ``Push`` is answered while a long denoising loop runs. A stage that
+never returns ends the process (orchestrator/watchdog.py).
 """
 
 from __future__ import annotations
