@@ -21,7 +21,8 @@ class Link:
     pool_size: int
     last_seen: float
     local: LocalMemory | None = None  # its pool as shared memory, for senders on its host
-    suspect_since: float | None = None  # a push into it failed then, and it has been silent since
+    suspect: bool = False  # it gets no new work (a push into it failed, or it went quiet) until heard from
+    push_failed_at: float | None = None  # a push into it failed then, and it has been silent since
 
     def holds(self, address: int, nbytes: int) -> bool:
         return self.pool_base <= address and address + nbytes <= self.pool_base + self.pool_size

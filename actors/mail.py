@@ -196,9 +196,9 @@ class Leave(Mail):
 
 
 class Suspect(Mail):
-    """A push into ``instance`` failed (``suspect``), or it has been heard from since: while
-    suspected it gets no new work, so a dead worker cannot take request after request
-    until its heartbeats are missed."""
+    """``instance`` went quiet or a push into it failed (``suspect``), or it has been heard
+    from since: while suspected it gets no new work, so a dead worker cannot take request
+    after request until its heartbeats are missed."""
 
     instance: str
     suspect: bool

@@ -10,9 +10,10 @@ The tensors never come here: workers write into each other's memory with Mooncak
 only sizes, addresses and manifests cross this actor. The decoder's output frames pass
 through untouched on their way to the frontend.
 
-A push that fails makes its receiver a suspect: it gets no new work until it speaks
-again, and is evicted if it stays silent for two heartbeats, so a dead receiver costs one
-request instead of every request dispatched to it until its heartbeats are missed.
+A worker silent for two heartbeats, or a receiver a push just failed to reach, is a
+suspect: it gets no new work until it speaks again. A suspect whose push failed is evicted
+if it stays silent for two more heartbeats, so a dead receiver costs one request instead of
+every request dispatched to it until its heartbeats are missed.
 
 A worker is identified by its ROUTER connection, which only a registration carrying the
 shared token creates; a report about a request counts only if it comes from the instance
@@ -91,8 +92,9 @@ from transfer.sockets import NOBLOCK, PlainPump
 
 log = structlog.get_logger()
 
-# A worker a push failed to reach is evicted if it stays silent this many heartbeat periods
-# (two: a heartbeat's jitter never evicts a live one), instead of heartbeat_misses.
+# Silence for this many heartbeat periods makes a worker a suspect, and evicts a receiver a
+# push failed to reach (instead of heartbeat_misses). Two: a live worker heartbeats every
+# period, busy or not, and one late beat suspects nobody.
 SUSPECT_HEARTBEATS = 2
 
 
@@ -169,8 +171,8 @@ class TransferNegotiator:
                 message="not registered (the daemon restarted or evicted this worker)", rejoin=True))
             return
         link.last_seen = time.monotonic()
-        if link.suspect_since is not None:
-            self._suspect(link, None)  # it is alive: the failed push was not its death
+        if link.suspect:
+            self._trust(link)  # it is alive: no longer quiet, and a failed push was not its death
         if isinstance(first, Done) and first.outputs:
             self._on_report(link, first, frames[2:])
             return
@@ -325,8 +327,9 @@ class TransferNegotiator:
             return
         if not msg.ok:
             receiver = self._by_instance.get(flight.receiver or "")
-            if receiver is not None and receiver.suspect_since is None:
-                self._suspect(receiver, time.monotonic())
+            if receiver is not None and receiver.push_failed_at is None:
+                receiver.push_failed_at = time.monotonic()
+                self._suspect(receiver)
             # The push is over (failed), so the receiver's memory is free to reuse at once.
             self._fail(flight, Reason.TRANSFER_FAILED, f"{flight.instance} -> {flight.receiver}: {msg.error}",
                        outcome=False)
@@ -433,21 +436,28 @@ class TransferNegotiator:
 
     # ------------------------------------------------------------------ liveness
 
-    def _suspect(self, link: Link, since: float | None) -> None:
-        """Suspect ``link`` since ``since`` (a push into it failed), or clear it (None)."""
-        link.suspect_since = since
-        self._pools[link.role].post(Suspect(instance=link.instance, suspect=since is not None))
+    def _suspect(self, link: Link) -> None:
+        """No new work for ``link`` until it is heard from."""
+        if not link.suspect:
+            link.suspect = True
+            self._pools[link.role].post(Suspect(instance=link.instance, suspect=True))
+
+    def _trust(self, link: Link) -> None:
+        link.suspect, link.push_failed_at = False, None
+        self._pools[link.role].post(Suspect(instance=link.instance, suspect=False))
 
     def _check_liveness(self, now: float) -> None:
         heartbeat_s = self._cfg.heartbeat_s
         limit = heartbeat_s * self._cfg.heartbeat_misses
         for link in list(self._links.values()):
-            if now - link.last_seen > limit:
-                self._evict(link, f"{link.instance} missed heartbeats for {now - link.last_seen:.1f}s", gone=False)
-            elif link.suspect_since is not None and now - link.suspect_since > SUSPECT_HEARTBEATS * heartbeat_s:
-                # A live worker heartbeats every heartbeat_s, busy or not: this one is gone.
+            silent_s = now - link.last_seen
+            if silent_s > limit:
+                self._evict(link, f"{link.instance} missed heartbeats for {silent_s:.1f}s", gone=False)
+            elif link.push_failed_at is not None and now - link.push_failed_at > SUSPECT_HEARTBEATS * heartbeat_s:
                 self._evict(link, f"{link.instance} went silent after a push into it failed "
-                                  f"(last heard {now - link.last_seen:.1f}s ago)", gone=False)
+                                  f"(last heard {silent_s:.1f}s ago)", gone=False)
+            elif silent_s > SUSPECT_HEARTBEATS * heartbeat_s:
+                self._suspect(link)  # quiet: dead, frozen or cut off, work sent now would wait
         while self._quarantine and self._quarantine[0][0] <= now:
             _, flight = self._quarantine.popleft()
             if self._flights.get(flight.request_id) is flight:  # not already released by its Pushed

@@ -4,7 +4,7 @@ A slot is the unit of a worker's capacity: taken when a job is dispatched to (or
 reserved at) an instance, given back when that instance no longer holds the request. The
 pool is the only sender on each instance's PUSH socket; every order is prefixed with the
 key the worker was given at registration, so nobody else can drive a worker. An instance
-the negotiator suspects (a push into it failed) keeps its slots but is offered none.
+the negotiator suspects (silent, or a push into it failed) keeps its slots but is offered none.
 """
 
 from __future__ import annotations

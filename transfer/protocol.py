@@ -200,7 +200,7 @@ class InstanceStats(Plain):
     served: int
     failed: int
     alive: bool
-    suspect: bool = False  # a push into it failed and it is silent since: it gets no new work
+    suspect: bool = False  # silent 2 heartbeats, or a push into it failed, and not heard from since: no new work
 
 
 class Stats(Wire):

@@ -41,6 +41,7 @@ from transfer.protocol import (
     Role,
     SlotInfo,
     Staged,
+    Step,
     TensorSpec,
     Work,
     WorkerMessage,
@@ -163,6 +164,14 @@ async def wait_late(n: Negotiator, count: int) -> NegotiatorStats:
     while (stats := await n.stats()).late_reports < count:
         await anyio.sleep(0.005)
     return stats
+
+
+async def speak(n: Negotiator, worker: FakeWorker) -> None:
+    """A sign of life from ``worker``, read by the negotiator when this returns (a report about
+    no request: it counts as late, and the count says it was handled)."""
+    late = (await n.stats()).late_reports
+    await worker.report(Step(request_id="nobody", step=0, steps=1))
+    await wait_late(n, late + 1)
 
 
 async def stage_encoder_output(n: Negotiator, encoder: FakeWorker, rid: str, priority: int = 0) -> None:

@@ -26,6 +26,7 @@ from tests.actors.negotiator_harness import (
     push_on_fast_path,
     released,
     running_negotiator,
+    speak,
     stage_encoder_output,
     wait_late,
 )
@@ -123,19 +124,43 @@ async def test_a_suspect_receiver_that_stays_silent_is_evicted_in_two_heartbeats
     with anyio.fail_after(5):
         async with encoder_and_denoiser(ctx, tmp_path, slots=2, heartbeat_s=0.2) as (n, encoder, denoiser):
             await fail_a_push_into(n, encoder, denoiser, "r1")
-            await encoder.report(Heartbeat())
             await anyio.sleep(0.3)
             n.inbox.post(Tick())  # 1.5 heartbeats: not yet
             await n.stats()
             n.assert_silent()
             await anyio.sleep(0.15)
-            await encoder.report(Heartbeat())
+            await speak(n, encoder)
             n.inbox.post(Tick())  # 2.25 heartbeats of silence since the failure
             leave = await n.pools["denoiser"].receive()
             assert isinstance(leave, Leave) and leave.instance == denoiser.instance
             assert leave.reason == Reason.WORKER_LOST and "went silent after a push into it failed" in leave.message
             assert denoiser.instance not in (await n.stats()).prealloc
             n.assert_silent()  # the encoder, which spoke, stays
+
+
+async def test_a_worker_silent_for_two_heartbeats_gets_no_new_work_until_heard_from(
+    ctx: zmq.asyncio.Context, tmp_path: Path
+) -> None:
+    """Dead, frozen or cut off: work sent to it now would wait for its eviction
+    (heartbeat_misses, 5 here) to start again elsewhere."""
+    with anyio.fail_after(5):
+        async with encoder_and_denoiser(ctx, tmp_path, slots=2, heartbeat_s=0.2) as (n, encoder, denoiser):
+            await anyio.sleep(0.3)
+            await speak(n, encoder)
+            n.inbox.post(Tick())  # the denoiser: 1.5 heartbeats of silence
+            await n.stats()
+            n.assert_silent()
+            await anyio.sleep(0.15)
+            await speak(n, encoder)
+            n.inbox.post(Tick())  # 2.25
+            assert await n.pools["denoiser"].receive() == suspected(denoiser)
+            n.inbox.post(Tick())  # still quiet: said once
+            await n.stats()
+            n.assert_silent()
+            await speak(n, denoiser)
+            assert n.take("denoiser") == [suspected(denoiser, False)]
+            assert denoiser.instance in (await n.stats()).prealloc  # never evicted
+            n.assert_silent()
 
 
 async def test_slot_freed_by_a_failed_push_serves_the_next_hand_off(ctx: zmq.asyncio.Context, tmp_path: Path) -> None:

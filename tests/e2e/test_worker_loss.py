@@ -111,3 +111,31 @@ def test_a_worker_told_to_stop_during_a_hung_stage_still_exits(start_cluster: St
     denoiser.send_signal(signal.SIGTERM)  # well before the stage's 2 s are up
     assert denoiser.wait(timeout=10) == EXIT_STAGE_HUNG
     assert "worker.signal" in cluster.log_of("denoiser0") and "worker.stage_hung" in cluster.log_of("denoiser0")
+
+
+def test_a_frozen_worker_gets_no_new_work_until_it_thaws(start_cluster: StartCluster) -> None:
+    """Silent for two heartbeats, a worker is a suspect: work sent to it would only wait for
+    its eviction (heartbeat_misses, here 20 s away). Heard from again, it is trusted again."""
+    cluster = start_cluster(daemon={"heartbeat_misses": 40})
+    [frozen] = [i.instance for i in cluster.control.stats().instances if i.name == "denoiser1"]
+    endpoint = cluster.config.daemon.client_endpoint
+    null_cfg = cluster.config.model.null
+
+    def served_by(client: Client, i: int) -> set[str]:
+        params = GenParams(prompt=f"frozen {i}", seed=i, output="raw")
+        generation = client.submit(params, timeout_s=10)
+        assert torch.equal(generation.outputs["images"], expected_outputs(params, null_cfg)["images"])
+        return {s.instance for s in generation.result.stages}
+
+    os.kill(cluster.workers["denoiser1"].pid, signal.SIGSTOP)
+    try:
+        wait_for(cluster, lambda s: [i.instance for i in s.instances if i.suspect] == [frozen])
+        with Client(endpoint) as client:
+            assert not any(frozen in served_by(client, i) for i in range(6))
+    finally:
+        os.kill(cluster.workers["denoiser1"].pid, signal.SIGCONT)
+    wait_for(cluster, lambda s: not any(i.suspect for i in s.instances))
+    with Client(endpoint) as client:
+        assert any(frozen in served_by(client, i) for i in range(6, 12))
+    stats = wait_for(cluster, all_free)
+    assert (stats.failed_by_reason, len(stats.instances)) == ({}, 4)
