@@ -71,6 +71,7 @@ from transfer.protocol import (
     AllocRejected,
     Done,
     Heartbeat,
+    Leaving,
     Push,
     Pushed,
     Ready,
@@ -227,6 +228,9 @@ class TransferNegotiator:
         match msg:
             case Heartbeat():
                 pass
+            case Leaving():
+                # Sent after its threads ended: no write of its is in flight (gone=True).
+                self._evict(link, f"{link.instance} left: its process is stopping")
             case Staged():
                 self._staged(link, msg)
             case Allocated():

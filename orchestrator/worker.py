@@ -48,6 +48,7 @@ from transfer.protocol import (
     AllocRejected,
     Done,
     Heartbeat,
+    Leaving,
     Push,
     Pushed,
     Ready,
@@ -69,6 +70,7 @@ from transfer.sockets import PlainPump
 log = structlog.get_logger()
 
 REGISTER_RETRY_S = 2.0
+LEAVING_LINGER_MS = 1000  # a stopping worker waits at most this long for Leaving to go out
 # Same-host copies up to this size run on the event loop (about 0.1 ms at memcpy speed):
 # cheaper than the two thread hops a push thread costs.
 INLINE_COPY_BYTES = 1 << 20
@@ -138,6 +140,7 @@ class WorkerRuntime:
         work.setsockopt(zmq.LINGER, 0)
         dealer = ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
+        registered: Registered | None = None
         try:
             work_address = bind_work_socket(work, self._wcfg)
             dealer.connect(self._cfg.daemon.worker_endpoint)
@@ -149,9 +152,21 @@ class WorkerRuntime:
                 registered = await self._register(dealer, work_address)
         finally:
             work.close(linger=0)
-            dealer.close(linger=0)
+            # Stage and push threads have all ended here (_serve's task group waited for
+            # them), so the daemon may free at once what this worker held or was sent.
+            linger_ms = self._say_leaving(dealer) if registered is not None else 0
+            dealer.close(linger=linger_ms)
             ctx.term()
             self._engine.close()
+
+    def _say_leaving(self, dealer: zmq.asyncio.Socket) -> int:
+        """Send ``Leaving`` without waiting (this may run while cancelled); return how long
+        closing the socket may wait to get it out."""
+        try:
+            zmq.Socket.shadow(dealer.underlying).send(encode(Leaving()), zmq.NOBLOCK)
+        except zmq.ZMQError:
+            return 0  # no room to queue it: the daemon notices the silence instead
+        return LEAVING_LINGER_MS
 
     async def _serve(self, registered: Registered, dealer: zmq.asyncio.Socket, work: zmq.Socket,
                      work_address: str) -> None:

@@ -316,6 +316,11 @@ class Heartbeat(Wire):
     """Worker -> daemon, every ``heartbeat_s``; silence past the timeout evicts the worker."""
 
 
+class Leaving(Wire):
+    """Worker -> daemon, last words of a worker that stops (SIGTERM), sent once its stage and
+    push threads have ended: forget me now, my requests can start again elsewhere."""
+
+
 class Work(Wire):
     """Daemon -> encoder: run your stage for this request (no tensor input)."""
 
@@ -420,7 +425,7 @@ class Step(Wire):
     steps: NonNegative
 
 
-WorkerMessage = Register | Heartbeat | Staged | Allocated | AllocRejected | Pushed | Done | Step
+WorkerMessage = Register | Heartbeat | Leaving | Staged | Allocated | AllocRejected | Pushed | Done | Step
 DaemonToWorker = Registered | RegisterRefused
 WorkOrder = Work | Alloc | Push | Ready | Abort
 

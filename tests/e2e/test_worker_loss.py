@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 
 import anyio
 import pytest
@@ -139,3 +140,34 @@ def test_a_frozen_worker_gets_no_new_work_until_it_thaws(start_cluster: StartClu
         assert any(frozen in served_by(client, i) for i in range(6, 12))
     stats = wait_for(cluster, all_free)
     assert (stats.failed_by_reason, len(stats.instances)) == ({}, 4)
+
+
+async def test_a_worker_stopped_with_sigterm_says_so_and_its_request_starts_again_at_once(
+    start_cluster: StartCluster,
+) -> None:
+    """Its last message (Leaving) evicts it at once: the request does not wait for
+    heartbeat_misses (here 20 s of silence) to start again on the other denoiser."""
+    cluster = start_cluster(daemon={"heartbeat_misses": 40}, **{"model.null": {"denoiser_ms": 1500.0}})
+    params = GenParams(prompt="stopped mid-denoise", seed=3, output="raw")
+    stopped: list[int] = []
+
+    async def stop_its_denoiser() -> None:
+        stats = await anyio.to_thread.run_sync(lambda: wait_for(cluster, lambda s: denoising_instance(s) is not None))
+        name = denoising_instance(stats)
+        assert name is not None
+        proc = cluster.workers[name]
+        proc.send_signal(signal.SIGTERM)
+        stopped.append(await anyio.to_thread.run_sync(proc.wait))
+
+    with anyio.fail_after(30):
+        async with AsyncClient(cluster.config.daemon.client_endpoint) as client, anyio.create_task_group() as tg:
+            tg.start_soon(stop_its_denoiser)
+            started = time.monotonic()
+            generation = await client.submit(params, timeout_s=30)
+            took_s = time.monotonic() - started
+    assert stopped == [0]
+    assert took_s < 6  # 1.5 s of denoise at most twice, and no 20 s wait for an eviction
+    assert torch.equal(generation.outputs["images"], expected_outputs(params, cluster.config.model.null)["images"])
+    stats = wait_for(cluster, lambda s: all_free(s) and len(s.instances) == 3)
+    assert (stats.retried, stats.failed_by_reason) == (1, {"worker_lost": 1})
+    assert "left: its process is stopping" in cluster.log_of("daemon")
