@@ -70,7 +70,7 @@ from transfer.sockets import PlainPump
 log = structlog.get_logger()
 
 REGISTER_RETRY_S = 2.0
-LEAVING_LINGER_MS = 1000  # a stopping worker waits at most this long for Leaving to go out
+LEAVING_LINGER_MS = 250  # a stopping worker waits at most this long for Leaving to go out (ms)
 # Same-host copies up to this size run on the event loop (about 0.1 ms at memcpy speed):
 # cheaper than the two thread hops a push thread costs.
 INLINE_COPY_BYTES = 1 << 20
