@@ -74,8 +74,10 @@ class ControlActor:
                     reply = await self._answer(frames)
                 except TimeoutError:
                     # An actor too busy to answer in time is news for the operator, not a crash.
+                    begun = "; the drain has begun" if self._drain_requested.is_set() else ""
                     reply = Rejected(request_id="", reason=Reason.OVERLOADED,
-                                     message=f"an actor did not answer the stats query within {self._query_timeout_s}s")
+                                     message=f"an actor did not answer the stats query within "
+                                             f"{self._query_timeout_s}s{begun}")
                 await sock.send_multipart([frames[0], b"", encode(reply)])
 
     async def _answer(self, frames: list[bytes]) -> ControlReply:
@@ -91,9 +93,9 @@ class ControlActor:
             case ListWorkers():
                 return Workers(instances=(await self.stats()).instances)
             case Drain():
-                stats = await self.stats()
+                # First, so that an actor too busy to be counted cannot hold the drain back.
                 self._drain_requested.set()
-                return Draining(in_flight=sum(stats.requests_by_state.values()))
+                return Draining(in_flight=sum((await self.stats()).requests_by_state.values()))
 
     async def stats(self) -> Stats:
         answers: dict[str, Any] = {}

@@ -11,30 +11,52 @@ import zmq.asyncio
 from actors.control import ControlActor
 from actors.mail import QueryStats
 from actors.mailbox import Switchboard
-from transfer.protocol import CONTROL_REPLY, GetStats, Reason, Rejected, encode
+from transfer.protocol import CONTROL_REPLY, Drain, GetStats, Reason, Rejected, encode
 
 
-async def test_an_owner_too_slow_to_answer_gets_overloaded_and_control_keeps_serving(
-    ctx: zmq.asyncio.Context, tmp_path: Path
-) -> None:
+async def ask_a_silent_owner(
+    ctx: zmq.asyncio.Context, tmp_path: Path, requests: list[bytes]
+) -> tuple[list[Rejected], anyio.Event]:
+    """Send ``requests`` one by one to a ControlActor whose only owner never answers a query."""
+    replies: list[Rejected] = []
+    drain_requested = anyio.Event()
     with anyio.fail_after(5):
         silent = Switchboard().mailbox("frontend", 8)
         unanswered: list[QueryStats] = []
         with silent.owned_by(unanswered.append):  # takes every query, never answers one
             control = ControlActor(ctx=ctx, endpoint=f"ipc://{tmp_path}/control", owners={"frontend": silent},
-                                   drain_requested=anyio.Event(), query_timeout_s=0.1)
+                                   drain_requested=drain_requested, query_timeout_s=0.1)
             async with anyio.create_task_group() as tg:
                 endpoint = await tg.start(control.run)
                 client = ctx.socket(zmq.REQ)
                 client.connect(endpoint)
                 try:
-                    for _ in range(2):  # the second proves the actor survived the first
-                        await client.send(encode(GetStats()))
+                    for request in requests:
+                        await client.send(request)
                         reply = CONTROL_REPLY.decode(await client.recv())
-                        assert isinstance(reply, Rejected) and reply.reason == Reason.OVERLOADED
-                        assert "did not answer" in reply.message
+                        assert isinstance(reply, Rejected)
+                        replies.append(reply)
                 finally:
                     client.close(linger=0)
                 tg.cancel_scope.cancel()
         for query in unanswered:  # the queries the silent owner never answered hold reply streams: close them
             query.reply.close()
+    return replies, drain_requested
+
+
+async def test_an_owner_too_slow_to_answer_gets_overloaded_and_control_keeps_serving(
+    ctx: zmq.asyncio.Context, tmp_path: Path
+) -> None:
+    # The second query proves the actor survived the first.
+    replies, drain_requested = await ask_a_silent_owner(ctx, tmp_path, [encode(GetStats())] * 2)
+    for reply in replies:
+        assert reply.reason == Reason.OVERLOADED and "did not answer" in reply.message
+    assert not drain_requested.is_set()
+
+
+async def test_a_drain_begins_even_when_an_owner_is_too_slow_to_count_the_requests(
+    ctx: zmq.asyncio.Context, tmp_path: Path
+) -> None:
+    (reply,), drain_requested = await ask_a_silent_owner(ctx, tmp_path, [encode(Drain())])
+    assert reply.reason == Reason.OVERLOADED and reply.message.endswith("the drain has begun")
+    assert drain_requested.is_set()
