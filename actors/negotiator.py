@@ -164,16 +164,18 @@ class TransferNegotiator:
         if first is None:
             return
         link = self._links.get(routing_id)
-        if isinstance(first, Register):
-            self._register(routing_id, link, first)
-            return
         if link is None:
-            self._reply(routing_id, RegisterRefused(
-                message="not registered (the daemon restarted or evicted this worker)", rejoin=True))
+            if isinstance(first, Register):
+                self._register(routing_id, first)
+            else:
+                self._reply(routing_id, RegisterRefused(
+                    message="not registered (the daemon restarted or evicted this worker)", rejoin=True))
             return
         link.last_seen = time.monotonic()
         if link.suspect:
             self._trust(link)  # it is alive: no longer quiet, and a failed push was not its death
+        if isinstance(first, Register):
+            return  # a retried Register on a live connection: the first answer stands
         if isinstance(first, Done) and first.outputs:
             self._on_report(link, first, frames[2:])
             return
@@ -195,14 +197,12 @@ class TransferNegotiator:
         # A ROUTER drops a reply to a peer that is gone or not reading; it never blocks.
         self._sock.send_multipart([routing_id, encode(msg)], flags=NOBLOCK)
 
-    def _register(self, routing_id: bytes, link: Link | None, msg: Register) -> None:
+    def _register(self, routing_id: bytes, msg: Register) -> None:
         problem = registration_problem(msg, self._cfg.token)
         if problem is not None:
             self._log.warning("worker.refused", name=msg.name, why=problem)
             self._reply(routing_id, RegisterRefused(message=problem))
             return
-        if link is not None:
-            return  # a retried Register on a live connection: the first answer stands
         stale = next((old for old in self._links.values() if old.name == msg.name), None)
         if stale is not None:
             # Same worker, new connection: it restarted, so its old slots and memory are gone.

@@ -125,15 +125,21 @@ def shared_pool(host: str, role: Role) -> LocalMemory:
                        base=POOL_BASE, size=POOL_SIZE)
 
 
-async def register(sock: zmq.asyncio.Socket, role: Role, session: str, slots: int,
-                   local: LocalMemory | None = None) -> Registered:
-    """Send ``role``'s Register (``slots`` preallocated slots) on ``sock`` and await the Registered."""
-    await sock.send(encode(Register(
-        protocol=PROTOCOL_VERSION, token=TOKEN, role=role, name=f"{role}-worker", work_address="ipc://unused",
+def registration(role: Role, session: str, slots: int, local: LocalMemory | None = None,
+                 token: str = TOKEN) -> Register:
+    """``role``'s Register, with ``slots`` preallocated slots."""
+    return Register(
+        protocol=PROTOCOL_VERSION, token=token, role=role, name=f"{role}-worker", work_address="ipc://unused",
         session=session, pool_base=POOL_BASE, pool_size=POOL_SIZE,
         slots=[SlotInfo(slot_id=i, address=POOL_BASE + i * SLOT_SIZE, size=SLOT_SIZE) for i in range(slots)],
         capacity=2, local=local,
-    )))
+    )
+
+
+async def register(sock: zmq.asyncio.Socket, role: Role, session: str, slots: int,
+                   local: LocalMemory | None = None) -> Registered:
+    """Send ``role``'s Register on ``sock`` and await the Registered."""
+    await sock.send(encode(registration(role, session, slots, local)))
     registered = DAEMON_TO_WORKER.decode(await sock.recv())
     assert isinstance(registered, Registered), registered
     return registered

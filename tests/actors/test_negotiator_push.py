@@ -24,6 +24,7 @@ from tests.actors.negotiator_harness import (
     encoder_and_denoiser,
     job,
     push_on_fast_path,
+    registration,
     released,
     running_negotiator,
     speak,
@@ -115,6 +116,21 @@ async def test_a_suspect_receiver_heard_from_again_is_trusted(ctx: zmq.asyncio.C
             await denoiser.report(Heartbeat())
             await n.stats()
             n.assert_silent()  # trusted once, not on every message
+
+
+async def test_a_register_repeated_on_a_live_connection_is_a_sign_of_life_and_nothing_else(
+    ctx: zmq.asyncio.Context, tmp_path: Path
+) -> None:
+    """A worker whose Register was retried before the answer reached it: the first answer
+    stands, whatever the repeat says, and no answer comes back."""
+    with anyio.fail_after(5):
+        async with encoder_and_denoiser(ctx, tmp_path, slots=2) as (n, encoder, denoiser):
+            await fail_a_push_into(n, encoder, denoiser, "r1")
+            await denoiser.report(registration("denoiser", "another-session", 0, token="a wrong token"))
+            assert await n.pools["denoiser"].receive() == suspected(denoiser, False)
+            assert (await n.stats()).prealloc[denoiser.instance] == PreallocCounts(2, 2)
+            n.assert_silent()
+            assert await denoiser.sock.poll(100) == 0
 
 
 async def test_a_suspect_receiver_that_stays_silent_is_evicted_in_two_heartbeats(
