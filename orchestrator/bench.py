@@ -29,6 +29,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import anyio
@@ -36,6 +37,7 @@ import msgspec
 import zmq
 
 from actors.mailbox import Mailbox, Switchboard
+from orchestrator import bench_perf
 from orchestrator.client import AsyncClient
 from orchestrator.cluster import LocalCluster
 from orchestrator.config import load_config
@@ -239,14 +241,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--requests", type=int, default=3000, help="per closed-loop level")
     parser.add_argument("--log-level", default="info", help="the daemon's log level (info logs one line per request)")
+    parser.add_argument("--perf", action="store_true",
+                        help="also sample the daemon alone with Linux perf at concurrency 64 and 1: where its CPU goes")
     args = parser.parse_args(argv)
+    if args.perf and not bench_perf.available():
+        parser.error("--perf needs Linux perf on the PATH (apt-get install linux-perf)")
     tmp = Path(tempfile.mkdtemp(prefix="triptych-bench-"))
     path = bench_config(tmp, "bench", lambda raw: raw["log"].update(level=args.log_level))
 
     floor_ms, echo_cpu_1_ms = echo_floor(f"ipc://{tmp}/echo1", 2000, 1)
     _, echo_cpu_16_ms = echo_floor(f"ipc://{tmp}/echo16", 16000, 16)
 
-    tables = {}
+    tables, profiles = {}, {}
     for instant in (True, False):
         rows = []
         with LocalCluster(path, log_dir=tmp / "logs" / ("instant" if instant else "real"), instant=instant) as cluster:
@@ -254,6 +260,12 @@ def main(argv: list[str] | None = None) -> int:
                 total = args.requests // 3 if concurrency == 1 else args.requests
                 rows.append(measure(cluster, str(concurrency), concurrency, total))
             rows.append(measure(cluster, "backlog 2048", 2048, 2048))
+            if args.perf and instant:
+                for concurrency in (64, 1):
+                    total = args.requests // 3 if concurrency == 1 else args.requests
+                    profiles[concurrency] = bench_perf.profile(cluster.daemon.pid, partial(
+                        anyio.run, closed_loop, cluster.config.daemon.client_endpoint, concurrency, total,
+                        backend="asyncio"))
             stats = cluster.control.stats()
         if stats.failed_by_reason:
             raise SystemExit(f"requests failed: {stats.failed_by_reason}")
@@ -264,6 +276,9 @@ def main(argv: list[str] | None = None) -> int:
     print_table("daemon alone: instant protocol workers (as the reference head was measured)", tables[True])
     print_table("full stack: real workers, null stages, Mooncake hand-offs", tables[False])
     print_stage_breakdown("full stack, concurrency 1: where a request's time goes, medians", tables[False][0])
+    for concurrency, profile in profiles.items():
+        bench_perf.print_profile(f"daemon alone, concurrency {concurrency}: where its CPU goes (perf, every thread)",
+                                 profile)
     rows = tables[True]
     added = rows[0]["p50_ms"] - floor_ms
     worst_cpu = max(row["cpu_ms"] for row in rows)

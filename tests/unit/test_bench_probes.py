@@ -8,6 +8,9 @@ import resource
 import threading
 import time
 
+import pytest
+
+from orchestrator import bench_perf
 from orchestrator.bench import context_switches, cpu_seconds, hop_us, main_thread_user_seconds, rss_mib
 
 
@@ -68,3 +71,29 @@ def test_resident_memory_is_read_in_mib() -> None:
 
 def test_a_hop_between_actors_is_timed_over_the_mail_actually_handled() -> None:
     assert 0.01 < hop_us(hops=20_000) < 100
+
+
+PERF_SYM_REPORT = """\
+# Samples: 10K of event 'cpu-clock:ppp'
+#
+# Overhead  Symbol
+# ........  ......................................
+#
+    18.87%  [.] _PyEval_EvalFrameDefault
+    17.14%  [k] finish_task_switch.isra.0
+     4.71%  [k] _raw_spin_unlock_irq
+     3.17%  [k] _raw_spin_unlock_irqrestore
+     0.75%  [k] do_syscall_64
+     0.41%  [.] pthread_mutex_lock@@GLIBC_2.2.5
+
+
+# (Cannot load tips.txt file, please install perf!)
+"""
+
+
+def test_perf_rows_are_read_largest_first_and_switching_is_the_kernel_s_switch_symbols() -> None:
+    rows = bench_perf.parse_report(PERF_SYM_REPORT)
+    assert rows[0] == (18.87, "[.] _PyEval_EvalFrameDefault")
+    assert [pct for pct, _ in rows] == sorted((pct for pct, _ in rows), reverse=True)
+    assert len(rows) == 6
+    assert bench_perf.switching_share(rows) == pytest.approx(17.14 + 4.71 + 3.17)
