@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import anyio
+import msgspec
 import torch
 import zmq
 import zmq.asyncio
@@ -20,6 +21,7 @@ import zmq.asyncio
 from transfer import frames
 from transfer.protocol import (
     CLIENT_REPLY,
+    CLIENT_REQUEST,
     CONTROL_REPLY,
     PROTOCOL_VERSION,
     Cancel,
@@ -32,6 +34,7 @@ from transfer.protocol import (
     GetStats,
     ListWorkers,
     Progress,
+    Reason,
     Rejected,
     Result,
     Stats,
@@ -67,8 +70,16 @@ Reply = Generation | Rejected | Cancelled | Progress  # what the client socket b
 
 def _submit_frames(params: GenParams, request_id: str, timeout_s: float | None, priority: int,
                    progress: bool = False) -> bytes:
-    return encode(Submit(protocol=PROTOCOL_VERSION, params=params, request_id=request_id,
+    """The encoded ``Submit``, checked as the daemon will check it: a bad field raises
+    ``Rejection(invalid)`` here, at once. (A field far out of bounds, a prompt of megabytes,
+    would otherwise be cut off unread at the daemon's size limit, and get no answer.)"""
+    body = encode(Submit(protocol=PROTOCOL_VERSION, params=params, request_id=request_id,
                          timeout_s=timeout_s, priority=priority, progress=progress))
+    try:
+        CLIENT_REQUEST.decode(body)
+    except msgspec.ValidationError as exc:
+        raise Rejection(Rejected(request_id=request_id, reason=Reason.INVALID, message=f"not sent: {exc}")) from None
+    return body
 
 
 def _cancel_frame(request_id: str) -> bytes:

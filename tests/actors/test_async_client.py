@@ -10,8 +10,8 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from orchestrator.client import AsyncClient
-from transfer.protocol import CLIENT_REQUEST, Cancel, GenParams, Progress, Result, Submit, encode
+from orchestrator.client import AsyncClient, Client, Rejection
+from transfer.protocol import CLIENT_REQUEST, Cancel, GenParams, Progress, Reason, Result, Submit, encode
 
 PARAMS = GenParams(prompt="watched")
 
@@ -65,5 +65,30 @@ async def test_progress_comes_before_the_result_and_a_raising_listener_cancels_t
                 tg.start_soon(answer_then_expect_cancel)
                 with pytest.raises(ValueError, match="broke at step 1"):
                     await client.submit(PARAMS, request_id="r2", on_progress=explode)
+    finally:
+        daemon.close(linger=0)
+
+
+async def test_a_submit_the_daemon_would_refuse_is_refused_at_once_and_never_sent(
+    ctx: zmq.asyncio.Context, tmp_path: Path
+) -> None:
+    """A prompt of megabytes would be cut off unread at the daemon's size limit and get no
+    answer at all: both clients check a Submit as the daemon will, before sending it."""
+    daemon = ctx.socket(zmq.ROUTER)
+    daemon.setsockopt(zmq.LINGER, 0)
+    endpoint = f"ipc://{tmp_path}/daemon"
+    daemon.bind(endpoint)
+    huge = GenParams(prompt="x" * (5 << 20))
+    try:
+        with anyio.fail_after(5):
+            async with AsyncClient(endpoint) as client:
+                with pytest.raises(Rejection) as refused:
+                    await client.submit(huge, timeout_s=30)
+            with Client(endpoint) as blocking, pytest.raises(Rejection) as refused_too:
+                blocking.submit(GenParams(prompt="p", steps=0), timeout_s=30)
+        assert refused.value.reason == Reason.INVALID and "$.params.prompt" in refused.value.rejected.message
+        assert refused_too.value.reason == Reason.INVALID and "$.params.steps" in refused_too.value.rejected.message
+        assert refused.value.rejected.message.startswith("not sent")
+        assert await daemon.poll(100) == 0
     finally:
         daemon.close(linger=0)
