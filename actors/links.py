@@ -5,6 +5,8 @@ from __future__ import annotations
 import hmac
 from dataclasses import dataclass
 
+import zmq
+
 from transfer.protocol import PROTOCOL_VERSION, LocalMemory, Register, Role
 
 
@@ -45,4 +47,23 @@ def registration_problem(msg: Register, token: str) -> str | None:
         return "slot ids repeat or slots overlap"
     if msg.local is not None and (msg.local.base, msg.local.size) != (msg.pool_base, msg.pool_size):
         return "the shared memory it advertises is not its registered pool"
+    return None
+
+
+def work_address_problem(ctx: zmq.Context, address: str) -> str | None:
+    """Why the daemon could not connect a PUSH to ``address`` (``RegisterRefused``), or None.
+
+    ZMQ itself is asked, on a socket closed at once, since its rules (the transports, a host
+    needing a port, the length of an ipc path) are its own. Only another process's socket
+    can be the work socket, so ``tcp://`` or ``ipc://``.
+    """
+    if not address.startswith(("tcp://", "ipc://")):
+        return f"work_address {address!r} is not tcp:// or ipc://"
+    probe = zmq.Socket(ctx, zmq.PUSH)
+    try:
+        probe.connect(address)
+    except zmq.ZMQError as exc:
+        return f"work_address {address!r}: {exc.strerror}"
+    finally:
+        probe.close(linger=0)
     return None

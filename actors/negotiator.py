@@ -36,7 +36,7 @@ import zmq.asyncio
 from actors.base import reply_once, serve_mailbox
 from actors.edges import bound_router
 from actors.flight import Flight, FlightState
-from actors.links import Link, registration_problem
+from actors.links import Link, registration_problem, work_address_problem
 from actors.mail import (
     AdmissionMail,
     Enqueue,
@@ -89,7 +89,9 @@ from transfer.protocol import (
     hop_name,
     next_role,
 )
+from transfer.reports import REPORTS_PER_MESSAGE
 from transfer.sockets import NOBLOCK, PlainPump
+from transfer.specs import check_frames
 
 log = structlog.get_logger()
 
@@ -179,8 +181,13 @@ class TransferNegotiator:
         if isinstance(first, Done) and first.outputs:
             self._on_report(link, first, frames[2:])
             return
+        if len(frames) > 1 + REPORTS_PER_MESSAGE:
+            self._log.warning("worker.too_many_reports", instance=link.instance, reports=len(frames) - 1,
+                              read=REPORTS_PER_MESSAGE)
         self._on_report(link, first, [])
-        for frame in frames[2:]:
+        for frame in frames[2 : 1 + REPORTS_PER_MESSAGE]:
+            if self._links.get(routing_id) is not link:
+                return  # evicted by a report of this message (Leaving): the rest is about nothing
             msg = self._decode(frame)
             if msg is not None:
                 self._on_report(link, msg, [])
@@ -198,7 +205,7 @@ class TransferNegotiator:
         self._sock.send_multipart([routing_id, encode(msg)], flags=NOBLOCK)
 
     def _register(self, routing_id: bytes, msg: Register) -> None:
-        problem = registration_problem(msg, self._cfg.token)
+        problem = registration_problem(msg, self._cfg.token) or work_address_problem(self._ctx, msg.work_address)
         if problem is not None:
             self._log.warning("worker.refused", name=msg.name, why=problem)
             self._reply(routing_id, RegisterRefused(message=problem))
@@ -258,9 +265,7 @@ class TransferNegotiator:
         rid = msg.request_id
         flight = self._flights.get(rid)
         if flight is None or flight.state != FlightState.RUNNING or flight.instance != link.instance:
-            # Late (the request ended) or not this worker's to report: have it free the block.
-            self._late += 1
-            self._order(link.role, link.instance, Abort(request_id=rid))
+            self._free_late(link, rid, flight)  # late (the request ended), repeated, or not its to report
             return
         following = next_role(link.role)
         bad = [s.name for s in msg.manifest if s.offset + s.nbytes > msg.nbytes]
@@ -271,6 +276,13 @@ class TransferNegotiator:
         flight.stage_output(msg.nbytes, msg.manifest, msg.compute_ms)
         self._admission.post(Enqueue(job=Job(request_id=rid, role=following, params=flight.params,
                                              priority=flight.priority, progress=flight.progress)))
+
+    def _free_late(self, link: Link, rid: str, flight: Flight | None) -> None:
+        """A late report says ``link`` holds memory for ``rid``: have it freed there, unless the
+        request is live on that worker (a repeated report), where the memory is in use."""
+        self._late += 1
+        if flight is None or link.instance not in (flight.instance, flight.receiver):
+            self._order(link.role, link.instance, Abort(request_id=rid))
 
     def _placed(self, job: Job, instance: str) -> None:
         rid = job.request_id
@@ -300,9 +312,7 @@ class TransferNegotiator:
     def _allocated(self, link: Link, msg: Allocated) -> None:
         flight = self._flights.get(msg.request_id)
         if flight is None or flight.state != FlightState.ALLOCATING or flight.receiver != link.instance:
-            # Late: the request ended while the receiver was allocating; free it there.
-            self._late += 1
-            self._order(link.role, link.instance, Abort(request_id=msg.request_id))
+            self._free_late(link, msg.request_id, flight)  # the request ended while it allocated, or repeated
             return
         if not link.holds(msg.address, flight.nbytes):
             self._fail(flight, Reason.TRANSFER_FAILED, f"{link.instance} allocated outside its pool")
@@ -360,9 +370,11 @@ class TransferNegotiator:
             self._fail(flight, Reason.STAGE_FAILED, f"{link.instance} ({link.role}) answered Done; only decoders do",
                        outcome=False)
             return
-        if len(frames) != len(msg.outputs):
-            self._fail(flight, Reason.STAGE_FAILED,
-                       f"{link.instance} reported {len(frames)} frames for {len(msg.outputs)} outputs", outcome=False)
+        try:
+            check_frames(msg.outputs, frames)
+        except ValueError as exc:
+            self._fail(flight, Reason.STAGE_FAILED, f"{link.instance} sent outputs unlike their headers: {exc}",
+                       outcome=False)
             return
         self._recycle_input(flight)
         del self._flights[rid]

@@ -31,6 +31,8 @@ from actors.pools import PoolActor
 from actors.tracker import TrackerActor
 from orchestrator.config import Config
 from transfer.protocol import ROLES
+from transfer.reports import REPORTS_PER_MESSAGE
+from transfer.sockets import PUMP_BATCH
 
 log = structlog.get_logger()
 
@@ -48,8 +50,10 @@ async def serve(cfg: Config, *, task_status: anyio.abc.TaskStatus[dict[str, str]
     d = cfg.daemon
     log.info("daemon.config", **msgspec.to_builtins(cfg))
     # Every mailbox holds more than the mail the daemon can have in flight: a handful per
-    # admitted request, and admission stops at max_in_flight (see actors/mailbox.py).
-    size = d.mailbox_size + 8 * d.max_in_flight
+    # admitted request, and admission stops at max_in_flight (see actors/mailbox.py); plus a
+    # piece of mail for every report one batch of the worker socket's reader can bring
+    # (a late report's abort), which no admission bounds.
+    size = d.mailbox_size + 8 * d.max_in_flight + PUMP_BATCH * REPORTS_PER_MESSAGE
     ctx = zmq.asyncio.Context()
     drain_requested = anyio.Event()
     board = Switchboard()
@@ -78,7 +82,7 @@ async def serve(cfg: Config, *, task_status: anyio.abc.TaskStatus[dict[str, str]
             log.info("daemon.ready", **endpoints)
             task_status.started(endpoints)
     finally:
-        ctx.term()
+        ctx.destroy(linger=0)  # every socket, even one an actor's crash left open: a bounded stop
     log.info("daemon.stopped")
 
 

@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from transfer.protocol import TensorSpec
+from transfer.specs import check_frames, expected_nbytes
 
 ALIGNMENT = 256
 
@@ -64,19 +65,6 @@ def _bytes_view(t: torch.Tensor) -> torch.Tensor:
     if t.device.type != "cpu":
         t = t.cpu()
     return t.contiguous().reshape(-1).view(torch.uint8)
-
-
-def expected_nbytes(spec: TensorSpec) -> int:
-    count = 1
-    for dim in spec.shape:
-        if dim < 0:
-            raise ValueError(f"tensor {spec.name!r}: negative dimension in {spec.shape}")
-        count *= dim
-    try:
-        dtype = torch_dtype(spec.dtype)
-    except ValueError as exc:
-        raise ValueError(f"tensor {spec.name!r}: {exc}") from None
-    return count * torch.empty((), dtype=dtype).element_size()
 
 
 # --------------------------------------------------------------------------- staged blocks
@@ -138,14 +126,10 @@ def from_frames(specs: Sequence[TensorSpec], frames: Sequence[bytes | memoryview
 
     Each frame is copied once: ZMQ frames are read-only and torch wants writable memory.
     """
-    if len(specs) != len(frames):
-        raise ValueError(f"{len(specs)} tensor headers but {len(frames)} frames")
+    check_frames(specs, frames)
     out: dict[str, torch.Tensor] = {}
     for spec, frame in zip(specs, frames, strict=True):
-        size = expected_nbytes(spec)
         buf = memoryview(frame)
-        if buf.nbytes != size:
-            raise ValueError(f"tensor {spec.name!r}: frame has {buf.nbytes} bytes, header needs {size}")
-        raw = torch.frombuffer(bytearray(buf), dtype=torch.uint8) if size else torch.empty(0, dtype=torch.uint8)
+        raw = torch.frombuffer(bytearray(buf), dtype=torch.uint8) if buf.nbytes else torch.empty(0, dtype=torch.uint8)
         out[spec.name] = raw.view(torch_dtype(spec.dtype)).reshape(spec.shape)
     return out

@@ -16,6 +16,11 @@ import anyio
 
 Message = list[Any]  # frames: bytes, or buffers sent without a copy
 
+# The most reports one message carries; the daemon reads no more of one. Reports arrive in
+# one batch of the daemon's reader and may each post mail (an abort to free a late block):
+# the bound keeps that within its mailboxes' room (orchestrator/daemon.py).
+REPORTS_PER_MESSAGE = 256
+
 
 def group_reports(queued: Iterable[tuple[bytes, Sequence[Any]]]) -> list[Message]:
     """Messages for ``(body, frames)`` reports, in order: runs of frameless ones together."""
@@ -23,6 +28,9 @@ def group_reports(queued: Iterable[tuple[bytes, Sequence[Any]]]) -> list[Message
     run: Message = []
     for body, frames in queued:
         if not frames:
+            if len(run) == REPORTS_PER_MESSAGE:
+                messages.append(run)
+                run = []
             run.append(body)
             continue
         if run:

@@ -126,10 +126,10 @@ def shared_pool(host: str, role: Role) -> LocalMemory:
 
 
 def registration(role: Role, session: str, slots: int, local: LocalMemory | None = None,
-                 token: str = TOKEN) -> Register:
+                 token: str = TOKEN, work_address: str = "ipc://unused") -> Register:
     """``role``'s Register, with ``slots`` preallocated slots."""
     return Register(
-        protocol=PROTOCOL_VERSION, token=token, role=role, name=f"{role}-worker", work_address="ipc://unused",
+        protocol=PROTOCOL_VERSION, token=token, role=role, name=f"{role}-worker", work_address=work_address,
         session=session, pool_base=POOL_BASE, pool_size=POOL_SIZE,
         slots=[SlotInfo(slot_id=i, address=POOL_BASE + i * SLOT_SIZE, size=SLOT_SIZE) for i in range(slots)],
         capacity=2, local=local,

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from transfer import frames
 from transfer.frames import ALIGNMENT, from_frames, layout, pack, to_frames, unpack
 from transfer.protocol import TensorSpec
+from transfer.specs import ITEMSIZE
 
 DTYPES = [torch.float32, torch.bfloat16, torch.int64, torch.uint8, torch.bool]
 
@@ -163,3 +164,10 @@ def test_from_frames_unknown_dtype_names_the_tensor() -> None:
 def test_dtype_names_round_trip() -> None:
     for dtype in DTYPES:
         assert frames.torch_dtype(frames.dtype_name(dtype)) == dtype
+
+
+def test_the_daemon_s_item_sizes_are_torch_s() -> None:
+    """The daemon checks outputs without torch (transfer/specs.py): its table must agree."""
+    assert set(ITEMSIZE) == set(frames._DTYPES)
+    for name, dtype in frames._DTYPES.items():
+        assert ITEMSIZE[name] == torch.empty((), dtype=dtype).element_size(), name

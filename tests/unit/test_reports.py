@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import anyio
 
-from transfer.reports import ReportOutbox, group_reports
+from transfer.reports import REPORTS_PER_MESSAGE, ReportOutbox, group_reports
 
 
 def test_frameless_reports_share_a_message_and_one_with_frames_travels_alone_in_order() -> None:
@@ -35,3 +35,10 @@ async def test_reports_put_in_one_loop_turn_leave_together_and_later_ones_wait_f
         await anyio.wait_all_tasks_blocked()
         tg.cancel_scope.cancel()
     assert taken == [[[b"staged-1", b"pushed-2", b"allocated-3"], [b"done-4", b"frame"]], [[b"staged-5"]]]
+
+
+def test_a_long_run_of_reports_is_cut_at_the_daemon_s_limit() -> None:
+    queued = [(bytes([i % 256]), ()) for i in range(2 * REPORTS_PER_MESSAGE + 1)]
+    messages = group_reports(queued)
+    assert [len(m) for m in messages] == [REPORTS_PER_MESSAGE, REPORTS_PER_MESSAGE, 1]
+    assert [body for m in messages for body in m] == [body for body, _ in queued]

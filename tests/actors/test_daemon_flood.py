@@ -1,0 +1,63 @@
+"""The whole daemon in this process, flooded by a worker that holds the token with reports
+about requests it never had: each is late and asks that worker to free a block, and all the
+mail they make fits the mailboxes, however small the configured ones."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import anyio
+import msgspec
+import zmq
+import zmq.asyncio
+
+from orchestrator.client import Control
+from orchestrator.config import load_config
+from orchestrator.daemon import serve
+from transfer.protocol import (
+    DAEMON_TO_WORKER,
+    PROTOCOL_VERSION,
+    WORK_ORDER,
+    Abort,
+    Register,
+    Registered,
+    Staged,
+    encode,
+)
+from transfer.reports import REPORTS_PER_MESSAGE
+from transfer.sockets import PUMP_BATCH
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+async def test_a_flood_of_late_reports_fits_the_mailboxes(ctx: zmq.asyncio.Context, tmp_path: Path) -> None:
+    cfg = load_config(ROOT / "configs" / "test.toml")
+    daemon = msgspec.structs.replace(cfg.daemon, client_endpoint=f"ipc://{tmp_path}/client",
+                                     control_endpoint=f"ipc://{tmp_path}/control",
+                                     worker_endpoint=f"ipc://{tmp_path}/workers", max_in_flight=8, mailbox_size=64)
+    cfg = msgspec.structs.replace(cfg, daemon=daemon)
+    late = [encode(Staged(request_id=f"r{i}", nbytes=256, manifest=[], compute_ms=0.0))
+            for i in range(REPORTS_PER_MESSAGE)]
+    flood = PUMP_BATCH * len(late)
+    with anyio.fail_after(60):
+        async with anyio.create_task_group() as tg:
+            endpoints = await tg.start(serve, cfg)
+            with ctx.socket(zmq.PULL) as work, ctx.socket(zmq.DEALER) as worker:
+                work.bind(f"ipc://{tmp_path}/work")
+                worker.connect(endpoints["worker"])
+                await worker.send(encode(Register(
+                    protocol=PROTOCOL_VERSION, token=daemon.token, role="encoder", name="flooder",
+                    work_address=f"ipc://{tmp_path}/work", session="s", pool_base=0, pool_size=0, slots=[],
+                    capacity=1)))
+                registered = DAEMON_TO_WORKER.decode(await worker.recv())
+                assert isinstance(registered, Registered)
+                for _ in range(PUMP_BATCH):
+                    await worker.send_multipart(late)
+                aborts = 0
+                while aborts < flood:  # each is told to free its block, and the daemon lives
+                    key, *orders = await work.recv_multipart()
+                    assert key == registered.key and all(isinstance(o, Abort) for o in map(WORK_ORDER.decode, orders))
+                    aborts += len(orders)
+                stats = await anyio.to_thread.run_sync(Control(endpoints["control"]).stats)
+                assert stats.late_reports == flood
+            tg.cancel_scope.cancel()

@@ -1,0 +1,158 @@
+"""TransferNegotiator against a worker that holds the token but sends what no worker should:
+each gets a typed refusal or is ignored, and the daemon's loop never dies of it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import anyio
+import pytest
+import zmq
+import zmq.asyncio
+
+from actors.mail import Enqueue, Failed, Leave, Placed, Send
+from actors.negotiator import PreallocCounts
+from tests.actors.negotiator_harness import (
+    MANIFEST,
+    NBYTES,
+    POOL_BASE,
+    Negotiator,
+    aborted,
+    encoder_and_denoiser,
+    fake_worker,
+    job,
+    push_on_fast_path,
+    registration,
+    released,
+    running_negotiator,
+    stage_encoder_output,
+    wait_late,
+)
+from transfer.protocol import (
+    DAEMON_TO_WORKER,
+    Allocated,
+    Done,
+    Leaving,
+    Push,
+    Pushed,
+    Ready,
+    Reason,
+    RegisterRefused,
+    Role,
+    Staged,
+    Step,
+    TensorSpec,
+    encode,
+)
+from transfer.reports import REPORTS_PER_MESSAGE
+
+
+@pytest.mark.parametrize(("address", "why"), [
+    ("garbage", "is not tcp:// or ipc://"),
+    ("tcp://no-port", "Invalid argument"),
+    ("ipc://" + "x" * 200, "File name too long"),
+])
+async def test_a_work_address_the_daemon_cannot_connect_to_is_refused_at_registration(
+    ctx: zmq.asyncio.Context, tmp_path: Path, address: str, why: str
+) -> None:
+    """Before, the pool's connect raised inside the daemon's loop and took the daemon down."""
+    with anyio.fail_after(5):
+        async with running_negotiator(ctx, tmp_path) as n:
+            with ctx.socket(zmq.DEALER) as sock:
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.connect(n.endpoint)
+                await sock.send(encode(registration("encoder", "s", 0, work_address=address)))
+                refused = DAEMON_TO_WORKER.decode(await sock.recv())
+            assert isinstance(refused, RegisterRefused) and not refused.rejoin
+            assert why in refused.message and address[:20] in refused.message
+            n.assert_silent()  # no Join: the pool never sees it
+            async with fake_worker(ctx, n, "encoder"):  # and the next worker registers
+                pass
+
+
+async def test_reports_after_a_leaving_in_the_same_message_are_about_nothing(
+    ctx: zmq.asyncio.Context, tmp_path: Path
+) -> None:
+    with anyio.fail_after(5):
+        async with running_negotiator(ctx, tmp_path) as n, fake_worker(ctx, n, "encoder") as encoder:
+            await encoder.sock.send_multipart([encode(Leaving()), encode(Leaving()), encode(Step(
+                request_id="nobody", step=0, steps=1))])
+            leave = await n.pools["encoder"].receive()
+            assert isinstance(leave, Leave) and leave.instance == encoder.instance
+            stats = await n.stats()
+            assert encoder.instance not in stats.prealloc and stats.late_reports == 0
+            n.assert_silent()
+
+
+async def test_a_message_is_read_up_to_its_report_limit(
+    ctx: zmq.asyncio.Context, tmp_path: Path, logs: list[dict]
+) -> None:
+    """One message's reports are one batch of mail, which no admission bounds."""
+    with anyio.fail_after(5):
+        async with running_negotiator(ctx, tmp_path) as n, fake_worker(ctx, n, "encoder") as encoder:
+            step = encode(Step(request_id="nobody", step=0, steps=1))
+            await encoder.sock.send_multipart([step] * (REPORTS_PER_MESSAGE + 50))
+            await wait_late(n, REPORTS_PER_MESSAGE)
+            await encoder.report(Step(request_id="nobody", step=0, steps=1))
+            assert (await wait_late(n, REPORTS_PER_MESSAGE + 1)).late_reports == REPORTS_PER_MESSAGE + 1
+            assert [e for e in logs if e["event"] == "worker.too_many_reports"][0]["reports"] == REPORTS_PER_MESSAGE + 50
+
+
+async def test_a_repeated_report_leaves_the_live_request_alone(ctx: zmq.asyncio.Context, tmp_path: Path) -> None:
+    """A late report frees the reporter's memory for the request, unless the request still
+    lives on that worker: there the memory is in use (a staged output awaiting its push, an
+    allocation being written)."""
+    with anyio.fail_after(5):
+        async with encoder_and_denoiser(ctx, tmp_path, slots=0) as (n, encoder, denoiser):
+            await stage_encoder_output(n, encoder, "r1")
+            await encoder.report(Staged(request_id="r1", nbytes=NBYTES, manifest=MANIFEST, compute_ms=1.0))
+            n.inbox.post(Placed(job=job("r1", "denoiser"), instance=denoiser.instance))
+            await n.pools["denoiser"].receive()  # Alloc
+            allocated = Allocated(request_id="r1", address=POOL_BASE)
+            await denoiser.report(allocated)
+            await n.pools["encoder"].receive()  # Push
+            await denoiser.report(allocated)
+            assert (await wait_late(n, 2)).handoffs_in_flight == 1
+            n.assert_silent()  # no Abort to either
+            await encoder.report(Pushed(request_id="r1", ok=True, transfer_ms=1.0))
+            ready = await n.pools["denoiser"].receive()
+            assert isinstance(ready, Send) and isinstance(ready.order, Ready)
+            # Late where the request no longer lives: the reporter is told to free its block.
+            await encoder.report(Staged(request_id="r1", nbytes=NBYTES, manifest=MANIFEST, compute_ms=1.0))
+            await wait_late(n, 3)
+            assert aborted("r1", encoder) in n.take("encoder")
+
+
+async def test_a_decoder_output_unlike_its_header_fails_the_request(
+    ctx: zmq.asyncio.Context, tmp_path: Path
+) -> None:
+    """The frames go to the client as they are: one that would not decode there fails here."""
+    with anyio.fail_after(5):
+        async with (
+            encoder_and_denoiser(ctx, tmp_path, slots=2) as (n, encoder, denoiser),
+            fake_worker(ctx, n, "decoder", slots=1) as decoder,
+        ):
+            await push_on_fast_path(n, encoder, denoiser, "r1")
+            await encoder.report(Pushed(request_id="r1", ok=True, transfer_ms=1.0))
+            await next_order(n, "denoiser", Ready)
+            await denoiser.report(Staged(request_id="r1", nbytes=NBYTES, manifest=MANIFEST, compute_ms=1.0))
+            assert await n.admission.receive() == Enqueue(job=job("r1", "decoder"))
+            n.inbox.post(Placed(job=job("r1", "decoder"), instance=decoder.instance))
+            await next_order(n, "denoiser", Push)
+            await denoiser.report(Pushed(request_id="r1", ok=True, transfer_ms=1.0))
+            await next_order(n, "decoder", Ready)
+            n.take("encoder"), n.take("denoiser"), n.take("tracker")
+            image = TensorSpec(name="image", dtype="uint8", shape=(2, 2, 3), nbytes=12)
+            await decoder.sock.send_multipart([encode(Done(request_id="r1", ok=True, compute_ms=1.0,
+                                                           outputs=[image])), b"x" * 11])
+            failed = await n.tracker.receive()
+            assert isinstance(failed, Failed) and failed.reason == Reason.STAGE_FAILED
+            assert "frame has 11 bytes, header needs 12" in failed.message
+            assert n.take("decoder") == [released("r1", decoder, ok=False), aborted("r1", decoder)]
+            assert (await n.stats()).prealloc[decoder.instance] == PreallocCounts(1, 1)
+
+
+async def next_order(n: Negotiator, role: Role, kind: type) -> None:
+    """Skip ``role``'s pool mail up to the next order of ``kind``."""
+    while not isinstance(mail := await n.pools[role].receive(), Send) or not isinstance(mail.order, kind):
+        pass

@@ -1,0 +1,36 @@
+"""What a ``TensorSpec`` promises, checked without torch (the daemon never imports it)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from transfer.protocol import TensorSpec
+
+# Bytes per element of every dtype that may travel between stages (transfer/frames.py maps
+# the same names to torch dtypes).
+ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "uint8": 1, "int8": 1, "int32": 4,
+            "int64": 8, "bool": 1}
+
+
+def expected_nbytes(spec: TensorSpec) -> int:
+    count = 1
+    for dim in spec.shape:
+        if dim < 0:
+            raise ValueError(f"tensor {spec.name!r}: negative dimension in {spec.shape}")
+        count *= dim
+    try:
+        return count * ITEMSIZE[spec.dtype]
+    except KeyError:
+        raise ValueError(f"tensor {spec.name!r}: unknown dtype {spec.dtype!r}") from None
+
+
+def check_frames(specs: Sequence[TensorSpec], frames: Sequence[Any]) -> None:
+    """Raise ``ValueError`` unless ``frames`` (anything with a buffer) are the tensors ``specs`` describe."""
+    if len(specs) != len(frames):
+        raise ValueError(f"{len(specs)} tensor headers but {len(frames)} frames")
+    for spec, frame in zip(specs, frames, strict=True):
+        size = expected_nbytes(spec)
+        nbytes = memoryview(frame).nbytes
+        if nbytes != size:
+            raise ValueError(f"tensor {spec.name!r}: frame has {nbytes} bytes, header needs {size}")
