@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import anyio
 import msgspec
+import structlog
 import torch
 import zmq
 import zmq.asyncio
@@ -42,6 +43,8 @@ from transfer.protocol import (
     Workers,
     encode,
 )
+
+log = structlog.get_logger()
 
 # How long past the request's own deadline a client waits for the daemon's answer.
 GRACE_S = 5.0
@@ -87,9 +90,14 @@ def _cancel_frame(request_id: str) -> bytes:
 
 
 def _decode_reply(parts: list[bytes]) -> Reply:
+    """The reply (an unreadable header raises ``msgspec.DecodeError``). A ``Result`` whose
+    frames are not its tensors is a ``Rejected`` for its own request."""
     header = CLIENT_REPLY.decode(parts[0])
     if isinstance(header, Result):
-        return Generation(header, frames.from_frames(header.outputs, parts[1:]))
+        try:
+            return Generation(header, frames.from_frames(header.outputs, parts[1:]))
+        except ValueError as exc:
+            return Rejected(request_id=header.request_id, reason=Reason.INVALID, message=f"unreadable Result: {exc}")
     return header
 
 
@@ -192,7 +200,12 @@ class AsyncClient:
         assert self._sock is not None
         while True:
             parts = await self._sock.recv_multipart()
-            reply = _decode_reply(parts[1:])  # parts[0] is the empty delimiter
+            try:
+                reply = _decode_reply(parts[1:])  # parts[0] is the empty delimiter
+            except msgspec.DecodeError as exc:
+                # No request can be told of it; the others in flight carry on.
+                log.warning("client.unreadable_reply", endpoint=self.endpoint, error=str(exc))
+                continue
             if isinstance(reply, Progress):
                 waiter = self._waiting.get(reply.request_id)
                 if waiter is not None and waiter.statistics().current_buffer_used < PROGRESS_BACKLOG - 1:

@@ -10,8 +10,19 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from orchestrator.client import AsyncClient, Client, Rejection
-from transfer.protocol import CLIENT_REQUEST, Cancel, GenParams, Progress, Reason, Result, Submit, encode
+from orchestrator.client import AsyncClient, Client, Generation, Rejection
+from transfer.protocol import (
+    CLIENT_REQUEST,
+    Cancel,
+    GenParams,
+    Progress,
+    Reason,
+    Rejected,
+    Result,
+    Submit,
+    TensorSpec,
+    encode,
+)
 
 PARAMS = GenParams(prompt="watched")
 
@@ -90,5 +101,47 @@ async def test_a_submit_the_daemon_would_refuse_is_refused_at_once_and_never_sen
         assert refused_too.value.reason == Reason.INVALID and "$.params.steps" in refused_too.value.rejected.message
         assert refused.value.rejected.message.startswith("not sent")
         assert await daemon.poll(100) == 0
+    finally:
+        daemon.close(linger=0)
+
+
+async def test_an_unreadable_reply_fails_its_own_request_only(ctx: zmq.asyncio.Context, tmp_path: Path) -> None:
+    """A Result whose frames are not its tensors is a Rejected for that request; a reply no
+    request can be told of is dropped; the requests around them carry on."""
+    daemon = ctx.socket(zmq.ROUTER)
+    daemon.setsockopt(zmq.LINGER, 0)
+    endpoint = f"ipc://{tmp_path}/daemon"
+    daemon.bind(endpoint)
+    image = TensorSpec(name="image", dtype="uint8", shape=(2, 2), nbytes=4)
+    try:
+        with anyio.fail_after(10):
+            async with AsyncClient(endpoint) as client, anyio.create_task_group() as tg:
+
+                async def answer_both() -> None:
+                    submits = {}
+                    for _ in range(2):
+                        identity, empty, body = await daemon.recv_multipart()
+                        submits[CLIENT_REQUEST.decode(body).request_id] = identity
+                    await daemon.send_multipart([submits["bad"], b"", encode(Result(
+                        request_id="bad", outputs=[image], stages=[], total_ms=1.0)), b"abc"])
+                    await daemon.send_multipart([submits["good"], b"", b"\xc1 not a reply"])
+                    await daemon.send_multipart([submits["good"], b"", encode(Result(
+                        request_id="good", outputs=[image], stages=[], total_ms=1.0)), b"abcd"])
+
+                tg.start_soon(answer_both)
+                outcomes: dict[str, object] = {}
+
+                async def submit(rid: str) -> None:
+                    try:
+                        outcomes[rid] = await client.submit(PARAMS, request_id=rid, timeout_s=5)
+                    except Rejection as exc:
+                        outcomes[rid] = exc.rejected
+
+                tg.start_soon(submit, "bad")
+                tg.start_soon(submit, "good")
+        bad, good = outcomes["bad"], outcomes["good"]
+        assert isinstance(bad, Rejected) and bad.reason == Reason.INVALID
+        assert "frame has 3 bytes, header needs 4" in bad.message
+        assert isinstance(good, Generation) and good.outputs["image"].flatten().tolist() == list(b"abcd")
     finally:
         daemon.close(linger=0)
