@@ -18,6 +18,7 @@ import asyncio
 import hmac
 import math
 import os
+import secrets
 import socket
 import time
 from functools import partial
@@ -95,7 +96,9 @@ class WorkerRuntime:
         self.role = role
         self._cfg = cfg
         self._wcfg = cfg.workers.for_role(role)
-        self.name = name or f"{role}@{socket.gethostname()}:{os.getpid()}"
+        # A default name must never match another live worker's: containers sharing the
+        # host's network (and so its hostname) each have their own pid 1.
+        self.name = name or f"{role}@{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
         self._engine = engine
         self._stage: Stage | None = None
         self._pool: MemoryPool | None = None
