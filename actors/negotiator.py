@@ -344,9 +344,10 @@ class TransferNegotiator:
             if receiver is not None and receiver.push_failed_at is None:
                 receiver.push_failed_at = time.monotonic()
                 self._suspect(receiver)
-            # The push is over (failed), so the receiver's memory is free to reuse at once.
+            # A push that ended in failure wrote nothing more: the receiver's memory is free at
+            # once. One in doubt (timed out) may still land: that memory waits out the quarantine.
             self._fail(flight, Reason.TRANSFER_FAILED, f"{flight.instance} -> {flight.receiver}: {msg.error}",
-                       outcome=False)
+                       outcome=False, pushing=msg.in_doubt)
             return
         self._pools[flight.role].post(Release(request_id=rid, instance=flight.instance, ok=True))
         self._tracker.post(HandedOff(request_id=rid, role=flight.role, instance=flight.instance,

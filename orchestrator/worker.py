@@ -37,7 +37,7 @@ from orchestrator.stages.base import StepFn
 from orchestrator.watchdog import StageWatchdog
 from orchestrator.work_socket import bind_work_socket
 from transfer import frames
-from transfer.engine import Engine, MooncakeEngine, TransferError
+from transfer.engine import Engine, MooncakeEngine, TransferError, TransferInDoubt
 from transfer.pool import Block, MemoryPool, PoolError
 from transfer.protocol import (
     DAEMON_TO_WORKER,
@@ -428,20 +428,23 @@ class WorkerRuntime:
         self._pushing.add(rid)
         started = time.perf_counter()
         error = ""
+        in_doubt = False
         via: Via = "mooncake"
         try:
             via = await self._deliver(order, self._pool.address(block))
         except TransferError as exc:
-            error = str(exc)
+            error, in_doubt = str(exc), isinstance(exc, TransferInDoubt)
         except Exception as exc:  # noqa: BLE001 - the daemon must hear Pushed, whatever happened
             self._log.exception("worker.push_crashed", request_id=rid)
             error = f"{type(exc).__name__}: {exc}"
         finally:
             self._pushing.discard(rid)
             del self._staged[rid]
+            # Freed even in doubt: a late read of it can only land in receiver memory that
+            # the daemon holds back until push_quarantine_s has passed.
             self._pool.free(block)
         self._report(Pushed(request_id=rid, ok=not error, transfer_ms=(time.perf_counter() - started) * 1000,
-                            error=error, via=via))
+                            error=error, via=via, in_doubt=in_doubt))
 
     async def _deliver(self, order: Push, src_addr: int) -> Via:
         """Copy into a same-host receiver's shared pool, else transfer with the engine.

@@ -66,6 +66,11 @@ class TransferError(Exception):
     """The data plane could not start, register, or complete a write."""
 
 
+class TransferInDoubt(TransferError):
+    """A write we stopped waiting for: Mooncake may still complete it, so the destination
+    must not be reused until its own timeout has surely passed (``push_quarantine_s``)."""
+
+
 @runtime_checkable
 class Engine(Protocol):
     """What the worker runtime needs from a data plane."""
@@ -165,7 +170,7 @@ class MooncakeEngine:
     def _attempt(self, te: Any, session: str, local_addr: int, remote_addr: int, nbytes: int) -> bool:
         """Submit one write and poll it: True when done, False when it failed (worth one retry).
 
-        Raises TransferError when it times out, leaving the id to Mooncake untouched.
+        Raises TransferInDoubt when it times out, leaving the id to Mooncake untouched.
         """
         batch_id = te.transfer_submit_write(session, local_addr, remote_addr, nbytes)
         if not 0 < batch_id < _MAX_ID:
@@ -187,7 +192,7 @@ class MooncakeEngine:
                     why = "Mooncake reported a timeout"
                 else:
                     why = f"unexpected status {status}"
-                raise TransferError(
+                raise TransferInDoubt(
                     f"write of {nbytes} bytes from {local_addr:#x} to {session} at {remote_addr:#x} "
                     f"timed out ({why}): peer hung or overloaded. Mooncake may still hold the "
                     "request and read the source bytes later"

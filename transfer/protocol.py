@@ -383,6 +383,9 @@ class Pushed(Wire):
     error: str = ""
     part: NonNegative = 0
     via: Via = "mooncake"
+    # A failed write that timed out rather than ended: it may still land, so the receiver's
+    # memory must wait out push_quarantine_s before anything else uses it.
+    in_doubt: bool = False
 
 
 class Ready(Wire):

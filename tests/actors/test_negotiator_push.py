@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
 import anyio
+import pytest
 import zmq
 import zmq.asyncio
 
@@ -21,6 +23,7 @@ from tests.actors.negotiator_harness import (
     FakeWorker,
     Negotiator,
     aborted,
+    allocate_on_slow_path,
     encoder_and_denoiser,
     job,
     push_on_fast_path,
@@ -104,6 +107,44 @@ async def fail_a_push_into(n: Negotiator, encoder: FakeWorker, denoiser: FakeWor
     assert isinstance(await n.tracker.receive(), Failed)
     n.take("encoder")
     assert n.take("denoiser") == [suspected(denoiser), released(rid, denoiser)]
+
+
+@pytest.mark.parametrize("slots", [2, 0], ids=["preallocated slot", "allocation"])
+async def test_a_push_in_doubt_keeps_the_receivers_memory_until_the_quarantine_ends(
+    ctx: zmq.asyncio.Context, tmp_path: Path, slots: int
+) -> None:
+    """A write the sender stopped waiting for may still land: what it was writing into is
+    not handed out again (slot recycled, allocation aborted) before push_quarantine_s."""
+    with anyio.fail_after(5):
+        async with encoder_and_denoiser(ctx, tmp_path, slots=slots, push_quarantine_s=0.3) as (n, encoder, denoiser):
+            if slots:
+                await push_on_fast_path(n, encoder, denoiser, "r1")
+            else:
+                await stage_encoder_output(n, encoder, "r1")
+                await allocate_on_slow_path(n, encoder, denoiser, "r1", POOL_BASE + 8192)
+            started = time.monotonic()
+            await encoder.report(Pushed(request_id="r1", ok=False, transfer_ms=6000.0, error="timed out",
+                                        in_doubt=True))
+            failed = await n.tracker.receive()
+            assert (failed.request_id, failed.reason) == ("r1", Reason.TRANSFER_FAILED)
+            assert n.take("encoder") == [released("r1", encoder, ok=False), aborted("r1", encoder)]
+            assert n.take("denoiser") == [suspected(denoiser), released("r1", denoiser)]  # its capacity, at once
+            held = PreallocCounts(1, 2) if slots else None
+            while time.monotonic() - started < 0.25:
+                n.inbox.post(Tick())
+                stats = await n.stats()
+                assert stats.prealloc[denoiser.instance] == (held or stats.prealloc[denoiser.instance])
+                assert stats.handoffs_in_flight == 1
+                n.assert_silent()  # no Abort of the allocation yet
+                await anyio.sleep(0.05)
+            await anyio.sleep(0.1)
+            n.inbox.post(Tick())
+            stats = await n.stats()
+            assert stats.handoffs_in_flight == 0
+            if slots:
+                assert stats.prealloc[denoiser.instance] == PreallocCounts(2, 2)
+            else:
+                assert n.take("denoiser") == [aborted("r1", denoiser)]
 
 
 async def test_a_suspect_receiver_heard_from_again_is_trusted(ctx: zmq.asyncio.Context, tmp_path: Path) -> None:

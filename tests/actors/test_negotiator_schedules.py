@@ -5,7 +5,7 @@ schedule: one to four requests, each walking encoder -> denoiser -> decoder alon
 happy path (cut short anywhere) with disruptions spliced in, the requests interleaved.
 The disruptions: a Staged too big for any preallocated slot (slow path), with a bad
 manifest, or from a worker not running the request; an ``AllocRejected`` or an
-allocation outside the pool; a failed push; a failed or misplaced ``Done``; a ``Forget``
+allocation outside the pool; a failed push, or one in doubt (timed out); a failed or misplaced ``Done``; a ``Forget``
 at any point; duplicate, forged and late reports, also after the request ended; Ticks,
 before and after a (short) push quarantine. The fake workers behave like real ones: each
 answers only what it was ordered (a ``Pushed`` after a ``Push``, an answer after an
@@ -100,6 +100,8 @@ REPORTS: dict[str, tuple[str, Callable[[str], WorkerMessage]]] = {
     "alloc_rejected": ("allocating", lambda rid: AllocRejected(request_id=rid, message="pool full")),
     "pushed": ("pushing", lambda rid: Pushed(request_id=rid, ok=True, transfer_ms=1.0)),
     "push_failed": ("pushing", lambda rid: Pushed(request_id=rid, ok=False, transfer_ms=0.0, error="link down")),
+    "push_in_doubt": ("pushing", lambda rid: Pushed(request_id=rid, ok=False, transfer_ms=0.0, error="timed out",
+                                                    in_doubt=True)),
 }
 KINDS = ("place", *REPORTS, "duplicate", "forged", "forget", "tick", "expire")
 
@@ -123,7 +125,7 @@ def request_script(draw: st.DrawFn, request: int) -> list[Action]:
         # Mostly the answers that move the request on; the rest end it.
         return [draw(st.sampled_from(("stage", "stage_big"))), "place",
                 draw(st.sampled_from(("allocated",) * 6 + ("alloc_rejected", "alloc_outside"))),
-                draw(st.sampled_from(("pushed",) * 3 + ("push_failed",)))]
+                draw(st.sampled_from(("pushed",) * 3 + ("push_failed", "push_in_doubt")))]
 
     path = ["place", *hop(), *hop(), draw(st.sampled_from(("done",) * 4 + ("done_failed",)))]
     # Cut past the end more often than not, so a fair share of requests get through to the decoder.

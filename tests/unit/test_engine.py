@@ -22,7 +22,7 @@ import torch
 
 import transfer.engine
 from orchestrator.config import TransferConfig, transfer_timeout_s
-from transfer.engine import Engine, MooncakeEngine, TransferError
+from transfer.engine import Engine, MooncakeEngine, TransferError, TransferInDoubt
 from transfer.pool import MemoryPool
 from transfer.shm import SharedRegion
 
@@ -252,7 +252,7 @@ def test_hung_peer_times_out_at_our_deadline_without_burning_cpu(
     monkeypatch.setattr(pair.sender, "_timeout_s", 0.0)
     monkeypatch.setattr(transfer.engine, "_GRACE_S", 0.5)
     started, cpu = time.monotonic(), time.thread_time()
-    with pytest.raises(TransferError, match=rf"write of 100 bytes .* to {peer.session} .*timed out"):
+    with pytest.raises(TransferInDoubt, match=rf"write of 100 bytes .* to {peer.session} .*timed out"):
         pair.sender.write(peer.session, pair.out.base, peer.address, 100)
     elapsed, cpu = time.monotonic() - started, time.thread_time() - cpu
     assert 0.5 <= elapsed < 2
@@ -281,15 +281,16 @@ def test_failed_attempt_is_retried_once(pair: Pair, monkeypatch: pytest.MonkeyPa
 def test_two_failures_raise(pair: Pair, monkeypatch: pytest.MonkeyPatch) -> None:
     fake = ScriptedMooncake([-1], [])
     monkeypatch.setattr(pair.sender, "_te", fake)
-    with pytest.raises(TransferError, match="write of 64 bytes .* to peer:1 .*failed twice"):
+    with pytest.raises(TransferError, match="write of 64 bytes .* to peer:1 .*failed twice") as failed:
         pair.sender.write("peer:1", pair.out.base, 0x1000, 64)
+    assert not isinstance(failed.value, TransferInDoubt)  # a failed write wrote nothing more
     assert fake.submits == 2 and list(fake.polls.values()) == [1]
 
 
 def test_mooncake_timeout_status_raises_without_retry(pair: Pair, monkeypatch: pytest.MonkeyPatch) -> None:
     fake = ScriptedMooncake([0, -2], [1])
     monkeypatch.setattr(pair.sender, "_te", fake)
-    with pytest.raises(TransferError, match="write of 64 bytes .* to peer:1 .*Mooncake reported a timeout"):
+    with pytest.raises(TransferInDoubt, match="write of 64 bytes .* to peer:1 .*Mooncake reported a timeout"):
         pair.sender.write("peer:1", pair.out.base, 0x1000, 64)
     assert fake.submits == 1 and list(fake.polls.values()) == [2]
 
@@ -300,7 +301,7 @@ def test_deadline_raises_without_retry(pair: Pair, monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(pair.sender, "_timeout_s", 0.0)
     monkeypatch.setattr(transfer.engine, "_GRACE_S", 0.05)
     started = time.monotonic()
-    with pytest.raises(TransferError, match="write of 4096 bytes .* to peer:1 .*not done after"):
+    with pytest.raises(TransferInDoubt, match="write of 4096 bytes .* to peer:1 .*not done after"):
         pair.sender.write("peer:1", pair.out.base, 0x1000, 4096)
     assert 0.05 <= time.monotonic() - started < 0.5
     assert fake.submits == 1

@@ -1,0 +1,40 @@
+"""How a worker reports a push that failed: a write that ended in failure wrote nothing
+more; one it stopped waiting for may still land, and the daemon must know which."""
+
+from __future__ import annotations
+
+import pytest
+
+from orchestrator.config import Config
+from orchestrator.worker import WorkerRuntime
+from transfer.engine import TransferError, TransferInDoubt
+from transfer.pool import MemoryPool
+from transfer.protocol import WORKER_MESSAGE, Push, Pushed
+
+
+class FailingEngine:
+    """The part of ``Engine`` a push uses, failing the way it was told to."""
+
+    def __init__(self, error: TransferError) -> None:
+        self.error = error
+
+    def write(self, session: str, local_addr: int, remote_addr: int, nbytes: int) -> None:
+        raise self.error
+
+
+@pytest.mark.parametrize(("error", "in_doubt"), [
+    (TransferInDoubt("write of 512 bytes timed out"), True),
+    (TransferError("write of 512 bytes failed twice"), False),
+])
+async def test_a_timed_out_push_is_reported_in_doubt_and_a_failed_one_is_not(
+    error: TransferError, in_doubt: bool
+) -> None:
+    worker = WorkerRuntime("encoder", Config(), name="push-test", engine=FailingEngine(error))  # type: ignore[arg-type]
+    worker._pool = pool = MemoryPool(1 << 16)
+    worker._staged["r1"] = pool.try_alloc(512)
+    await worker._push(Push(request_id="r1", session="peer:1", address=0x1000, nbytes=512))
+    (message,) = await worker._outbox.take()
+    pushed = WORKER_MESSAGE.decode(message[0])
+    assert isinstance(pushed, Pushed) and not pushed.ok and pushed.error == str(error)
+    assert pushed.in_doubt == in_doubt
+    assert pool.allocated_blocks == 0 and not worker._staged  # the block is freed either way
