@@ -236,4 +236,12 @@ class Placed(Mail):
     instance: str
 
 
-NegotiatorMail = Placed | Forget | Tick | QueryStats
+class Stuck(Mail):
+    """An instance's work socket is full (SNDHWM): it takes no orders, so it must go, and
+    come back clean (its rejoin frees what the lost orders would have freed)."""
+
+    instance: str
+    message: str
+
+
+NegotiatorMail = Placed | Forget | Tick | Stuck | QueryStats

@@ -56,6 +56,7 @@ from actors.mail import (
     Release,
     Send,
     Stepped,
+    Stuck,
     Suspect,
     Tick,
     TrackerMail,
@@ -395,6 +396,10 @@ class TransferNegotiator:
                     self._end(flight, pushing=flight.state == FlightState.PUSHING)
             case Tick():
                 self._check_liveness(time.monotonic())
+            case Stuck(instance=instance, message=message):
+                link = self._by_instance.get(instance)
+                if link is not None:  # later flushes to it say so again until its Leave lands
+                    self._evict(link, message, gone=False)
             case QueryStats(reply=reply):
                 prealloc = {}
                 for instance in self._by_instance:

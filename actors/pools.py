@@ -33,6 +33,7 @@ from actors.mail import (
     QueryStats,
     Release,
     Send,
+    Stuck,
     Suspect,
     TrackerMail,
 )
@@ -212,12 +213,12 @@ class PoolActor:
                 # Never block the loop on one worker: a full queue (SNDHWM) means it is stuck.
                 send_frames(inst.socket, [inst.key, *map(encode, orders)], NOBLOCK)
             except zmq.Again:
-                for order in orders:
-                    self._log.error("pool.worker_stuck", request_id=order.request_id, instance=inst.instance,
-                                    order=type(order).__name__)
-                    if not isinstance(order, Abort):
-                        self._tracker.post(Failed(request_id=order.request_id, reason=Reason.WORKER_LOST,
-                                                  message=f"{self.role} {inst.instance} is not taking work"))
+                # Its requests fail when it is evicted; an Abort lost here would leave memory
+                # held at the worker, which its rejoin frees.
+                self._log.error("pool.worker_stuck", instance=inst.instance, orders=len(orders),
+                                requests=[order.request_id for order in orders])
+                self._negotiator.post(Stuck(instance=inst.instance,
+                                            message=f"{self.role} {inst.instance} is not taking work"))
 
     def _join(self, mail: Join) -> None:
         # A plain socket even under an asyncio context: sends are NOBLOCK and never

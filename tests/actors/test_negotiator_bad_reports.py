@@ -10,7 +10,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from actors.mail import Enqueue, Failed, Leave, Placed, Send
+from actors.mail import Enqueue, Failed, Leave, Placed, Send, Stuck
 from actors.negotiator import PreallocCounts
 from tests.actors.negotiator_harness import (
     MANIFEST,
@@ -156,3 +156,26 @@ async def next_order(n: Negotiator, role: Role, kind: type) -> None:
     """Skip ``role``'s pool mail up to the next order of ``kind``."""
     while not isinstance(mail := await n.pools[role].receive(), Send) or not isinstance(mail.order, kind):
         pass
+
+
+async def test_a_stuck_worker_is_evicted_once_and_may_still_be_finishing_a_write(
+    ctx: zmq.asyncio.Context, tmp_path: Path
+) -> None:
+    """Its pool could not queue its orders (Stuck): evicted as silent, not dead, so memory it
+    may still be writing into waits out the quarantine."""
+    with anyio.fail_after(5):
+        async with encoder_and_denoiser(ctx, tmp_path, slots=2, push_quarantine_s=30.0) as (n, encoder, denoiser):
+            await push_on_fast_path(n, encoder, denoiser, "r1")
+            stuck = Stuck(instance=encoder.instance, message=f"encoder {encoder.instance} is not taking work")
+            n.inbox.post(stuck)
+            leave = await n.pools["encoder"].receive()
+            assert leave == Leave(instance=encoder.instance, reason=Reason.WORKER_LOST, message=stuck.message)
+            failed = await n.tracker.receive()
+            assert (failed.request_id, failed.reason) == ("r1", Reason.WORKER_LOST)
+            assert n.take("encoder") == [released("r1", encoder), aborted("r1", encoder)]
+            assert n.take("denoiser") == [released("r1", denoiser)]
+            n.inbox.post(stuck)  # its pool's next flush said so again
+            stats = await n.stats()
+            assert encoder.instance not in stats.prealloc
+            assert stats.prealloc[denoiser.instance] == PreallocCounts(1, 2)  # quarantined, not reused
+            n.assert_silent()

@@ -29,6 +29,7 @@ from actors.mail import (
     PoolMail,
     Release,
     Send,
+    Stuck,
     Suspect,
 )
 from actors.mailbox import Mailbox, Switchboard
@@ -497,8 +498,11 @@ async def test_abort_to_a_departed_instance_is_dropped(ctx: zmq.asyncio.Context)
 
 
 @pytest.mark.parametrize("kind", ["sync", "asyncio"])
-async def test_stuck_worker_fails_the_request(kind: str, tmp_path: Path) -> None:
-    """A worker whose queue is full (SNDHWM) is stuck: the order's request fails, the loop never blocks.
+async def test_a_stuck_worker_is_reported_to_the_negotiator_and_the_loop_never_blocks(
+    kind: str, tmp_path: Path
+) -> None:
+    """A worker whose queue is full (SNDHWM) takes no orders: the negotiator evicts it, which
+    fails its requests, and its rejoin frees what a lost Abort would have.
 
     The daemon hands pools a ``zmq.asyncio.Context``, whose own sockets would report a full
     queue on the returned Future instead of raising ``zmq.Again``, so the check must hold
@@ -513,10 +517,11 @@ async def test_stuck_worker_fails_the_request(kind: str, tmp_path: Path) -> None
                 for rid in ("r1", "r2"):
                     instance = await pool.dispatch(rid)
                     pool.inbox.post(Send(instance=instance, order=Work(request_id=rid, params=PARAMS)))
-                await pool.stats()  # a send fails inside the Send's handler, so Failed is posted by now
-                failed = pool.tracker.receive_nowait()
-                assert (failed.request_id, failed.reason) == ("r2", Reason.WORKER_LOST)
-                assert_empty(pool.tracker)
+                await pool.stats()  # a send fails inside the Send's handler, so Stuck is posted by now
+                assert pool.negotiator.receive_nowait() == Stuck(instance="encoder-1",
+                                                                 message="encoder encoder-1 is not taking work")
+                assert_empty(pool.negotiator)
+                assert_empty(pool.tracker)  # its requests fail with its Leave
     finally:
         ctx.destroy(linger=0)
 
@@ -534,7 +539,7 @@ async def test_orders_from_one_delivery_leave_as_one_message_in_order(ctx: zmq.a
             assert key == KEY and [WORK_ORDER.decode(body) for body in bodies] == orders
 
 
-async def test_a_batch_to_a_stuck_worker_fails_each_of_its_requests(tmp_path: Path) -> None:
+async def test_a_batch_to_a_stuck_worker_reports_it_once(tmp_path: Path) -> None:
     ctx = zmq.Context()
     try:
         with anyio.fail_after(5):
@@ -545,9 +550,10 @@ async def test_a_batch_to_a_stuck_worker_fails_each_of_its_requests(tmp_path: Pa
                     for order in (Work(request_id="r2", params=PARAMS), Abort(request_id="r3"),
                                   Work(request_id="r4", params=PARAMS)):
                         pool.inbox.post(Send(instance="encoder-1", order=order))
-                failed = [pool.tracker.receive_nowait() for _ in range(2)]
-                assert [(f.request_id, f.reason) for f in failed] == [("r2", Reason.WORKER_LOST),
-                                                                      ("r4", Reason.WORKER_LOST)]
-                assert_empty(pool.tracker)  # nothing for the Abort
+                assert isinstance(pool.negotiator.receive_nowait(), Stuck)
+                assert_empty(pool.negotiator)
+                pool.inbox.post(Leave(instance="encoder-1", reason=Reason.WORKER_LOST,
+                                      message="encoder encoder-1 is not taking work"))
+                assert (await pool.stats()).instances == []  # and its socket is closed
     finally:
         ctx.destroy(linger=0)
