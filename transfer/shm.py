@@ -84,22 +84,28 @@ class LocalWriter:
     it unmaps pools it has not used lately, which must not happen under another's copy."""
 
     def __init__(self) -> None:
-        self._mapped: OrderedDict[tuple[str, int, int], tuple[mmap.mmap, int]] = OrderedDict()
+        # (path, device, inode) -> (the mapping, its address, its length)
+        self._mapped: OrderedDict[tuple[str, int, int], tuple[mmap.mmap, int, int]] = OrderedDict()
 
     def write(self, target: LocalMemory, src_addr: int, dst_addr: int, nbytes: int) -> None:
         """Copy ``nbytes`` at ``src_addr`` here to ``dst_addr`` in the receiver's pool."""
         offset = dst_addr - target.base
         if offset < 0 or offset + nbytes > target.size:
             raise LocalCopyError(f"[{dst_addr}, +{nbytes}) is outside the receiver's pool")
-        ctypes.memmove(self._map(target) + offset, src_addr, nbytes)
+        address, length = self._map(target)
+        if offset + nbytes > length:  # a cached mapping, and a target claiming more than its file
+            raise LocalCopyError(f"[{dst_addr}, +{nbytes}) is past the {length} bytes of {target.path}")
+        ctypes.memmove(address + offset, src_addr, nbytes)
 
-    def _map(self, target: LocalMemory) -> int:
+    def _map(self, target: LocalMemory) -> tuple[int, int]:
         if target.host != host_id():
             raise LocalCopyError("the receiver runs on another host")
         key = (target.path, target.device, target.inode)
         if key in self._mapped:
             self._mapped.move_to_end(key)
-            return self._mapped[key][1]
+            _, address, length = self._mapped[key]
+            return address, length
+        self._forget_gone()
         try:
             fd = os.open(target.path, os.O_RDWR | os.O_CLOEXEC)
         except OSError as exc:
@@ -112,7 +118,19 @@ class LocalWriter:
         finally:
             os.close(fd)
         address = ctypes.addressof(ctypes.c_char.from_buffer(region))
-        self._mapped[key] = (region, address)
+        self._mapped[key] = (region, address, target.size)
         while len(self._mapped) > MAPPED_PEERS:
             self._mapped.popitem(last=False)  # unmapped: copies run one at a time, never into it
-        return address
+        return address, target.size
+
+    def _forget_gone(self) -> None:
+        """Unmap the pools of receivers that have exited: the mapping alone would keep their
+        pages resident. A new receiver to map is when one may have replaced another."""
+        for path, device, inode in list(self._mapped):
+            try:
+                stat = os.stat(path)
+                alive = (stat.st_dev, stat.st_ino) == (device, inode)
+            except OSError:
+                alive = False
+            if not alive:
+                del self._mapped[(path, device, inode)]

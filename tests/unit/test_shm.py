@@ -71,3 +71,29 @@ def test_a_host_that_cannot_share_memory_gets_no_region_and_says_why(monkeypatch
     monkeypatch.setattr(os, "memfd_create", refuse)
     assert shared_region(SIZE) is None
     assert [entry["event"] for entry in logs] == ["shm.unavailable"]
+
+
+def test_a_mapped_pool_is_not_written_past_its_file_whatever_a_later_order_claims() -> None:
+    """The first copy maps the file at its true size; a later target naming the same file
+    with a larger size must not turn that mapping into a write past its end."""
+    region = SharedRegion(SIZE)
+    target = region.describe(region.tensor.data_ptr(), SIZE)
+    src = torch.ones(4096, dtype=torch.uint8)
+    writer = LocalWriter()
+    writer.write(target, src.data_ptr(), target.base, 64)  # mapped now
+    lying = msgspec.structs.replace(target, size=SIZE * 1024)
+    with pytest.raises(LocalCopyError, match="past the"):
+        writer.write(lying, src.data_ptr(), target.base + SIZE, 4096)
+    assert int(region.tensor.sum()) == 64
+
+
+def test_the_pool_of_a_receiver_that_exited_is_unmapped_when_another_is_mapped() -> None:
+    """A mapping keeps a dead receiver's pages resident; its /proc path is gone with it."""
+    writer = LocalWriter()
+    src = torch.ones(64, dtype=torch.uint8)
+    gone = SharedRegion(SIZE)
+    writer.write(gone.describe(gone.tensor.data_ptr(), SIZE), src.data_ptr(), gone.tensor.data_ptr(), 64)
+    os.close(gone._fd)  # as if its process exited: the path no longer names the file
+    other = SharedRegion(SIZE)
+    writer.write(other.describe(other.tensor.data_ptr(), SIZE), src.data_ptr(), other.tensor.data_ptr(), 64)
+    assert [path for path, _, _ in writer._mapped] == [other.describe(0, SIZE).path]
