@@ -117,6 +117,7 @@ class WorkerRuntime:
         self._staged: dict[str, Block] = {}
         self._allocs: dict[str, Block] = {}
         self._pushing: set[str] = set()
+        self._in_doubt_until = -math.inf  # see _may_say_leaving
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -157,10 +158,15 @@ class WorkerRuntime:
             work.close(linger=0)
             # Stage and push threads have all ended here (_serve's task group waited for
             # them), so the daemon may free at once what this worker held or was sent.
-            linger_ms = self._say_leaving(dealer) if registered is not None else 0
+            linger_ms = self._say_leaving(dealer) if registered is not None and self._may_say_leaving() else 0
             dealer.close(linger=linger_ms)
             ctx.term()
             self._engine.close()
+
+    def _may_say_leaving(self) -> bool:
+        """Leaving tells the daemon no write of ours can still land: false for a while after
+        a push we stopped waiting for (the daemon then waits out its quarantine instead)."""
+        return time.monotonic() >= self._in_doubt_until
 
     def _say_leaving(self, dealer: zmq.asyncio.Socket) -> int:
         """Send ``Leaving`` without waiting (this may run while cancelled); return how long
@@ -267,6 +273,11 @@ class WorkerRuntime:
             self._on_order(order, tg)
 
     def _on_order(self, order: WorkOrder, tg: anyio.abc.TaskGroup) -> None:
+        if not isinstance(order, Abort) and self._busy_with(order):
+            # The daemon sends each order once: a repeat is a bug there. Any answer would
+            # read as one about the live request, so the order is only logged.
+            self._log.error("worker.repeated_order", request_id=order.request_id, order=type(order).__name__)
+            return
         match order:
             case Work() | Ready():
                 rid = order.request_id
@@ -281,6 +292,17 @@ class WorkerRuntime:
             case Abort(request_id=rid):
                 self._abort(rid)
 
+    def _busy_with(self, order: WorkOrder) -> bool:
+        """Whether ``order``'s request already has work or memory here that it would clash
+        with (a Ready consumes the allocation its Alloc made; nothing else may overlap)."""
+        rid = order.request_id
+        held = rid in self._scopes or rid in self._runs or rid in self._staged or rid in self._pushing
+        if isinstance(order, Push):
+            return rid in self._pushing
+        if isinstance(order, Ready):
+            return held
+        return held or rid in self._allocs
+
     def _cancel_scope(self, rid: str) -> anyio.CancelScope:
         # Made and recorded before the task starts, so an Abort right behind the order
         # (handled before the task's first step) still cancels it.
@@ -290,6 +312,9 @@ class WorkerRuntime:
     async def _guarded(self, rid: str, scope: anyio.CancelScope, job: Any, order: Any) -> None:
         with scope:
             try:
+                # An Abort handled before the task started is seen here, even by a job that
+                # would never yield (an allocation that fits at once).
+                await anyio.lowlevel.checkpoint()
                 await job(order)
             finally:
                 if self._scopes.get(rid) is scope:
@@ -347,6 +372,7 @@ class WorkerRuntime:
             started = time.perf_counter()
             outputs = await self._compute_on_thread(rid, order, inputs, control)
             compute_ms = (time.perf_counter() - started) * 1000
+            await anyio.lowlevel.checkpoint()  # aborted meanwhile: stage nothing, report nothing
             if self.role == "decoder":
                 specs, buffers = frames.to_frames(outputs)
                 self._report(Done(request_id=rid, ok=True, compute_ms=compute_ms, outputs=specs), buffers)
@@ -374,7 +400,10 @@ class WorkerRuntime:
 
         def run() -> dict[str, torch.Tensor]:
             control.started_at = time.monotonic()  # not before: waiting for a compute thread is no hang
-            return stage.run(order.params, inputs, control=control)
+            outputs = stage.run(order.params, inputs, control=control)
+            # Here, not on the loop: moving a GPU tensor waits for every kernel queued on its
+            # device, the next request's included.
+            return {name: t.detach().cpu() for name, t in outputs.items()}
 
         # Watched until the thread returns, stopped or not: not cancellable, this await
         # outlasts even the request's end.
@@ -382,13 +411,22 @@ class WorkerRuntime:
             return await anyio.to_thread.run_sync(run, limiter=self._compute)
 
     def _take_inputs(self, ready: Ready) -> dict[str, torch.Tensor]:
-        """Copy the input out of the receive memory, then give an allocation back at once."""
+        """Copy the input out of its receive memory (its slot, or the block its Alloc made),
+        then give an allocation back at once."""
         assert self._pool is not None
-        nbytes = max((s.offset + s.nbytes for s in ready.manifest), default=0)
+        block = self._allocs.pop(ready.request_id, None)
         try:
-            return frames.unpack(self._pool.view_at(ready.address, nbytes), ready.manifest)
+            if block is not None:
+                address, size = self._pool.address(block), block.size
+            elif ready.slot_id is not None and 0 <= ready.slot_id < len(self._pool.slots):
+                slot = self._pool.slots[ready.slot_id]
+                address, size = slot.address, slot.size
+            else:
+                raise ValueError(f"Ready names no memory of this request's (slot {ready.slot_id}, no allocation)")
+            if ready.address != address:
+                raise ValueError(f"Ready points at {ready.address:#x}, this request's input is at {address:#x}")
+            return frames.unpack(self._pool.view_at(address, size), ready.manifest)
         finally:
-            block = self._allocs.pop(ready.request_id, None)
             if block is not None:
                 self._pool.free(block)
 
@@ -434,6 +472,8 @@ class WorkerRuntime:
             via = await self._deliver(order, self._pool.address(block))
         except TransferError as exc:
             error, in_doubt = str(exc), isinstance(exc, TransferInDoubt)
+            if in_doubt:
+                self._in_doubt_until = time.monotonic() + self._cfg.daemon.push_quarantine_s
         except Exception as exc:  # noqa: BLE001 - the daemon must hear Pushed, whatever happened
             self._log.exception("worker.push_crashed", request_id=rid)
             error = f"{type(exc).__name__}: {exc}"

@@ -91,14 +91,22 @@ def pack(block: torch.Tensor, tensors: Mapping[str, torch.Tensor], specs: Sequen
 
 
 def unpack(block: torch.Tensor, specs: Sequence[TensorSpec]) -> dict[str, torch.Tensor]:
-    """Tensors copied out of the uint8 region ``block`` (the region is recycled after)."""
+    """Tensors copied out of the uint8 region ``block`` (the region is recycled after).
+
+    The specs must lie in order and apart, as ``layout`` puts them: overlapping ones would
+    let a short input be copied out many times over.
+    """
     out: dict[str, torch.Tensor] = {}
+    end = 0
     for spec in specs:
         size = expected_nbytes(spec)
         if size != spec.nbytes:
             raise ValueError(f"tensor {spec.name!r}: header says {spec.nbytes} bytes, shape needs {size}")
+        if spec.offset < end:
+            raise ValueError(f"tensor {spec.name!r}: at {spec.offset}, inside the tensor before it (ends at {end})")
         if spec.offset + size > block.numel():
             raise ValueError(f"tensor {spec.name!r}: [{spec.offset}, +{size}) outside a {block.numel()}-byte block")
+        end = spec.offset + size
         raw = block[spec.offset : spec.offset + size].clone()
         out[spec.name] = raw.view(torch_dtype(spec.dtype)).reshape(spec.shape)
     return out

@@ -1,0 +1,167 @@
+"""A worker's answers to orders that are odd (repeated, aborted at once, pointing at memory
+that is not the request's): nothing crashes, nothing leaks, nothing reads another
+request's memory. The runtime is driven without sockets: orders in, reports out."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import anyio
+import msgspec
+import pytest
+import torch
+
+from orchestrator.config import Config, ModelConfig
+from orchestrator.stages import build_stage
+from orchestrator.worker import WorkerRuntime
+from transfer import frames
+from transfer.engine import TransferInDoubt
+from transfer.pool import MemoryPool
+from transfer.protocol import (
+    WORKER_MESSAGE,
+    Abort,
+    Alloc,
+    Allocated,
+    Done,
+    GenParams,
+    Push,
+    Pushed,
+    Ready,
+    Staged,
+    TensorSpec,
+    Work,
+    encode,
+)
+
+PARAMS = GenParams(prompt="p", width=8, height=8, steps=1, output="raw")
+SLOT = 1024
+CFG = Config(model=ModelConfig(kind="null"))
+
+
+class SlowEngine:
+    """Writes nothing, slowly, or times out: what a push waits on."""
+
+    def __init__(self, seconds: float = 0.0, error: Exception | None = None) -> None:
+        self.seconds, self.error, self.writes = seconds, error, 0
+
+    def write(self, session: str, local_addr: int, remote_addr: int, nbytes: int) -> None:
+        self.writes += 1
+        time.sleep(self.seconds)
+        if self.error is not None:
+            raise self.error
+
+
+@asynccontextmanager
+async def worker(role: str = "denoiser", engine: SlowEngine | None = None) -> AsyncIterator[Any]:
+    """A runtime with a pool (two 1 KiB slots, as a receiver registers them) and a null
+    stage, and a task group its orders run in."""
+    w = WorkerRuntime(role, CFG, name="orders-test", engine=engine or SlowEngine())  # type: ignore[arg-type]
+    w._pool = MemoryPool(1 << 16, slot_sizes=[SLOT, SLOT] if role != "encoder" else [])
+    w._stage = build_stage(role, CFG.model, torch_threads=1)  # type: ignore[arg-type]
+    async with anyio.create_task_group() as tg:
+        w.send = lambda *orders: w._on_orders([w._key, *map(encode, orders)], tg)
+        yield w
+
+
+async def reports(w: WorkerRuntime, settle_s: float = 0.05) -> list[Any]:
+    """Every report the worker has queued once it settles."""
+    await anyio.sleep(settle_s)
+    out: list[Any] = []
+    while w._outbox._queued:
+        for message in await w._outbox.take():
+            out.extend(WORKER_MESSAGE.decode(body) for body in message if isinstance(body, bytes))
+    return out
+
+
+async def test_a_repeated_push_is_ignored_and_the_first_reports_once() -> None:
+    """Before, the repeat wrote from the block the first one freed, then killed the worker."""
+    engine = SlowEngine(seconds=0.2)
+    async with worker("encoder", engine) as w:
+        w._staged["r1"] = w._pool.try_alloc(512)
+        push = Push(request_id="r1", session="peer:1", address=0x1000, nbytes=512)
+        w.send(push)
+        await anyio.sleep(0.05)
+        w.send(push)
+        done = await reports(w, 0.4)
+    assert [type(r) for r in done] == [Pushed] and done[0].ok
+    assert engine.writes == 1 and w._pool.allocated_blocks == 0
+
+
+async def test_a_repeated_alloc_or_work_is_ignored_and_an_abort_frees_everything() -> None:
+    async with worker() as w:
+        w.send(Alloc(request_id="r1", nbytes=256))
+        await anyio.sleep(0.05)
+        w.send(Alloc(request_id="r1", nbytes=256))
+        assert [type(r) for r in await reports(w)] == [Allocated]
+        w.send(Abort(request_id="r1"))
+        await reports(w)
+        assert w._pool.allocated_blocks == 0
+    async with worker("encoder") as w:
+        w.send(Work(request_id="r2", params=PARAMS), Work(request_id="r2", params=PARAMS))
+        staged = await reports(w, 0.5)
+        assert [type(r) for r in staged] == [Staged]
+        w.send(Abort(request_id="r2"))
+        await reports(w)
+        assert w._pool.allocated_blocks == 0
+
+
+async def test_an_abort_right_behind_an_order_stops_it_before_it_holds_anything() -> None:
+    """An allocation that fits at once never yields: the Abort must still win."""
+    async with worker() as w:
+        w.send(Alloc(request_id="r1", nbytes=256), Abort(request_id="r1"))
+        assert await reports(w) == []
+        assert w._pool.allocated_blocks == 0
+
+
+def ready_for(w: WorkerRuntime, manifest: list[TensorSpec], *, slot_id: int | None = 0,
+              address: int | None = None) -> Ready:
+    slot = w._pool.slots[0]
+    return Ready(request_id="r1", params=PARAMS, address=slot.address if address is None else address,
+                 manifest=manifest, slot_id=slot_id)
+
+
+@pytest.mark.parametrize(("case", "why"), [
+    ("past its slot", "outside a 1024-byte block"),
+    ("another address", "this request's input is at"),
+    ("no memory", "names no memory of this request's"),
+    ("overlapping", "inside the tensor before it"),
+])
+async def test_a_ready_that_points_past_its_own_input_fails_and_reads_nothing_else(case: str, why: str) -> None:
+    """Slot 1 (another request's input, say) is never read through slot 0's Ready."""
+    latents = TensorSpec(name="embeds", dtype="float32", shape=(16,), offset=0, nbytes=64)
+    async with worker() as w:
+        ready = {
+            "past its slot": ready_for(w, [msgspec.structs.replace(latents, shape=(512,), nbytes=2048)]),
+            "another address": ready_for(w, [latents], address=w._pool.slots[1].address),
+            "no memory": ready_for(w, [latents], slot_id=None),
+            "overlapping": ready_for(w, [latents, msgspec.structs.replace(latents, name="again", offset=32)]),
+        }[case]
+        w.send(ready)
+        (done,) = await reports(w)
+    assert isinstance(done, Done) and not done.ok and why in done.error
+
+
+async def test_a_push_in_doubt_keeps_the_worker_from_saying_leaving_until_the_quarantine_ends() -> None:
+    """Leaving tells the daemon no write of this worker's is in flight: not so after a
+    push it stopped waiting for."""
+    async with worker("encoder", SlowEngine(error=TransferInDoubt("timed out"))) as w:
+        assert w._may_say_leaving()
+        w._staged["r1"] = w._pool.try_alloc(512)
+        w.send(Push(request_id="r1", session="peer:1", address=0x1000, nbytes=512))
+        (pushed,) = await reports(w)
+    assert isinstance(pushed, Pushed) and pushed.in_doubt
+    assert not w._may_say_leaving()
+    w._in_doubt_until = time.monotonic()
+    assert w._may_say_leaving()
+
+
+def test_unpack_refuses_specs_that_overlap() -> None:
+    block = torch.zeros(256, dtype=torch.uint8)
+    spec = TensorSpec(name="a", dtype="uint8", shape=(64,), offset=0, nbytes=64)
+    with pytest.raises(ValueError, match="inside the tensor before it"):
+        frames.unpack(block, [spec, msgspec.structs.replace(spec, name="b", offset=63)])
+    assert set(frames.unpack(block, [spec, msgspec.structs.replace(spec, name="b", offset=64)])) == {"a", "b"}
+
