@@ -372,7 +372,13 @@ class WorkerRuntime:
             started = time.perf_counter()
             outputs = await self._compute_on_thread(rid, order, inputs, control)
             compute_ms = (time.perf_counter() - started) * 1000
-            await anyio.lowlevel.checkpoint()  # aborted meanwhile: stage nothing, report nothing
+            try:
+                await anyio.lowlevel.checkpoint()
+            except anyio.get_cancelled_exc_class():
+                # Aborted while it ran (a one-pass stage cannot stop early): the daemon
+                # expects nothing, so nothing is staged or reported.
+                self._log.info("worker.output_dropped", request_id=rid, compute_ms=round(compute_ms))
+                raise
             if self.role == "decoder":
                 specs, buffers = frames.to_frames(outputs)
                 self._report(Done(request_id=rid, ok=True, compute_ms=compute_ms, outputs=specs), buffers)
