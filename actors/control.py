@@ -10,7 +10,6 @@ import time
 from typing import Any
 
 import anyio
-import msgspec
 import structlog
 import zmq
 import zmq.asyncio
@@ -25,6 +24,7 @@ from actors.pools import PoolStats
 from actors.tracker import TrackerStats
 from transfer.protocol import (
     CONTROL_REQUEST,
+    DECODE_ERRORS,
     ControlReply,
     Drain,
     Draining,
@@ -85,7 +85,7 @@ class ControlActor:
             return Rejected(request_id="", reason=Reason.INVALID, message="invalid control request: expected [empty, body]")
         try:
             msg = CONTROL_REQUEST.decode(frames[2])
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        except DECODE_ERRORS as exc:
             return Rejected(request_id="", reason=Reason.INVALID, message=f"invalid control request: {exc}")
         match msg:
             case GetStats():

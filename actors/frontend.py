@@ -30,6 +30,7 @@ from orchestrator.config import DaemonConfig
 from orchestrator.limits import limits_violation
 from transfer.protocol import (
     CLIENT_REQUEST,
+    DECODE_ERRORS,
     PROTOCOL_VERSION,
     Cancel,
     Cancelled,
@@ -120,7 +121,7 @@ class FrontendActor:
             return
         try:
             msg = CLIENT_REQUEST.decode(frames[2])
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        except DECODE_ERRORS as exc:
             self._send(identity, Rejected(request_id="", reason=Reason.INVALID, message=f"invalid request: {exc}"))
             return
         if msg.protocol != PROTOCOL_VERSION:

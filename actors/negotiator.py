@@ -65,6 +65,7 @@ from actors.mailbox import Mailbox, MailboxCounts
 from actors.slots import SlotBook
 from orchestrator.config import DaemonConfig
 from transfer.protocol import (
+    DECODE_ERRORS,
     WORKER_MESSAGE,
     Abort,
     Alloc,
@@ -196,7 +197,7 @@ class TransferNegotiator:
     def _decode(self, frame: zmq.Frame) -> WorkerMessage | None:
         try:
             return WORKER_MESSAGE.decode(frame.buffer)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        except DECODE_ERRORS as exc:
             self._log.warning("worker.bad_message", error=str(exc))
             return None
 

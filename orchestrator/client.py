@@ -24,6 +24,7 @@ from transfer.protocol import (
     CLIENT_REPLY,
     CLIENT_REQUEST,
     CONTROL_REPLY,
+    DECODE_ERRORS,
     PROTOCOL_VERSION,
     Cancel,
     Cancelled,
@@ -202,7 +203,7 @@ class AsyncClient:
             parts = await self._sock.recv_multipart()
             try:
                 reply = _decode_reply(parts[1:])  # parts[0] is the empty delimiter
-            except msgspec.DecodeError as exc:
+            except DECODE_ERRORS as exc:
                 # No request can be told of it; the others in flight carry on.
                 log.warning("client.unreadable_reply", endpoint=self.endpoint, error=str(exc))
                 continue

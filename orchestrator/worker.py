@@ -25,7 +25,6 @@ from functools import partial
 from typing import Any
 
 import anyio
-import msgspec
 import structlog
 import torch
 import zmq
@@ -41,6 +40,7 @@ from transfer.engine import Engine, MooncakeEngine, TransferError, TransferInDou
 from transfer.pool import Block, MemoryPool, PoolError
 from transfer.protocol import (
     DAEMON_TO_WORKER,
+    DECODE_ERRORS,
     PROTOCOL_VERSION,
     WORK_ORDER,
     Abort,
@@ -84,7 +84,7 @@ class WorkerRefused(RuntimeError):
 def _decode_reply(body: bytes) -> Registered | RegisterRefused | None:
     try:
         return DAEMON_TO_WORKER.decode(body)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+    except DECODE_ERRORS as exc:
         log.warning("worker.bad_reply", error=str(exc))
         return None
 
@@ -267,7 +267,7 @@ class WorkerRuntime:
         for body in parts[1:]:
             try:
                 order = WORK_ORDER.decode(body)
-            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            except DECODE_ERRORS as exc:
                 self._log.warning("worker.bad_order", error=str(exc))
                 continue
             self._on_order(order, tg)

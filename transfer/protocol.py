@@ -446,6 +446,12 @@ WORK_ORDER = msgspec.msgpack.Decoder(WorkOrder)
 
 encode = ENCODER.encode
 
+# What decoding bytes from a peer may raise: a malformed or invalid message (ValidationError
+# is a DecodeError), or one nested deeper than the interpreter's recursion limit, which
+# msgspec reaches even inside a field it skips (a 2 KB message). Catch all of them
+# wherever a peer's bytes are decoded.
+DECODE_ERRORS = (msgspec.DecodeError, RecursionError)
+
 
 def hop_name(sender: Role, receiver: Role) -> str:
     return f"{sender}->{receiver}"

@@ -62,6 +62,7 @@ async def worker(role: str = "denoiser", engine: SlowEngine | None = None) -> As
     w._pool = MemoryPool(1 << 16, slot_sizes=[SLOT, SLOT] if role != "encoder" else [])
     w._stage = build_stage(role, CFG.model, torch_threads=1)  # type: ignore[arg-type]
     async with anyio.create_task_group() as tg:
+        w.tg = tg
         w.send = lambda *orders: w._on_orders([w._key, *map(encode, orders)], tg)
         yield w
 
@@ -165,3 +166,10 @@ def test_unpack_refuses_specs_that_overlap() -> None:
         frames.unpack(block, [spec, msgspec.structs.replace(spec, name="b", offset=63)])
     assert set(frames.unpack(block, [spec, msgspec.structs.replace(spec, name="b", offset=64)])) == {"a", "b"}
 
+
+
+async def test_an_order_nested_too_deep_is_skipped_and_the_rest_are_handled() -> None:
+    deep = bytes([0x83]) + encode(Abort(request_id="x"))[1:] + encode("deep") + b"\x91" * 2000 + b"\xc0"
+    async with worker() as w:
+        w._on_orders([w._key, deep, encode(Alloc(request_id="r1", nbytes=256))], w.tg)
+        assert [type(r) for r in await reports(w)] == [Allocated]

@@ -1,0 +1,54 @@
+"""The whole daemon in this process, sent messages nested past the interpreter's recursion
+limit (about 2 KB each, well under every size limit): msgspec raises RecursionError even
+inside a field it skips. Each socket answers or drops it like any bad message, and the
+daemon keeps serving."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import anyio
+import msgspec
+import zmq
+import zmq.asyncio
+
+from orchestrator.client import Control
+from orchestrator.config import load_config
+from orchestrator.daemon import serve
+from transfer.protocol import CLIENT_REPLY, CONTROL_REPLY, Reason, Rejected
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def nested(message: dict) -> bytes:
+    """``message`` with one more field, an unknown one: a list inside a list, 2,000 deep."""
+    body = msgspec.msgpack.encode(message)
+    assert 0x80 <= body[0] < 0x8F  # a fixmap: one more entry is one more in its count
+    return bytes([body[0] + 1]) + body[1:] + msgspec.msgpack.encode("deep") + b"\x91" * 2000 + b"\xc0"
+
+
+async def test_a_message_nested_too_deep_is_refused_on_every_socket(ctx: zmq.asyncio.Context, tmp_path: Path) -> None:
+    cfg = load_config(ROOT / "configs" / "test.toml")
+    daemon = msgspec.structs.replace(cfg.daemon, client_endpoint=f"ipc://{tmp_path}/client",
+                                     control_endpoint=f"ipc://{tmp_path}/control",
+                                     worker_endpoint=f"ipc://{tmp_path}/workers")
+    cfg = msgspec.structs.replace(cfg, daemon=daemon)
+    with anyio.fail_after(30):
+        async with anyio.create_task_group() as tg:
+            endpoints = await tg.start(serve, cfg)
+            with ctx.socket(zmq.DEALER) as worker, ctx.socket(zmq.DEALER) as client, ctx.socket(zmq.REQ) as control:
+                worker.connect(endpoints["worker"])
+                await worker.send(nested({"kind": "Heartbeat"}))  # dropped: nobody to answer
+                client.connect(endpoints["client"])
+                await client.send_multipart([b"", nested({"kind": "Submit", "protocol": 1, "params": {"prompt": "x"}})])
+                _, reply = await client.recv_multipart()
+                refused = CLIENT_REPLY.decode(reply)
+                assert isinstance(refused, Rejected) and refused.reason == Reason.INVALID
+                assert "recursion" in refused.message
+                control.connect(endpoints["control"])
+                await control.send(nested({"kind": "GetStats"}))
+                refused = CONTROL_REPLY.decode(await control.recv())
+                assert isinstance(refused, Rejected) and refused.reason == Reason.INVALID
+            stats = await anyio.to_thread.run_sync(Control(endpoints["control"]).stats)
+            assert stats.draining is False  # still serving, after all three
+            tg.cancel_scope.cancel()
