@@ -49,6 +49,7 @@ class Flight:
     slot: Slot | None = None  # fast path: the receiver's preallocated slot
     address: int = 0
     doomed: bool = False  # the request ended mid-push; freed when the push reports
+    abort_receiver: bool = False  # doomed, and the receiver said it holds more: abort it with its memory
 
     def _move(self, new: FlightState) -> None:
         if new not in ALLOWED[self.state]:

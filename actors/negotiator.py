@@ -281,10 +281,18 @@ class TransferNegotiator:
 
     def _free_late(self, link: Link, rid: str, flight: Flight | None) -> None:
         """A late report says ``link`` holds memory for ``rid``: have it freed there, unless the
-        request is live on that worker (a repeated report), where the memory is in use."""
+        request is live on that worker (a repeated report), where the memory is in use.
+
+        A doomed flight's sender may be aborted again (an abort never frees a block that is
+        being pushed), but not its receiver: that would free an allocation a write may still
+        land in. The receiver is aborted when its memory is released.
+        """
         self._late += 1
-        if flight is None or link.instance not in (flight.instance, flight.receiver):
+        involved = flight is not None and link.instance in (flight.instance, flight.receiver)
+        if not involved or (flight.doomed and link.instance == flight.instance):
             self._order(link.role, link.instance, Abort(request_id=rid))
+        elif flight.doomed:
+            flight.abort_receiver = True
 
     def _placed(self, job: Job, instance: str) -> None:
         rid = job.request_id
@@ -445,7 +453,7 @@ class TransferNegotiator:
     def _release_receiver(self, flight: Flight) -> None:
         if flight.slot is not None:
             self._slots.recycle(flight.slot)
-        else:
+        if flight.slot is None or flight.abort_receiver:
             self._order(flight.receiver_role, flight.receiver, Abort(request_id=flight.request_id))
 
     def _recycle_input(self, flight: Flight) -> None:

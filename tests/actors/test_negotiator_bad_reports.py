@@ -10,7 +10,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from actors.mail import Enqueue, Failed, Leave, Placed, Send, Stuck
+from actors.mail import Enqueue, Failed, Leave, Placed, Send, Stuck, Tick
 from actors.negotiator import PreallocCounts
 from tests.actors.negotiator_harness import (
     MANIFEST,
@@ -179,3 +179,24 @@ async def test_a_stuck_worker_is_evicted_once_and_may_still_be_finishing_a_write
             assert encoder.instance not in stats.prealloc
             assert stats.prealloc[denoiser.instance] == PreallocCounts(1, 2)  # quarantined, not reused
             n.assert_silent()
+
+
+async def test_a_late_report_from_a_quarantined_receiver_waits_for_its_memory_to_be_released(
+    ctx: zmq.asyncio.Context, tmp_path: Path
+) -> None:
+    """Aborting it at once would free the allocation a push in doubt may still land in; it
+    is aborted with that memory, at the quarantine's end, even on the fast path."""
+    with anyio.fail_after(5):
+        async with encoder_and_denoiser(ctx, tmp_path, slots=2, push_quarantine_s=0.2) as (n, encoder, denoiser):
+            await push_on_fast_path(n, encoder, denoiser, "r1")
+            await encoder.report(Pushed(request_id="r1", ok=False, transfer_ms=1.0, error="timed out", in_doubt=True))
+            assert isinstance(await n.tracker.receive(), Failed)
+            await denoiser.report(Staged(request_id="r1", nbytes=NBYTES, manifest=MANIFEST, compute_ms=1.0))
+            await wait_late(n, 1)
+            n.take("encoder")
+            assert aborted("r1", denoiser) not in n.take("denoiser")
+            await anyio.sleep(0.25)
+            n.inbox.post(Tick())
+            await n.stats()
+            assert n.take("denoiser") == [aborted("r1", denoiser)]
+            assert (await n.stats()).prealloc[denoiser.instance] == PreallocCounts(2, 2)
