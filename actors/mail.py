@@ -142,8 +142,15 @@ class StartDrain(Mail):
     drained: anyio.Event
 
 
+class EndAll(Mail):
+    """The drain ran out of time: fail every request still in flight with ``message``."""
+
+    message: str
+
+
 TrackerMail = (
-    Admit | HandedOff | Finished | Failed | CancelRequest | Queued | Stepped | StartDrain | Tick | QueryStats
+    Admit | HandedOff | Finished | Failed | CancelRequest | Queued | Stepped | StartDrain | EndAll | Tick
+    | QueryStats
 )
 
 

@@ -22,6 +22,7 @@ from actors.mail import (
     Admit,
     CancelRequest,
     Deliver,
+    EndAll,
     Enqueue,
     Failed,
     Finished,
@@ -115,6 +116,9 @@ class TrackerActor:
             case StartDrain(drained=drained):
                 self._drained = drained
                 self._check_drained()
+            case EndAll(message=message):
+                for rid in list(self._table):
+                    self._fail(rid, Reason.DRAINING, message)
             case QueryStats(reply=reply):
                 by_state: dict[str, int] = {}
                 for entry in self._table.values():

@@ -24,7 +24,7 @@ from actors.admission import AdmissionActor
 from actors.base import ask_stats
 from actors.control import ControlActor
 from actors.frontend import FrontendActor
-from actors.mail import SetDraining, StartDrain, Tick
+from actors.mail import EndAll, SetDraining, StartDrain, Tick
 from actors.mailbox import Mailbox, Switchboard
 from actors.negotiator import TransferNegotiator
 from actors.pools import PoolActor
@@ -37,6 +37,7 @@ from transfer.sockets import PUMP_BATCH
 log = structlog.get_logger()
 
 TRACKER_TICK_S = 0.02  # deadline resolution
+END_ALL_FLUSH_S = 1.0  # for the answers to requests a timed-out drain ends
 
 
 async def _tick(outbox: Mailbox[Any], period_s: float) -> None:
@@ -115,6 +116,11 @@ async def _drain_on_request(
         await ask_stats(frontend)
     if waited.cancelled_caught:
         log.warning("daemon.drain_timeout", timeout_s=timeout_s)
+        # Every request still in flight gets its final answer before the sockets close.
+        tracker.post(EndAll(message=f"the daemon stopped before this request finished: its drain "
+                                    f"ran out of time (drain_timeout_s = {timeout_s:g})"))
+        with anyio.move_on_after(END_ALL_FLUSH_S):
+            await ask_stats(frontend)
     else:
         log.info("daemon.drained")
     scope.cancel()

@@ -156,6 +156,34 @@ async def test_sigterm_drains_in_flight_work_and_refuses_new(start_cluster: Star
     assert '"event":"daemon.drained"' in cluster.log_of("daemon")
 
 
+async def test_a_drain_that_runs_out_of_time_still_answers_every_request(start_cluster: StartCluster) -> None:
+    cluster = start_cluster(layout={"encoder": 1, "denoiser": 1, "decoder": 1},
+                            **{"model.null": {"denoiser_ms": 5000.0}, "daemon": {"drain_timeout_s": 1.0}})
+    with anyio.fail_after(30):
+        async with AsyncClient(cluster.config.daemon.client_endpoint) as client:
+            async with anyio.create_task_group() as tg:
+                outcome: list[BaseException] = []
+
+                async def submit() -> None:
+                    try:
+                        await client.submit(p(1), timeout_s=20)
+                    except Rejection as exc:
+                        outcome.append(exc)
+
+                tg.start_soon(submit)
+                await anyio.to_thread.run_sync(wait_for, cluster, lambda s: s.requests_by_state.get("denoising") == 1)
+                assert cluster.daemon is not None
+                started = time.monotonic()
+                cluster.daemon.send_signal(signal.SIGTERM)
+            waited = time.monotonic() - started
+        code = await anyio.to_thread.run_sync(partial(cluster.daemon.wait, timeout=10))
+    (rejection,) = outcome
+    assert rejection.reason == Reason.DRAINING and "drain ran out of time" in rejection.rejected.message
+    assert waited < 4, "answered when the drain gave up (1 s), not at the request's deadline"
+    assert code == 0
+    assert '"event":"daemon.drain_timeout"' in cluster.log_of("daemon")
+
+
 async def _append(results: list, awaitable) -> None:
     results.append(await awaitable)
 
