@@ -8,6 +8,8 @@ Every wait has a deadline. A request that fails raises ``Rejection`` carrying th
 
 from __future__ import annotations
 
+import math
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -76,9 +78,13 @@ def _submit_frames(params: GenParams, request_id: str, timeout_s: float | None, 
                    progress: bool = False) -> bytes:
     """The encoded ``Submit``, checked as the daemon will check it: a bad field raises
     ``Rejection(invalid)`` here, at once. (A field far out of bounds, a prompt of megabytes,
-    would otherwise be cut off unread at the daemon's size limit, and get no answer.)"""
+    would otherwise be cut off unread at the daemon's size limit, and get no answer.)
+
+    The request carries the deadline the client waits for (``DEFAULT_TIMEOUT_S`` when the
+    caller names none), so the daemon never works on past the caller's patience.
+    """
     body = encode(Submit(protocol=PROTOCOL_VERSION, params=params, request_id=request_id,
-                         timeout_s=timeout_s, priority=priority, progress=progress))
+                         timeout_s=timeout_s or DEFAULT_TIMEOUT_S, priority=priority, progress=progress))
     try:
         CLIENT_REQUEST.decode(body)
     except msgspec.ValidationError as exc:
@@ -179,6 +185,9 @@ class AsyncClient:
         self._ctx = zmq.asyncio.Context()
         self._sock: zmq.asyncio.Socket | None = None
         self._waiting: dict[str, anyio.abc.ObjectSendStream[Reply]] = {}
+        # Requests given up on, by id, until when an answer may still come: it must not reach
+        # a new request that reuses the id.
+        self._abandoned: dict[str, float] = {}
         self._tg: anyio.abc.TaskGroup | None = None
 
     async def __aenter__(self) -> AsyncClient:
@@ -194,8 +203,9 @@ class AsyncClient:
         assert self._tg is not None and self._sock is not None
         self._tg.cancel_scope.cancel()
         await self._tg.__aexit__(None, None, None)
-        self._sock.close(linger=0)
-        self._ctx.term()
+        for waiter in self._waiting.values():
+            waiter.close()  # a submit still waiting raises ConnectionError now, not at its deadline
+        self._ctx.destroy(linger=0)  # every socket, a cancel()'s in progress included
 
     async def _read(self) -> None:
         assert self._sock is not None
@@ -212,7 +222,11 @@ class AsyncClient:
                 if waiter is not None and waiter.statistics().current_buffer_used < PROGRESS_BACKLOG - 1:
                     waiter.send_nowait(reply)
                 continue
+            if isinstance(reply, Cancelled):
+                continue  # the ack of an abandoned request's Cancel: cancel() reads its own
             rid = reply.result.request_id if isinstance(reply, Generation) else reply.request_id
+            if self._abandoned.pop(rid, None) is not None:
+                continue  # the end of a request given up on
             waiter = self._waiting.pop(rid, None)
             if waiter is not None:
                 with waiter:
@@ -221,33 +235,46 @@ class AsyncClient:
     async def _request(self, rid: str, body: bytes, wait_s: float,
                        on_progress: Callable[[Progress], None] | None = None) -> Generation | Rejected | Cancelled:
         assert self._sock is not None
+        now = time.monotonic()
+        if rid in self._waiting or self._abandoned.get(rid, -math.inf) > now:
+            raise ValueError(f"request id {rid!r} is in use on this client (in flight, or given up and not ended)")
         tx, rx = anyio.create_memory_object_stream[Reply](PROGRESS_BACKLOG)
         self._waiting[rid] = tx
         try:
-            with rx:
+            with rx, anyio.fail_after(wait_s):
                 await self._sock.send_multipart([b"", body])
-                with anyio.fail_after(wait_s):
-                    while isinstance(reply := await rx.receive(), Progress):
-                        if on_progress is not None:
-                            on_progress(reply)
-                    return reply
-        except TimeoutError:
-            raise TimeoutError(f"no reply from {self.endpoint} for {rid!r} within {wait_s:.1f}s") from None
-        except BaseException:
-            # The caller gave up on the request (cancelled, or its on_progress raised): so
-            # should the daemon, rather than keep GPUs busy on work nobody awaits. Its
-            # answers, the ack included, find no waiter.
+                while isinstance(reply := await rx.receive(), Progress):
+                    if on_progress is not None:
+                        on_progress(reply)
+                return reply
+        except anyio.EndOfStream:
+            raise ConnectionError(f"the client of {self.endpoint} was closed while {rid!r} waited") from None
+        except BaseException as exc:
+            # The caller gave up on the request (cancelled, its on_progress raised, or the
+            # wait ran out): so should the daemon, rather than keep GPUs busy on work nobody
+            # awaits. Its answers, the ack included, are dropped when they come.
+            self._abandon(rid, wait_s)
             if not self._sock.closed:  # closed: the client is gone, and the daemon's deadline ends it
                 with anyio.CancelScope(shield=True), anyio.move_on_after(CANCEL_SEND_S):
                     await self._sock.send_multipart([b"", _cancel_frame(rid)])
+            if isinstance(exc, TimeoutError):
+                raise TimeoutError(f"no reply from {self.endpoint} for {rid!r} within {wait_s:.1f}s") from None
             raise
         finally:
             leftover = self._waiting.pop(rid, None)
             if leftover is not None:
                 leftover.close()
 
+    def _abandon(self, rid: str, wait_s: float) -> None:
+        now = time.monotonic()
+        for old in [old for old, until in self._abandoned.items() if until <= now]:
+            del self._abandoned[old]
+        self._abandoned[rid] = now + wait_s
+
     async def submit(self, params: GenParams, *, request_id: str = "", timeout_s: float | None = None,
                      priority: int = 0, on_progress: Callable[[Progress], None] | None = None) -> Generation:
+        """Generate; raises ``Rejection``, ``TimeoutError`` (the wait ran out: the request is
+        cancelled at the daemon), or ``ValueError`` for an id in use on this client."""
         # The client picks the id so it can match the answer among many in flight.
         rid = request_id or uuid.uuid4().hex
         body = _submit_frames(params, rid, timeout_s, priority, progress=on_progress is not None)

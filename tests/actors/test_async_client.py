@@ -3,6 +3,7 @@ stops listening (its on_progress raised) cancels the request at the daemon."""
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 import anyio
@@ -10,10 +11,11 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from orchestrator.client import AsyncClient, Client, Generation, Rejection
+from orchestrator.client import DEFAULT_TIMEOUT_S, AsyncClient, Client, Generation, Rejection
 from transfer.protocol import (
     CLIENT_REQUEST,
     Cancel,
+    Cancelled,
     GenParams,
     Progress,
     Reason,
@@ -145,3 +147,73 @@ async def test_an_unreadable_reply_fails_its_own_request_only(ctx: zmq.asyncio.C
         assert isinstance(good, Generation) and good.outputs["image"].flatten().tolist() == list(b"abcd")
     finally:
         daemon.close(linger=0)
+
+
+async def test_a_request_id_is_not_reused_on_a_client_until_its_request_ended(
+    ctx: zmq.asyncio.Context, tmp_path: Path
+) -> None:
+    """Answers are matched by id: a second request under a live id, or one given up on but
+    not yet answered, would take the other's answers."""
+    daemon = ctx.socket(zmq.ROUTER)
+    daemon.setsockopt(zmq.LINGER, 0)
+    endpoint = f"ipc://{tmp_path}/daemon"
+    daemon.bind(endpoint)
+    try:
+        with anyio.fail_after(10):
+            async with AsyncClient(endpoint) as client, anyio.create_task_group() as tg:
+                tg.start_soon(partial(client.submit, PARAMS, request_id="job-1"))
+                identity, _, body = await daemon.recv_multipart()
+                submit = CLIENT_REQUEST.decode(body)
+                assert isinstance(submit, Submit) and submit.timeout_s == DEFAULT_TIMEOUT_S  # the client's own
+                with pytest.raises(ValueError, match="in use"):
+                    await client.submit(PARAMS, request_id="job-1")
+                tg.cancel_scope.cancel()  # the caller gives up: the request is cancelled at the daemon
+            cancel = CLIENT_REQUEST.decode((await daemon.recv_multipart())[2])
+            assert cancel == Cancel(protocol=submit.protocol, request_id="job-1")
+            async with AsyncClient(endpoint) as client:
+                with anyio.move_on_after(0.1):
+                    await client.submit(PARAMS, request_id="job-2")  # given up on
+                identity, _, _ = await daemon.recv_multipart()
+                assert isinstance(CLIENT_REQUEST.decode((await daemon.recv_multipart())[2]), Cancel)
+                with pytest.raises(ValueError, match="given up"):
+                    await client.submit(PARAMS, request_id="job-2")
+                # Its answers come: the ack and the end; neither reaches anyone, and the id is free.
+                await daemon.send_multipart([identity, b"", encode(Cancelled(request_id="job-2", found=True))])
+                await daemon.send_multipart([identity, b"", encode(Rejected(
+                    request_id="job-2", reason=Reason.CANCELLED, message="cancelled by the client"))])
+                await anyio.sleep(0.1)
+
+                async def answer() -> None:
+                    identity, _, body = await daemon.recv_multipart()
+                    rid = CLIENT_REQUEST.decode(body).request_id
+                    await daemon.send_multipart([identity, b"", encode(Result(
+                        request_id=rid, outputs=[], stages=[], total_ms=1.0))])
+
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(answer)
+                    assert (await client.submit(PARAMS, request_id="job-2")).result.total_ms == 1.0
+    finally:
+        daemon.close(linger=0)
+
+
+async def test_closing_the_client_ends_the_waits_of_its_submits_at_once(
+    ctx: zmq.asyncio.Context, tmp_path: Path
+) -> None:
+    endpoint = f"ipc://{tmp_path}/nobody"  # no daemon: nothing ever answers
+    errors: list[BaseException] = []
+    with anyio.fail_after(5):
+        async with anyio.create_task_group() as tg:
+            client = AsyncClient(endpoint)
+            await client.__aenter__()
+
+            async def wait() -> None:
+                try:
+                    await client.submit(PARAMS, timeout_s=60)
+                except ConnectionError as exc:
+                    errors.append(exc)
+
+            tg.start_soon(wait)
+            await anyio.sleep(0.1)
+            await client.__aexit__(None, None, None)
+    (error,) = errors
+    assert "was closed" in str(error)
