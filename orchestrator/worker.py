@@ -296,12 +296,10 @@ class WorkerRuntime:
         """Whether ``order``'s request already has work or memory here that it would clash
         with (a Ready consumes the allocation its Alloc made; nothing else may overlap)."""
         rid = order.request_id
-        held = rid in self._scopes or rid in self._runs or rid in self._staged or rid in self._pushing
         if isinstance(order, Push):
             return rid in self._pushing
-        if isinstance(order, Ready):
-            return held
-        return held or rid in self._allocs
+        held = rid in self._scopes or rid in self._runs or rid in self._staged or rid in self._pushing
+        return held if isinstance(order, Ready) else held or rid in self._allocs
 
     def _cancel_scope(self, rid: str) -> anyio.CancelScope:
         # Made and recorded before the task starts, so an Abort right behind the order
