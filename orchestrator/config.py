@@ -37,7 +37,9 @@ class DaemonConfig(Section):
     request_timeout_s: PositiveFloat = 600.0  # when Submit names none
     max_request_timeout_s: PositiveFloat = 3600.0
     heartbeat_s: PositiveFloat = 1.0
-    heartbeat_misses: PositiveInt = 5  # silence of misses * heartbeat_s evicts a worker
+    # Silence of misses * heartbeat_s evicts a worker. At least 3: silence of 2 beats only
+    # makes it a suspect (actors/negotiator.py), and a live worker may be a beat late.
+    heartbeat_misses: Annotated[int, msgspec.Meta(ge=3)] = 5
     drain_timeout_s: PositiveFloat = 30.0
     # A request whose worker was lost (dead, stuck, evicted) or whose hand-off failed (a write
     # that could not reach its receiver, a receiver without room in time) starts again from
@@ -181,6 +183,14 @@ class Config(Section):
         if self.daemon.push_quarantine_s <= timeout_s:
             raise ValueError(f"daemon.push_quarantine_s ({self.daemon.push_quarantine_s:g}) must exceed the "
                              f"Mooncake transfer timeout ({timeout_s:g} s, transfer.env.MC_TRANSFER_TIMEOUT)")
+        # Receivers carve their preallocated slots from the pool; what is left is where
+        # outputs are staged and slow-path inputs allocated, so some must be left.
+        for role in ("denoiser", "decoder"):
+            w = self.workers.for_role(role)
+            slots = w.prealloc_slots * -(-w.prealloc_slot_bytes // 256) * 256
+            if w.pool_bytes <= slots:
+                raise ValueError(f"workers.{role}.pool_bytes ({w.pool_bytes}) must exceed its preallocated slots "
+                                 f"({w.prealloc_slots} x {w.prealloc_slot_bytes} bytes, aligned: {slots})")
 
 
 def load_config(path: str | Path) -> Config:

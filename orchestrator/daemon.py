@@ -49,7 +49,9 @@ async def _tick(outbox: Mailbox[Any], period_s: float) -> None:
 async def serve(cfg: Config, *, task_status: anyio.abc.TaskStatus[dict[str, str]] = anyio.TASK_STATUS_IGNORED) -> None:
     """Run until drained (signal or ``Drain``) or cancelled. Reports bound endpoints when ready."""
     d = cfg.daemon
-    log.info("daemon.config", **msgspec.to_builtins(cfg))
+    settings = msgspec.to_builtins(cfg)
+    settings["daemon"]["token"] = "<redacted>"  # logs travel further than the config file
+    log.info("daemon.config", **settings)
     # Every mailbox holds more than the mail the daemon can have in flight: a handful per
     # admitted request, and admission stops at max_in_flight (see actors/mailbox.py); plus a
     # piece of mail for every report one batch of the worker socket's reader can bring

@@ -81,6 +81,7 @@ class NullDenoiser(_NullStage):
     role = "denoiser"
 
     def run(self, params: GenParams, inputs: Tensors, *, control: RunControl = UNATTENDED) -> Tensors:
+        self.check(params)
         if self._cfg.hang_prompt and self._cfg.hang_prompt in params.prompt:
             threading.Event().wait()  # never set: only the worker's stage watchdog ends this
         for done in range(params.steps):
@@ -97,6 +98,7 @@ class NullDecoder(_NullStage):
     role = "decoder"
 
     def run(self, params: GenParams, inputs: Tensors, *, control: RunControl = UNATTENDED) -> Tensors:
+        self.check(params)
         self._forward(self._cfg.decoder_ms, control)
         if "latents" not in inputs:
             raise StageError(f"decoder input lacks 'latents' (got {sorted(inputs)})")

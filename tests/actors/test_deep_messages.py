@@ -27,7 +27,9 @@ def nested(message: dict) -> bytes:
     return bytes([body[0] + 1]) + body[1:] + msgspec.msgpack.encode("deep") + b"\x91" * 2000 + b"\xc0"
 
 
-async def test_a_message_nested_too_deep_is_refused_on_every_socket(ctx: zmq.asyncio.Context, tmp_path: Path) -> None:
+async def test_a_message_nested_too_deep_is_refused_on_every_socket(
+    ctx: zmq.asyncio.Context, tmp_path: Path, logs: list[dict]
+) -> None:
     cfg = load_config(ROOT / "configs" / "test.toml")
     daemon = msgspec.structs.replace(cfg.daemon, client_endpoint=f"ipc://{tmp_path}/client",
                                      control_endpoint=f"ipc://{tmp_path}/control",
@@ -52,3 +54,6 @@ async def test_a_message_nested_too_deep_is_refused_on_every_socket(ctx: zmq.asy
             stats = await anyio.to_thread.run_sync(Control(endpoints["control"]).stats)
             assert stats.draining is False  # still serving, after all three
             tg.cancel_scope.cancel()
+    # Not a message test, but this daemon's log is at hand: the token never reaches it.
+    (settings,) = [entry for entry in logs if entry["event"] == "daemon.config"]
+    assert settings["daemon"]["token"] == "<redacted>" and daemon.token not in repr(logs)

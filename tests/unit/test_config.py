@@ -65,6 +65,7 @@ def test_unknown_key_names_its_path(tmp_path: Path, text: str, where: str) -> No
         ("[model.null]\nencoder_ms = -1.0\n", "$.model.null.encoder_ms"),
         ('[daemon]\nmax_in_flight = "lots"\n', "$.daemon.max_in_flight"),
         ('[log]\nlevel = "loud"\n', "$.log.level"),
+        ("[daemon]\nheartbeat_misses = 2\n", "$.daemon.heartbeat_misses"),
     ],
 )
 def test_bad_value_names_its_path(tmp_path: Path, text: str, path: str) -> None:
@@ -99,3 +100,12 @@ def test_the_push_quarantine_must_outlast_a_transfer(tmp_path: Path, section: st
             load_config(path)
     else:
         assert load_config(path).daemon.push_quarantine_s == 6.0
+
+
+@pytest.mark.parametrize("pool_bytes", [1 << 20, 2 << 20])
+def test_a_receiver_pool_must_hold_more_than_its_preallocated_slots(tmp_path: Path, pool_bytes: int) -> None:
+    """Smaller, the worker fails at start; equal, it registers and every request fails."""
+    text = f"[workers.decoder]\npool_bytes = {pool_bytes}\nprealloc_slots = 2\nprealloc_slot_bytes = {1 << 20}\n"
+    with pytest.raises(msgspec.ValidationError, match="workers.decoder.pool_bytes"):
+        load_config(write(tmp_path, text))
+    load_config(write(tmp_path, text.replace(f"pool_bytes = {pool_bytes}", f"pool_bytes = {3 << 20}")))

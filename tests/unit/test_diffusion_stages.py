@@ -128,6 +128,20 @@ def test_bad_size_is_invalid_before_compute(family: str, role: Role, monkeypatch
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+def test_the_steps_admitted_stop_short_of_the_schedule_s_length(family: str) -> None:
+    """All num_train_timesteps crash SD 1.x's offset schedule and turn multistep solvers' latents to NaN."""
+    s = stage(DiffusersConfig(family=family), "denoiser")
+    assert s.limits().max_steps == s.pipe.scheduler.config.num_train_timesteps - 1
+
+
+def test_latents_that_are_not_finite_fail_the_decoder_instead_of_making_an_image() -> None:
+    decoder = stage(DiffusersConfig(family="sd15"), "decoder")
+    params = GenParams(prompt="x", width=64, height=64, output="raw")
+    with pytest.raises(StageError, match="not finite"):
+        decoder.run(params, {"latents": torch.full((1, 4, 32, 32), float("nan"))})
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 def test_fail_marker_fails_mid_loop(family: str) -> None:
     cfg = DiffusersConfig(family=family)
     denoiser = stage(cfg, "denoiser", fail_marker="@@fail@@")

@@ -28,7 +28,7 @@ from diffusers.schedulers.scheduling_utils import SchedulerMixin
 from diffusers.utils.torch_utils import randn_tensor
 
 from orchestrator.config import DiffusersConfig
-from orchestrator.stages.base import StepFn, Tensors
+from orchestrator.stages.base import StageError, StepFn, Tensors
 from orchestrator.stages.diffusion import tiny
 from transfer.protocol import GenParams, Role, StageLimits
 
@@ -91,7 +91,9 @@ class FamilyAdapter:
         return StageLimits(
             size_multiple=multiple,
             min_size=multiple,
-            max_steps=self.config("scheduler").get("num_train_timesteps", 1000),
+            # Not all num_train_timesteps: with steps_offset (SD 1.x) the first timestep
+            # then falls past the schedule, and multistep solvers return NaN there.
+            max_steps=self.config("scheduler").get("num_train_timesteps", 1000) - 1,
             max_frames=1,
             model=model,
         )
@@ -138,6 +140,8 @@ class FamilyAdapter:
         """uint8 images (N, H, W, 3), equal to ``pipe(..., output_type="pil")``'s pixels."""
         vae = pipe.vae
         latents = latents.to(self.device, vae.dtype)
+        if not torch.isfinite(latents).all():
+            raise StageError("the latents are not finite (NaN or inf): no image to make of them")
         image = vae.decode(latents / vae.config.scaling_factor, return_dict=False)[0]
         array = pipe.image_processor.postprocess(image, output_type="np")
         # VaeImageProcessor.numpy_to_pil's own rounding, so "raw" equals the PIL path.

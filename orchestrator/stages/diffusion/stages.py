@@ -73,6 +73,7 @@ class DiffusionEncoder(DiffusionStage):
 
     def _run(self, params: GenParams, inputs: Tensors, control: RunControl) -> Tensors:
         with self._lock:
+            control.check()  # stopped while it waited for the lock
             out = self.adapter.encode(self.pipe, params)
         return {k: v.contiguous() for k, v in out.items()}
 
