@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 import anyio
 import msgspec
+import zmq
 
 from orchestrator.config import load_config
 from transfer.protocol import GenParams, Progress
@@ -203,7 +204,13 @@ def main(argv: list[str] | None = None) -> int:
         return {"demo": demo.main, "bench": bench.main, "bench-handoff": handoff_bench.main}[args.command](rest)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
-    return args.func(args)
+    try:
+        return args.func(args)
+    except (OSError, msgspec.DecodeError, ValueError, TimeoutError, zmq.ZMQError) as exc:
+        # An ordinary mistake (a missing or bad config, a daemon not running, a bad
+        # endpoint, an unwritable --out): one line naming it, not a traceback.
+        print(f"triptych {args.command}: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

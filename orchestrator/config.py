@@ -194,5 +194,10 @@ class Config(Section):
 
 
 def load_config(path: str | Path) -> Config:
-    """Decode a TOML file; errors name the offending key (``- at `$.daemon.token```)."""
-    return msgspec.toml.decode(Path(path).read_bytes(), type=Config)
+    """Decode a TOML file; errors name the file and the offending key (``- at `$.daemon.token```)."""
+    try:
+        return msgspec.toml.decode(Path(path).read_bytes(), type=Config)
+    except msgspec.ValidationError as exc:
+        raise msgspec.ValidationError(f"{path}: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise msgspec.DecodeError(f"{path}: {exc}") from None
