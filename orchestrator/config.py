@@ -13,6 +13,7 @@ from typing import Annotated, Literal
 import msgspec
 
 from transfer.protocol import Role
+from transfer.specs import align_up
 
 PositiveInt = Annotated[int, msgspec.Meta(gt=0)]
 PositiveFloat = Annotated[float, msgspec.Meta(gt=0)]
@@ -187,7 +188,7 @@ class Config(Section):
         # outputs are staged and slow-path inputs allocated, so some must be left.
         for role in ("denoiser", "decoder"):
             w = self.workers.for_role(role)
-            slots = w.prealloc_slots * -(-w.prealloc_slot_bytes // 256) * 256
+            slots = w.prealloc_slots * align_up(w.prealloc_slot_bytes)
             if w.pool_bytes <= slots:
                 raise ValueError(f"workers.{role}.pool_bytes ({w.pool_bytes}) must exceed its preallocated slots "
                                  f"({w.prealloc_slots} x {w.prealloc_slot_bytes} bytes, aligned: {slots})")

@@ -17,9 +17,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from transfer.protocol import TensorSpec
-from transfer.specs import check_frames, expected_nbytes
-
-ALIGNMENT = 256
+from transfer.specs import align_up, check_frames, expected_nbytes
 
 _DTYPES: dict[str, torch.dtype] = {
     name: dtype
@@ -49,10 +47,6 @@ def torch_dtype(name: str) -> torch.dtype:
         return _DTYPES[name]
     except KeyError:
         raise ValueError(f"unknown dtype {name!r}") from None
-
-
-def align_up(n: int, alignment: int = ALIGNMENT) -> int:
-    return (n + alignment - 1) // alignment * alignment
 
 
 def _nbytes(t: torch.Tensor) -> int:

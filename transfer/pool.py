@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 import anyio
 import torch
 
-from transfer.frames import ALIGNMENT
 from transfer.protocol import SlotInfo
+from transfer.specs import ALIGNMENT
 
 
 class PoolError(Exception):

@@ -7,6 +7,14 @@ from typing import Any
 
 from transfer.protocol import TensorSpec
 
+# Every tensor, staged block and preallocated slot starts on this boundary.
+ALIGNMENT = 256
+
+
+def align_up(n: int, alignment: int = ALIGNMENT) -> int:
+    return (n + alignment - 1) // alignment * alignment
+
+
 # Bytes per element of every dtype that may travel between stages (transfer/frames.py maps
 # the same names to torch dtypes).
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "uint8": 1, "int8": 1, "int32": 4,

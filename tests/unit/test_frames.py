@@ -9,9 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from transfer import frames
-from transfer.frames import ALIGNMENT, from_frames, layout, pack, to_frames, unpack
+from transfer.frames import from_frames, layout, pack, to_frames, unpack
 from transfer.protocol import TensorSpec
-from transfer.specs import ITEMSIZE
+from transfer.specs import ALIGNMENT, ITEMSIZE
 
 DTYPES = [torch.float32, torch.bfloat16, torch.int64, torch.uint8, torch.bool]
 
