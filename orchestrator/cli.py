@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -95,7 +96,10 @@ def _submit(args: argparse.Namespace) -> int:
         print(f"rejected ({exc.reason}): {exc.rejected.message}", file=sys.stderr)
         return 2
     for name, tensor in generation.outputs.items():
-        path = out / (name if name.endswith(".png") else f"{generation.result.request_id}-{name}.bin")
+        # Prefixed with the request id, so another submit into the same --out overwrites
+        # nothing; a slash in the id must not lead the file out of --out.
+        suffix = "" if name.endswith(".png") else ".bin"
+        path = out / f"{generation.result.request_id.replace('/', '_')}-{name}{suffix}"
         path.write_bytes(tensor.numpy().tobytes())
         print(path)
     for stage in generation.result.stages:
@@ -135,13 +139,43 @@ def _drain(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_endpoint(endpoint: str) -> None:
+    """Raise ``zmq.ZMQError`` now for an endpoint no socket can connect to (``nonsense``)."""
+    sock = zmq.Context.instance().socket(zmq.REQ)
+    try:
+        sock.connect(endpoint)
+    finally:
+        sock.close(linger=0)
+
+
 def _metrics(args: argparse.Namespace) -> int:
     from orchestrator.metrics import serve_metrics
 
     control = _control(args, timeout_s=args.scrape_timeout)
-    print(f"serving Prometheus metrics on http://{args.host}:{args.port}/metrics", flush=True)
-    serve_metrics(control.stats, args.port, args.host)
+    # The other commands meet a bad endpoint on their one request; the exporter asks only
+    # when scraped, where it would be an HTTP 500 on every scrape instead of one line here.
+    _check_endpoint(control.endpoint)
+    serve_metrics(control.stats, args.port, args.host,
+                  listening=lambda url: print(f"serving Prometheus metrics on {url}", flush=True))
     return 0
+
+
+def _positive_seconds(text: str) -> float:
+    """An argparse type: a finite number of seconds above zero (a negative wait never ends)."""
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = math.nan
+    if not 0 < seconds < math.inf:
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
+    return seconds
+
+
+def _port(text: str) -> int:
+    """An argparse type: a TCP port, 0 for any free one."""
+    if not text.isdecimal() or int(text) > 65535:
+        raise argparse.ArgumentTypeError(f"expected a port number 0-65535, got {text!r}")
+    return int(text)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -190,8 +224,9 @@ def main(argv: list[str] | None = None) -> int:
     p = command("metrics", _metrics, "serve the daemon's stats as Prometheus metrics over HTTP")
     p.add_argument("--endpoint", default="")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=9464)
-    p.add_argument("--scrape-timeout", type=float, default=2.0, help="seconds to wait for the daemon's stats")
+    p.add_argument("--port", type=_port, default=9464, help="0: any free port")
+    p.add_argument("--scrape-timeout", type=_positive_seconds, default=2.0,
+                   help="seconds to wait for the daemon's stats")
     # Whole programs of their own; everything after the name is passed through.
     sub.add_parser("demo", help="run the local demo cluster (see --help)", add_help=False)
     sub.add_parser("bench", help="run the control-plane benchmark (see --help)", add_help=False)

@@ -102,17 +102,24 @@ def _instance_metrics(stats: Stats) -> Iterator[Metric]:
     yield from families.values()
 
 
-def serve_metrics(read_stats: Callable[[], Stats], port: int, host: str = "127.0.0.1") -> None:
-    """Serve ``/metrics`` on ``host:port`` until SIGTERM or SIGINT."""
+def serve_metrics(read_stats: Callable[[], Stats], port: int, host: str = "127.0.0.1", *,
+                  listening: Callable[[str], None] = lambda url: None) -> None:
+    """Serve ``/metrics`` on ``host:port`` until SIGTERM or SIGINT. ``listening`` gets the
+    page's URL once the socket is bound; an address that cannot be bound raises ``OSError``."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(StatsCollector(read_stats))
     stop = {signal.SIGTERM, signal.SIGINT}
     # Blocked before the server's thread starts, so that thread inherits the mask and the
     # signal waits for sigwait here instead of interrupting a scrape.
-    signal.pthread_sigmask(signal.SIG_BLOCK, stop)
-    server, thread = start_http_server(port, addr=host, registry=registry)
+    caller_mask = signal.pthread_sigmask(signal.SIG_BLOCK, stop)
     try:
-        signal.sigwait(stop)
+        server, thread = start_http_server(port, addr=host, registry=registry)
+        try:
+            listening(f"http://{host}:{server.server_port}/metrics")  # the bound port, should it be 0
+            signal.sigwait(stop)
+        finally:
+            server.shutdown()
+            thread.join(timeout=5)
     finally:
-        server.shutdown()
-        thread.join(timeout=5)
+        # Unblocked again, above all after a failed bind: the caller's Ctrl-C must still work.
+        signal.pthread_sigmask(signal.SIG_SETMASK, caller_mask)

@@ -35,16 +35,22 @@ def test_submit_writes_the_png_and_stats_report_it(start_cluster: StartCluster, 
     done = triptych("submit", "--prompt", "a harbour", "--seed", "4", "--width", "32", "--height", "24",
                     "--request-id", "cli-1", "--priority", "5", "--out", str(out), config=cluster.config_path)
     assert done.returncode == 0, done.stderr
-    png = (out / "image_0.png").read_bytes()
+    png = (out / "cli-1-image_0.png").read_bytes()
     expected = expected_outputs(GenParams(prompt="a harbour", seed=4, width=32, height=24, output="raw"),
                                 cluster.config.model.null)["images"][0]
     assert torch.equal(torch.from_numpy(decode_png(png).copy()), expected)
     assert "denoiser" in done.stdout and "compute" in done.stdout
+    # An id is any string: one with a slash names a file inside --out all the same.
+    again = triptych("submit", "--prompt", "a harbour", "--request-id", "../cli-2", "--out", str(out),
+                     config=cluster.config_path)
+    assert again.returncode == 0, again.stderr
+    assert sorted(p.name for p in out.iterdir()) == [".._cli-2-image_0.png", "cli-1-image_0.png"]  # none overwritten
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
     stats = json.loads(triptych("stats", "--json", config=cluster.config_path).stdout)
-    assert stats["completed"] == 1 and len(stats["instances"]) == 3
+    assert stats["completed"] == 2 and len(stats["instances"]) == 3
     table = triptych("stats", config=cluster.config_path).stdout
-    assert "completed=1" in table and "denoiser" in table
+    assert "completed=2" in table and "denoiser" in table
 
 
 def test_submit_reports_a_rejection_and_exits_nonzero(start_cluster: StartCluster, tmp_path) -> None:
