@@ -21,9 +21,14 @@ class Link:
     session: str
     pool_base: int
     pool_size: int
+    work_address: str
+    joined_at: float
     last_seen: float
     local: LocalMemory | None = None  # its pool as shared memory, for senders on its host
-    suspect: bool = False  # it gets no new work (a push into it failed, or it went quiet) until heard from
+    reached: bool = False  # its Probed came back: orders sent to its work_address arrive
+    # It gets no new work until heard from (a push into it failed, or it went quiet), and
+    # none before it is reached.
+    suspect: bool = True
     push_failed_at: float | None = None  # a push into it failed then, and it has been silent since
 
     def holds(self, address: int, nbytes: int) -> bool:

@@ -74,6 +74,7 @@ from transfer.protocol import (
     Done,
     Heartbeat,
     Leaving,
+    Probed,
     Push,
     Pushed,
     Ready,
@@ -176,7 +177,7 @@ class TransferNegotiator:
                     message="not registered (the daemon restarted or evicted this worker)", rejoin=True))
             return
         link.last_seen = time.monotonic()
-        if link.suspect:
+        if link.suspect and link.reached:
             self._trust(link)  # it is alive: no longer quiet, and a failed push was not its death
         if isinstance(first, Register):
             return  # a retried Register on a live connection: the first answer stands
@@ -217,8 +218,9 @@ class TransferNegotiator:
             # Same worker, new connection: it restarted, so its old slots and memory are gone.
             self._evict(stale, f"{stale.instance} re-registered as a new process")
         instance = f"{msg.role}-{next(self._ids)}"
+        now = time.monotonic()
         link = Link(routing_id, instance, msg.role, msg.name, msg.session, msg.pool_base, msg.pool_size,
-                    time.monotonic(), msg.local)
+                    msg.work_address, joined_at=now, last_seen=now, local=msg.local)
         self._links[routing_id] = link
         self._by_instance[instance] = link
         if msg.role != "encoder":
@@ -237,6 +239,10 @@ class TransferNegotiator:
         match msg:
             case Heartbeat():
                 pass
+            case Probed(instance=instance):
+                if instance == link.instance and not link.reached:
+                    link.reached = True
+                    self._trust(link)  # the pool offers it work from now on
             case Leaving():
                 # Sent after its threads ended: no write of its is in flight (gone=True).
                 self._evict(link, f"{link.instance} left: its process is stopping")
@@ -482,7 +488,9 @@ class TransferNegotiator:
         limit = heartbeat_s * self._cfg.heartbeat_misses
         for link in list(self._links.values()):
             silent_s = now - link.last_seen
-            if silent_s > limit:
+            if not link.reached and now - link.joined_at > limit:
+                self._refuse_unreached(link, limit)
+            elif silent_s > limit:
                 self._evict(link, f"{link.instance} missed heartbeats for {silent_s:.1f}s", gone=False)
             elif link.push_failed_at is not None and now - link.push_failed_at > SUSPECT_HEARTBEATS * heartbeat_s:
                 self._evict(link, f"{link.instance} went silent after a push into it failed "
@@ -494,6 +502,14 @@ class TransferNegotiator:
             if self._flights.get(flight.request_id) is flight:  # not already released by its Pushed
                 self._release_receiver(flight)
                 del self._flights[flight.request_id]
+
+    def _refuse_unreached(self, link: Link, limit_s: float) -> None:
+        """Drop a worker whose work socket the daemon cannot reach, and tell it why: it was
+        never offered work, and registering again would change nothing."""
+        why = (f"the daemon's orders to work_address {link.work_address} did not arrive within {limit_s:.1f}s: "
+               f"the worker's advertise_host (or its firewall) does not let the daemon reach it")
+        self._evict(link, f"{link.instance}: {why}")
+        self._reply(link.routing_id, RegisterRefused(message=why))
 
     def _evict(self, link: Link, why: str, *, gone: bool = True) -> None:
         """Forget a worker. ``gone``: its process is known dead (it re-registered anew);

@@ -4,7 +4,8 @@ A slot is the unit of a worker's capacity: taken when a job is dispatched to (or
 reserved at) an instance, given back when that instance no longer holds the request. The
 pool is the only sender on each instance's PUSH socket; every order is prefixed with the
 key the worker was given at registration, so nobody else can drive a worker. An instance
-the negotiator suspects (silent, or a push into it failed) keeps its slots but is offered none.
+the negotiator suspects (silent, or a push into it failed) keeps its slots but is offered none,
+and so does a new instance until its first order, a ``Probe``, is known to have reached it.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from actors.mail import (
     TrackerMail,
 )
 from actors.mailbox import Mailbox, MailboxCounts
-from transfer.protocol import Abort, Reason, Role, WorkOrder, encode
+from transfer.protocol import Abort, Probe, Reason, Role, WorkOrder, encode
 from transfer.sockets import NOBLOCK, send_frames
 
 log = structlog.get_logger()
@@ -56,7 +57,9 @@ class Instance:
     free: int = 0
     served: int = 0
     failed: int = 0
-    suspect: bool = False  # its free slots are withheld from admission and dispatch
+    # Its free slots are withheld from admission and dispatch: from its join until its
+    # Probe is known to have arrived, and while the negotiator suspects it.
+    suspect: bool = True
     holding: set[str] = field(default_factory=set)
     unsent: list[WorkOrder] = field(default_factory=list)  # leaving together at the next flush
 
@@ -196,7 +199,10 @@ class PoolActor:
         inst.suspect = suspect
         self._policy.update(inst.instance, 0 if suspect else inst.free)
         self._admission.post(Credit(role=self.role, delta=-inst.free if suspect else inst.free))
-        self._log.warning("pool.suspect" if suspect else "pool.trusted", instance=inst.instance, free=inst.free)
+        if suspect:
+            self._log.warning("pool.suspect", instance=inst.instance, free=inst.free)
+        else:
+            self._log.info("pool.trusted", instance=inst.instance, free=inst.free)
 
     def _send(self, inst: Instance, order: WorkOrder) -> None:
         """Queue ``order``: an instance's orders leave as one message once the daemon is quiet."""
@@ -230,8 +236,9 @@ class PoolActor:
         inst = Instance(mail.instance, mail.name, mail.work_address, mail.session, mail.key, mail.capacity, sock,
                         free=mail.capacity)
         self._instances[mail.instance] = inst
-        self._policy.update(mail.instance, inst.free)
-        self._admission.post(Credit(role=self.role, delta=mail.capacity))
+        # Offered no work until the negotiator hears the Probe arrived (a Suspect(False)).
+        self._policy.update(mail.instance, 0)
+        send_frames(sock, [mail.key, encode(Probe(instance=mail.instance))], NOBLOCK)
         self._log.info("pool.joined", instance=mail.instance, name=mail.name, address=mail.work_address,
                        capacity=mail.capacity)
 

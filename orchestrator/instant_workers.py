@@ -1,7 +1,7 @@
 """Workers that answer every order at once and move no data: the control-plane benchmark's peers.
 
 They speak the real worker protocol over real sockets (register with the token, heartbeat,
-answer Work/Ready with Staged or Done, Alloc with Allocated, Push with Pushed), so the
+answer Probe with Probed, Work/Ready with Staged or Done, Alloc with Allocated, Push with Pushed), so the
 daemon cannot tell them from real workers; they skip the compute and the Mooncake write.
 What remains is the daemon's own cost per request, the figure the reference head was
 measured by (zero-work fake workers, shared/REFERENCE.md §3). All of them share one
@@ -26,6 +26,8 @@ from transfer.protocol import (
     Allocated,
     Done,
     Heartbeat,
+    Probe,
+    Probed,
     Push,
     Pushed,
     Ready,
@@ -70,6 +72,8 @@ class InstantWorker:
                 return encode(Allocated(request_id=rid, address=self.pool_base)), []
             case Push(request_id=rid):
                 return encode(Pushed(request_id=rid, ok=True, transfer_ms=0.0)), []
+            case Probe(instance=instance):
+                return encode(Probed(instance=instance)), []
         return None  # Abort: nothing is held, so there is nothing to free.
 
     def take_orders(self) -> None:

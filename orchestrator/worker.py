@@ -50,6 +50,8 @@ from transfer.protocol import (
     Done,
     Heartbeat,
     Leaving,
+    Probe,
+    Probed,
     Push,
     Pushed,
     Ready,
@@ -273,6 +275,10 @@ class WorkerRuntime:
             self._on_order(order, tg)
 
     def _on_order(self, order: WorkOrder, tg: anyio.abc.TaskGroup) -> None:
+        if isinstance(order, Probe):
+            self._log.info("worker.orders_arrive")
+            self._report(Probed(instance=order.instance))
+            return
         if not isinstance(order, Abort) and self._busy_with(order):
             # The daemon sends each order once: a repeat is a bug there. Any answer would
             # read as one about the live request, so the order is only logged.

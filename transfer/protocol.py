@@ -312,6 +312,20 @@ class RegisterRefused(Wire):
     rejoin: bool = False
 
 
+class Probe(Wire):
+    """Daemon -> worker, the first order on its work socket. Until its ``Probed`` comes back
+    the instance gets no work: a ``work_address`` the daemon cannot reach would otherwise
+    look healthy (registered, heartbeating) while every order to it waits unread."""
+
+    instance: str
+
+
+class Probed(Wire):
+    """Worker -> daemon: the ``Probe`` arrived, so orders reach this worker."""
+
+    instance: str
+
+
 class Heartbeat(Wire):
     """Worker -> daemon, every ``heartbeat_s``; silence past the timeout evicts the worker."""
 
@@ -428,9 +442,9 @@ class Step(Wire):
     steps: NonNegative
 
 
-WorkerMessage = Register | Heartbeat | Leaving | Staged | Allocated | AllocRejected | Pushed | Done | Step
+WorkerMessage = Register | Probed | Heartbeat | Leaving | Staged | Allocated | AllocRejected | Pushed | Done | Step
 DaemonToWorker = Registered | RegisterRefused
-WorkOrder = Work | Alloc | Push | Ready | Abort
+WorkOrder = Work | Alloc | Push | Ready | Abort | Probe
 
 
 # --------------------------------------------------------------------------- codecs

@@ -21,7 +21,7 @@ import zmq.asyncio
 from anyio.streams.memory import MemoryObjectReceiveStream
 
 from actors.base import ask_stats
-from actors.mail import Enqueue, Job, Join, LimitsChanged, NegotiatorMail, Placed, Release, Send
+from actors.mail import Enqueue, Job, Join, LimitsChanged, NegotiatorMail, Placed, Release, Send, Suspect
 from actors.mailbox import Mailbox, Switchboard
 from actors.negotiator import NegotiatorStats, PreallocCounts, TransferNegotiator
 from orchestrator.config import DaemonConfig
@@ -35,6 +35,7 @@ from transfer.protocol import (
     Allocated,
     GenParams,
     LocalMemory,
+    Probed,
     Push,
     Register,
     Registered,
@@ -160,6 +161,9 @@ async def fake_worker(ctx: zmq.asyncio.Context, n: Negotiator, role: Role, *,
         join = n.pools[role].receive_nowait()
         assert isinstance(join, Join) and join.instance == registered.instance and join.session == session
         assert isinstance(n.frontend.receive_nowait(), LimitsChanged)
+        # Its pool sends a Probe now; the fake answers as a worker does, and is offered work.
+        await sock.send(encode(Probed(instance=registered.instance)))
+        assert await n.pools[role].receive() == Suspect(instance=registered.instance, suspect=False)
         yield FakeWorker(sock, registered.instance, session)
     finally:
         sock.close(linger=0)

@@ -19,6 +19,7 @@ from transfer.protocol import (
     PROTOCOL_VERSION,
     WORK_ORDER,
     Abort,
+    Probe,
     Register,
     Registered,
     Staged,
@@ -51,6 +52,7 @@ async def test_a_flood_of_late_reports_fits_the_mailboxes(ctx: zmq.asyncio.Conte
                     capacity=1)))
                 registered = DAEMON_TO_WORKER.decode(await worker.recv())
                 assert isinstance(registered, Registered)
+                assert await work.recv_multipart() == [registered.key, encode(Probe(instance=registered.instance))]
                 for _ in range(PUMP_BATCH):
                     await worker.send_multipart(late)
                 aborts = 0

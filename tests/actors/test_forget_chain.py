@@ -20,7 +20,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream
 
 from actors.admission import AdmissionActor, AdmissionStats
 from actors.base import ask_stats
-from actors.mail import Dispatch, Enqueue, Forget, Join, Leave, Placed, Send
+from actors.mail import Dispatch, Enqueue, Forget, Join, Leave, Placed, Send, Suspect
 from actors.mailbox import Mailbox, Switchboard
 from actors.pools import PoolActor
 from tests.actors.negotiator_harness import PARAMS, fake_worker, job, running_negotiator
@@ -32,6 +32,11 @@ async def settle(inbox: Mailbox[Any]) -> None:
     """Every mail posted to ``inbox`` so far has been handled."""
     await ask_stats(inbox)
 
+
+def join_reached(c: Chain, instance: str, name: str, address: str) -> None:
+    """An encoder of capacity 1 joins and is offered work (as once its Probe is answered)."""
+    c.pool.post(Join(instance=instance, name=name, work_address=address, session="s", key=b"k" * 16, capacity=1))
+    c.pool.post(Suspect(instance=instance, suspect=False))
 
 
 async def settle_stats(c: Chain) -> AdmissionStats:
@@ -82,8 +87,7 @@ async def test_a_bounced_dispatch_does_not_restart_a_forgotten_request(ctx: zmq.
             running_chain(ctx) as c,
         ):
             # An encoder of capacity 1 joins; its credit reaches admission.
-            c.pool.post(Join(instance="encoder-9", name="old", work_address=f"ipc://{tmp_path}/old",
-                             session="s", key=b"k" * 16, capacity=1))
+            join_reached(c, "encoder-9", "old", f"ipc://{tmp_path}/old")
             await settle(c.pool)
             await c.carry(c.pool_to_admission, c.admission)
             # The tracker admits "r#0": admission dispatches it to the encoder pool at once...
@@ -103,8 +107,7 @@ async def test_a_bounced_dispatch_does_not_restart_a_forgotten_request(ctx: zmq.
             assert await c.carry(c.pool_to_negotiator, n.inbox) == [Forget(request_id="r#0")]
 
             # A new encoder joins (the restarted worker): its credit reaches admission.
-            c.pool.post(Join(instance=encoder.instance, name="new", work_address=f"ipc://{tmp_path}/new",
-                             session="s", key=b"k" * 16, capacity=1))
+            join_reached(c, encoder.instance, "new", f"ipc://{tmp_path}/new")
             await settle(c.pool)
             await c.carry(c.pool_to_admission, c.admission)
             await c.carry(c.to_pools["encoder"], c.pool)

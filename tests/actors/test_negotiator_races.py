@@ -31,7 +31,7 @@ import zmq.asyncio
 from anyio.streams.memory import MemoryObjectReceiveStream
 
 from actors.base import ask_stats
-from actors.mail import Credit, Dispatch, Enqueue, Forget, HandedOff, Join, Placed, Release, Send
+from actors.mail import Credit, Dispatch, Enqueue, Forget, HandedOff, Join, Placed, Release, Send, Suspect
 from actors.mailbox import Mailbox, Switchboard
 from actors.negotiator import PreallocCounts
 from actors.pools import PoolActor, PoolStats
@@ -52,7 +52,7 @@ from tests.actors.negotiator_harness import (
     stage_encoder_output,
 )
 from tests.actors.streams import open_stream, queued
-from transfer.protocol import Abort, Push, Pushed, Ready, Staged, Work
+from transfer.protocol import WORK_ORDER, Abort, Probe, Push, Pushed, Ready, Staged, Work
 
 KEY = b"k" * 16
 
@@ -112,10 +112,12 @@ async def real_pool(ctx: zmq.asyncio.Context, tmp_path: Path, worker: FakeWorker
             await tg.start(actor.run)
             inbox.post(Join(instance=worker.instance, name="denoiser-worker", work_address=address,
                             session=worker.session, key=KEY, capacity=2))
+            _, probe = await work.recv_multipart()
+            assert WORK_ORDER.decode(probe) == Probe(instance=worker.instance)
+            inbox.post(Suspect(instance=worker.instance, suspect=False))  # as the answered Probe has it
             assert await ad_rx.receive() == Credit(role="denoiser", delta=2)
             yield RealPool(inbox, ad_rx, tr_rx, ng_rx, work)
             tg.cancel_scope.cancel()
-
 
 
 # --------------------------------------------------------------------------- race A

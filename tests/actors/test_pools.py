@@ -35,7 +35,7 @@ from actors.mail import (
 from actors.mailbox import Mailbox, Switchboard
 from actors.pools import PoolActor, PoolStats
 from tests.actors.streams import open_stream
-from transfer.protocol import WORK_ORDER, Abort, Alloc, GenParams, Ready, Reason, Role, Work, WorkOrder
+from transfer.protocol import WORK_ORDER, Abort, Alloc, GenParams, Probe, Ready, Reason, Role, Work, WorkOrder
 
 PARAMS = GenParams(prompt="p")
 KEY = b"k" * 16
@@ -53,10 +53,16 @@ class Pool:
         """Ask for stats; the answer also proves every earlier mail was handled."""
         return await ask_stats(self.inbox)
 
-    async def join(self, address: str, instance: str | None = None, capacity: int = 2) -> str:
+    async def join(self, address: str, instance: str | None = None, capacity: int = 2, *,
+                   work: Any = None) -> str:
+        """Join an instance and have it offered work, as once the negotiator hears its Probe
+        arrived; ``work``: its work socket, to take the Probe off (tests that read orders)."""
         instance = instance or f"{self.role}-1"
         self.inbox.post(Join(instance=instance, name=f"w-{instance}", work_address=address, session="sess",
                              key=KEY, capacity=capacity))
+        if work is not None:
+            assert await next_order(work) == Probe(instance=instance)
+        self.inbox.post(Suspect(instance=instance, suspect=False))
         assert await self.admission.receive() == Credit(role=self.role, delta=capacity)
         return instance
 
@@ -116,14 +122,23 @@ async def next_order(sock: Any) -> WorkOrder:
 # --------------------------------------------------------------------------- membership
 
 
-async def test_join_credits_admission_with_capacity(ctx: zmq.asyncio.Context, tmp_path: Path) -> None:
+async def test_a_joined_instance_is_probed_and_offered_work_only_once_reached(
+        ctx: zmq.asyncio.Context, tmp_path: Path) -> None:
     with anyio.fail_after(5):
-        async with fake_worker(ctx, tmp_path) as (address, _), running_pool("encoder", ctx) as pool:
+        async with fake_worker(ctx, tmp_path) as (address, worker), running_pool("encoder", ctx) as pool:
             pool.inbox.post(Join(instance="encoder-1", name="w", work_address=address, session="s",
                                  key=KEY, capacity=3))
-            assert await pool.admission.receive() == Credit(role="encoder", delta=3)
+            assert await next_order(worker) == Probe(instance="encoder-1")
             [inst] = (await pool.stats()).instances
-            assert (inst.instance, inst.slots_free, inst.slots_total) == ("encoder-1", 3, 3)
+            assert (inst.slots_free, inst.slots_total, inst.suspect) == (3, 3, True)
+            assert_empty(pool.admission)  # no credit: nothing may be dispatched to it yet
+            pool.inbox.post(Dispatch(job=job("r1")))  # admission's credit from elsewhere
+            assert await pool.admission.receive() == Enqueue(job=job("r1"), front=True)
+            assert await pool.admission.receive() == Credit(role="encoder", delta=1)
+
+            pool.inbox.post(Suspect(instance="encoder-1", suspect=False))  # its Probed came back
+            assert await pool.admission.receive() == Credit(role="encoder", delta=3)
+            assert await pool.dispatch("r1") == "encoder-1"
 
 
 async def test_leave_fails_held_requests_with_worker_lost(ctx: zmq.asyncio.Context, tmp_path: Path) -> None:
@@ -160,7 +175,7 @@ async def test_dispatch_reserves_a_slot_and_tells_the_negotiator_without_sending
     """Every role alike: the pool only reserves; the negotiator records the flight, then orders the work."""
     with anyio.fail_after(5):
         async with fake_worker(ctx, tmp_path) as (address, worker), running_pool(role, ctx) as pool:
-            await pool.join(address)
+            await pool.join(address, work=worker)
             pool.inbox.post(Dispatch(job=job("r1", role)))
             assert await pool.negotiator.receive() == Placed(job=job("r1", role), instance=f"{role}-1")
             [inst] = (await pool.stats()).instances
@@ -173,7 +188,7 @@ async def test_dispatch_reserves_a_slot_and_tells_the_negotiator_without_sending
 async def test_negotiator_ordered_work_reaches_the_worker(ctx: zmq.asyncio.Context, tmp_path: Path) -> None:
     with anyio.fail_after(5):
         async with fake_worker(ctx, tmp_path) as (address, worker), running_pool("encoder", ctx) as pool:
-            await pool.join(address)
+            await pool.join(address, work=worker)
             instance = await pool.dispatch("r1")
             pool.inbox.post(Send(instance=instance, order=Work(request_id="r1", params=PARAMS)))
             assert await next_order(worker) == Work(request_id="r1", params=PARAMS)
@@ -349,7 +364,7 @@ async def test_forget_of_a_running_request_only_tells_the_negotiator(
     """The pool neither aborts nor frees on Forget: the negotiator ends the flight and says what to free."""
     with anyio.fail_after(5):
         async with fake_worker(ctx, tmp_path) as (address, worker), running_pool("encoder", ctx) as pool:
-            await pool.join(address)
+            await pool.join(address, work=worker)
             await pool.dispatch("r1")
             pool.inbox.post(Send(instance="encoder-1", order=Work(request_id="r1", params=PARAMS)))
             pool.inbox.post(Forget(request_id="r1"))
@@ -372,7 +387,7 @@ async def test_forget_of_a_running_request_only_tells_the_negotiator(
 async def test_forget_of_a_reserved_slot_keeps_it_until_released(ctx: zmq.asyncio.Context, tmp_path: Path) -> None:
     with anyio.fail_after(5):
         async with fake_worker(ctx, tmp_path) as (address, worker), running_pool("denoiser", ctx) as pool:
-            await pool.join(address)
+            await pool.join(address, work=worker)
             await pool.dispatch("r1")
             pool.inbox.post(Forget(request_id="r1"))
             assert await pool.negotiator.receive() == Forget(request_id="r1")
@@ -452,7 +467,7 @@ async def test_every_order_is_sent_held_or_not(ctx: zmq.asyncio.Context, tmp_pat
     """The pool sends whatever the negotiator orders; whether the request still lives is not its call."""
     with anyio.fail_after(5):
         async with fake_worker(ctx, tmp_path) as (address, worker), running_pool("encoder", ctx) as pool:
-            await pool.join(address)
+            await pool.join(address, work=worker)
             await pool.dispatch("r1")
             pool.inbox.post(Forget(request_id="r1"))
             assert await pool.negotiator.receive() == Forget(request_id="r1")
@@ -473,7 +488,7 @@ async def test_plain_send_for_an_unheld_request_still_goes_out(ctx: zmq.asyncio.
     """The negotiator's Aborts for late reports must reach the worker."""
     with anyio.fail_after(5):
         async with fake_worker(ctx, tmp_path) as (address, worker), running_pool("encoder", ctx) as pool:
-            await pool.join(address)
+            await pool.join(address, work=worker)
             pool.inbox.post(Send(instance="encoder-1", order=Abort(request_id="late")))
             assert await next_order(worker) == Abort(request_id="late")
 
@@ -512,11 +527,10 @@ async def test_a_stuck_worker_is_reported_to_the_negotiator_and_the_loop_never_b
     try:
         with anyio.fail_after(5):
             async with running_pool("encoder", ctx, send_hwm=1) as pool:
-                # Nobody listens at this address, so the first order fills the queue.
+                # Nobody listens at this address, so the Probe fills the queue.
                 await pool.join(f"ipc://{tmp_path}/nobody", capacity=3)
-                for rid in ("r1", "r2"):
-                    instance = await pool.dispatch(rid)
-                    pool.inbox.post(Send(instance=instance, order=Work(request_id=rid, params=PARAMS)))
+                instance = await pool.dispatch("r1")
+                pool.inbox.post(Send(instance=instance, order=Work(request_id="r1", params=PARAMS)))
                 await pool.stats()  # a send fails inside the Send's handler, so Stuck is posted by now
                 assert pool.negotiator.receive_nowait() == Stuck(instance="encoder-1",
                                                                  message="encoder encoder-1 is not taking work")
@@ -530,7 +544,7 @@ async def test_orders_from_one_delivery_leave_as_one_message_in_order(ctx: zmq.a
     """What the daemon orders one instance while handling one batch reaches it as one message."""
     with anyio.fail_after(5):
         async with fake_worker(ctx, tmp_path) as (address, worker), running_pool("encoder", ctx) as pool:
-            await pool.join(address)
+            await pool.join(address, work=worker)
             orders = [Work(request_id="r1", params=PARAMS), Abort(request_id="r2"), Work(request_id="r3", params=PARAMS)]
             with pool.inbox.board.hold():  # as a socket pump holds the board over a batch
                 for order in orders:
@@ -544,8 +558,7 @@ async def test_a_batch_to_a_stuck_worker_reports_it_once(tmp_path: Path) -> None
     try:
         with anyio.fail_after(5):
             async with running_pool("encoder", ctx, send_hwm=1) as pool:
-                await pool.join(f"ipc://{tmp_path}/nobody", capacity=3)
-                pool.inbox.post(Send(instance="encoder-1", order=Work(request_id="r1", params=PARAMS)))  # fills it
+                await pool.join(f"ipc://{tmp_path}/nobody", capacity=3)  # its Probe fills the queue
                 with pool.inbox.board.hold():
                     for order in (Work(request_id="r2", params=PARAMS), Abort(request_id="r3"),
                                   Work(request_id="r4", params=PARAMS)):

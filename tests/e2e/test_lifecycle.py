@@ -9,8 +9,10 @@ import subprocess
 import sys
 import time
 from functools import partial
+from pathlib import Path
 
 import anyio
+import msgspec
 import pytest
 import zmq
 
@@ -216,6 +218,32 @@ def test_forged_registration_and_reports_are_refused(start_cluster: StartCluster
     assert [i.instance for i in after.instances] == [i.instance for i in before.instances]
     with Client(cluster.config.daemon.client_endpoint) as client:
         client.submit(p(1), timeout_s=10)
+
+
+def test_a_worker_the_daemon_cannot_reach_is_refused_and_stops(start_cluster: StartCluster, tmp_path: Path) -> None:
+    """Its work socket listens on 127.0.0.1 but it advertises 127.0.0.2: it registers and
+    heartbeats, yet no order could reach it. It must never be given work, and must stop
+    saying why instead of looking healthy."""
+    cluster = start_cluster(layout={"encoder": 1, "denoiser": 1, "decoder": 1})
+    raw = msgspec.toml.decode(cluster.config_path.read_bytes())
+    raw["workers"]["decoder"]["advertise_host"] = "127.0.0.2"
+    config = tmp_path / "unreachable.toml"
+    config.write_bytes(msgspec.toml.encode(raw))
+    worker = subprocess.Popen([sys.executable, "-m", "orchestrator", "worker", "--role", "decoder", "--name",
+                               "unreachable", "--config", str(config)], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_for(cluster, lambda s: any(i.name == "unreachable" and i.suspect for i in s.instances), timeout_s=60)
+        with Client(cluster.config.daemon.client_endpoint) as client:
+            for seed in range(4):  # the decoder that was reached serves them all
+                client.submit(p(seed), timeout_s=20)
+        output, _ = worker.communicate(timeout=30)
+    finally:
+        worker.kill()
+    assert worker.returncode == 1
+    assert "work_address tcp://127.0.0.2:" in output and "did not arrive" in output
+    stats = wait_for(cluster, lambda s: all(i.name != "unreachable" for i in s.instances))
+    assert [i.served for i in stats.instances if i.role == "decoder"] == [4]
 
 
 def test_a_dead_worker_is_evicted_and_a_restart_replaces_it(start_cluster: StartCluster) -> None:

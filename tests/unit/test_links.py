@@ -37,6 +37,6 @@ def test_each_broken_rule_is_named(change: dict, problem: str) -> None:
 
 
 def test_a_link_holds_only_ranges_inside_its_pool() -> None:
-    link = Link(b"id", "denoiser-1", "denoiser", "d0", "s", BASE, SIZE, 0.0)
+    link = Link(b"id", "denoiser-1", "denoiser", "d0", "s", BASE, SIZE, "ipc://w", joined_at=0.0, last_seen=0.0)
     assert link.holds(BASE, SIZE) and link.holds(BASE + SIZE - 1, 1)
     assert not link.holds(BASE - 1, 1) and not link.holds(BASE + SIZE - 1, 2)

@@ -1,0 +1,73 @@
+"""A new worker is offered work only once its Probe came back, and refused if it never does."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import anyio
+import zmq
+import zmq.asyncio
+
+from actors.mail import Join, Leave, LimitsChanged, Suspect, Tick
+from tests.actors.negotiator_harness import FakeWorker, Negotiator, register, running_negotiator, speak
+from transfer.protocol import DAEMON_TO_WORKER, Heartbeat, Probed, Reason, RegisterRefused, encode
+
+HEARTBEAT_S = 0.1
+MISSES = 3
+
+
+async def registered_unreached(ctx: zmq.asyncio.Context, n: Negotiator) -> tuple[zmq.asyncio.Socket, str]:
+    """A denoiser registered; its pool was told to join and probe it, and nothing else."""
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(n.endpoint)
+    registered = await register(sock, "denoiser", "s", slots=1)
+    assert isinstance(n.pools["denoiser"].receive_nowait(), Join)
+    assert isinstance(n.frontend.receive_nowait(), LimitsChanged)
+    return sock, registered.instance
+
+
+async def test_a_worker_is_offered_work_once_its_probe_comes_back(ctx: zmq.asyncio.Context, tmp_path: Path) -> None:
+    with anyio.fail_after(5):
+        async with running_negotiator(ctx, tmp_path, heartbeat_s=HEARTBEAT_S, heartbeat_misses=MISSES) as n:
+            sock, instance = await registered_unreached(ctx, n)
+            with sock:
+                await sock.send(encode(Heartbeat()))  # alive, but that says nothing of its work socket
+                await sock.send(encode(Probed(instance="denoiser-99")))  # not its own probe
+                await n.stats()
+                n.assert_silent()
+                await sock.send(encode(Probed(instance=instance)))
+                assert await n.pools["denoiser"].receive() == Suspect(instance=instance, suspect=False)
+                await sock.send(encode(Probed(instance=instance)))  # a repeat changes nothing
+                for _ in range(2):
+                    await anyio.sleep(MISSES * HEARTBEAT_S * 0.6)
+                    await speak(n, FakeWorker(sock, instance, "s"))
+                n.inbox.post(Tick())  # joined past the limit, but reached and heard from: it stays
+                await n.stats()
+                n.assert_silent()
+
+
+async def test_a_worker_whose_probe_never_arrives_is_refused_naming_its_address(
+    ctx: zmq.asyncio.Context, tmp_path: Path
+) -> None:
+    """Its advertised work address does not reach it: registered and heartbeating, it would
+    otherwise hold every request sent to it until that request's deadline."""
+    with anyio.fail_after(5):
+        async with running_negotiator(ctx, tmp_path, heartbeat_s=HEARTBEAT_S, heartbeat_misses=MISSES) as n:
+            sock, instance = await registered_unreached(ctx, n)
+            with sock:
+                await anyio.sleep(MISSES * HEARTBEAT_S * 0.5)
+                await sock.send(encode(Heartbeat()))
+                n.inbox.post(Tick())
+                await n.stats()
+                n.assert_silent()  # not yet
+                await anyio.sleep(MISSES * HEARTBEAT_S * 0.6)
+                await sock.send(encode(Heartbeat()))
+                n.inbox.post(Tick())
+                leave = await n.pools["denoiser"].receive()
+                assert isinstance(leave, Leave) and leave.instance == instance and leave.reason == Reason.WORKER_LOST
+                refused = DAEMON_TO_WORKER.decode(await sock.recv())
+                assert isinstance(refused, RegisterRefused) and not refused.rejoin  # it stops, loudly
+                assert "work_address ipc://unused did not arrive" in refused.message
+                assert "advertise_host" in refused.message
+                assert instance not in (await n.stats()).prealloc
