@@ -7,6 +7,7 @@ keys are errors that name the exact key, so a typo never silently falls back to 
 
 from __future__ import annotations
 
+import ipaddress
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -17,6 +18,25 @@ from transfer.specs import align_up
 
 PositiveInt = Annotated[int, msgspec.Meta(gt=0)]
 PositiveFloat = Annotated[float, msgspec.Meta(gt=0)]
+
+DEV_TOKEN = "triptych-local-dev"
+# A worker endpoint other hosts can reach needs a token they cannot guess: whoever
+# registers can take requests, read their prompts and send back any image.
+MIN_NETWORK_TOKEN_CHARS = 16
+
+
+def listens_beyond_this_host(endpoint: str) -> bool:
+    """Whether a ZMQ bind endpoint is reachable from other hosts: tcp on anything but a
+    loopback address (a wildcard, an interface or host name counts as reachable)."""
+    if not endpoint.startswith("tcp://"):
+        return False  # ipc:// (file permissions guard it), inproc://
+    host = endpoint.removeprefix("tcp://").rsplit(":", 1)[0].strip("[]")
+    if host == "localhost":
+        return False
+    try:
+        return not ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return True
 MiB = 1 << 20
 
 
@@ -31,8 +51,9 @@ class DaemonConfig(Section):
     control_endpoint: str = "tcp://127.0.0.1:5556"
     # Workers DEALER-connect here to register, heartbeat and report.
     worker_endpoint: str = "tcp://127.0.0.1:5557"
-    # Shared secret a worker must present to register. Set your own in production.
-    token: str = "triptych-local-dev"
+    # Shared secret a worker must present to register. With a worker_endpoint other hosts
+    # can reach it must be your own, of at least 16 characters (checked at load).
+    token: str = DEV_TOKEN
     dispatch: Literal["round_robin", "least_loaded", "power_of_two"] = "least_loaded"
     max_in_flight: PositiveInt = 8192  # admitted, unanswered requests; beyond it submits get ``overloaded``
     request_timeout_s: PositiveFloat = 600.0  # when Submit names none
@@ -61,6 +82,15 @@ class DaemonConfig(Section):
     # small; a worker's frames carry the decoder's output (a video can be hundreds of MiB).
     client_max_message_bytes: PositiveInt = 4 * MiB
     worker_max_message_bytes: PositiveInt = 1024 * MiB
+
+    def __post_init__(self) -> None:
+        if listens_beyond_this_host(self.worker_endpoint) and (
+            self.token == DEV_TOKEN or self.token.startswith("CHANGE-ME") or len(self.token) < MIN_NETWORK_TOKEN_CHARS
+        ):
+            raise ValueError(
+                f"daemon.worker_endpoint ({self.worker_endpoint}) can be reached from other hosts, so daemon.token "
+                f"must be a secret of your own of at least {MIN_NETWORK_TOKEN_CHARS} characters, not a placeholder: "
+                f"whoever registers as a worker gets requests and answers them")
 
 
 class WorkerConfig(Section):

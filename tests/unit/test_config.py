@@ -109,3 +109,23 @@ def test_a_receiver_pool_must_hold_more_than_its_preallocated_slots(tmp_path: Pa
     with pytest.raises(msgspec.ValidationError, match="workers.decoder.pool_bytes"):
         load_config(write(tmp_path, text))
     load_config(write(tmp_path, text.replace(f"pool_bytes = {pool_bytes}", f"pool_bytes = {3 << 20}")))
+
+
+@pytest.mark.parametrize(("endpoint", "token", "refused"), [
+    ("tcp://0.0.0.0:5557", "triptych-local-dev", True),  # the built-in token, on every interface
+    ("tcp://10.0.0.2:5557", "CHANGE-ME-to-a-long-random-secret", True),  # the example's placeholder
+    ("tcp://*:5557", "short-secret", True),
+    ("tcp://[::]:5557", "9f8e7d6c5b4a39281706f5e4", False),
+    ("tcp://127.0.0.1:5557", "triptych-local-dev", False),  # loopback: this host only
+    ("tcp://localhost:5557", "x", False),
+    ("tcp://[::1]:5557", "x", False),
+    ("ipc:///tmp/triptych-workers", "x", False),
+])
+def test_a_worker_endpoint_other_hosts_reach_needs_a_real_token(
+        tmp_path: Path, endpoint: str, token: str, refused: bool) -> None:
+    text = f'[daemon]\nworker_endpoint = "{endpoint}"\ntoken = "{token}"\n'
+    if refused:
+        with pytest.raises(msgspec.ValidationError, match="daemon.token must be a secret of your own"):
+            load_config(write(tmp_path, text))
+    else:
+        assert load_config(write(tmp_path, text)).daemon.token == token
