@@ -153,10 +153,21 @@ class DiffusersConfig(Section):
     seed: int = 0  # seeds the tiny pipeline's random weights
 
 
+class LimitsConfig(Section):
+    """The operator's caps on what one request may ask, below the model's own limits (0:
+    the model's). Requests past them get ``invalid`` at the daemon's door."""
+
+    max_size: Annotated[int, msgspec.Meta(ge=0)] = 0  # width and height
+    max_steps: Annotated[int, msgspec.Meta(ge=0)] = 0
+    max_images: Annotated[int, msgspec.Meta(ge=0)] = 0
+    max_pixels: Annotated[int, msgspec.Meta(ge=0)] = 0  # width x height x frames x num_images
+
+
 class ModelConfig(Section):
     kind: Literal["null", "diffusers"] = "null"
     null: NullStageConfig = NullStageConfig()
     diffusers: DiffusersConfig = DiffusersConfig()
+    limits: LimitsConfig = LimitsConfig()
 
 
 # Loopback CI and laptops: TCP forced even if an RDMA device exists, sockets reused

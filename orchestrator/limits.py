@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import msgspec
+
+from orchestrator.config import LimitsConfig
 from transfer.protocol import GenParams, StageLimits
 
 
@@ -19,4 +22,15 @@ def limits_violation(limits: StageLimits, params: GenParams) -> str | None:
         return f"num_images {params.num_images} exceeds {limits.max_images} for model {limits.model!r}"
     if params.frames > limits.max_frames:
         return f"frames {params.frames} exceeds {limits.max_frames} for model {limits.model!r}"
+    pixels = params.width * params.height * params.frames * params.num_images
+    if pixels > limits.max_pixels:
+        return (f"width x height x frames x num_images = {pixels} pixels exceeds {limits.max_pixels} "
+                f"for model {limits.model!r}")
     return None
+
+
+def capped(limits: StageLimits, caps: LimitsConfig) -> StageLimits:
+    """``limits`` lowered to the operator's caps (``[model.limits]``; 0 leaves the model's)."""
+    lowered = {name: min(getattr(limits, name), cap) for name in caps.__struct_fields__
+               if (cap := getattr(caps, name))}
+    return msgspec.structs.replace(limits, **lowered)

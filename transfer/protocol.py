@@ -263,6 +263,10 @@ class StageLimits(Plain):
     max_images: Annotated[int, msgspec.Meta(ge=1)] = 16
     max_frames: Annotated[int, msgspec.Meta(ge=1)] = 1
     model: str = ""
+    # width x height x frames x num_images: what one request may ask the stages to make.
+    # Compute and memory grow with it, so sizes and counts each inside their bounds can
+    # still add up to hours of work.
+    max_pixels: Annotated[int, msgspec.Meta(ge=1)] = 4096 * 4096
 
 
 class LocalMemory(Plain):

@@ -10,13 +10,17 @@ __all__ = ["UNATTENDED", "RunControl", "Stage", "StageError", "StageStopped", "T
 
 
 def build_stage(role: Role, model: ModelConfig, *, torch_threads: int) -> Stage:
-    """Load only what ``role`` needs of the configured model."""
+    """Load only what ``role`` needs of the configured model, under the operator's caps."""
+    stage: Stage
     if model.kind == "null":
         from orchestrator.stages import null
 
         stage_class = {"encoder": null.NullEncoder, "denoiser": null.NullDenoiser, "decoder": null.NullDecoder}[role]
-        return stage_class(model.null)
-    # Imported here so null-stage workers and the daemon never pay for diffusers' import.
-    from orchestrator.stages.diffusion import build_diffusion_stage
+        stage = stage_class(model.null)
+    else:
+        # Imported here so null-stage workers and the daemon never pay for diffusers' import.
+        from orchestrator.stages.diffusion import build_diffusion_stage
 
-    return build_diffusion_stage(role, model.diffusers, torch_threads, fail_marker=model.null.fail_prompt)
+        stage = build_diffusion_stage(role, model.diffusers, torch_threads, fail_marker=model.null.fail_prompt)
+    stage.caps = model.limits
+    return stage

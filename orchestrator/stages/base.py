@@ -20,7 +20,8 @@ from typing import ClassVar
 
 import torch
 
-from orchestrator.limits import limits_violation
+from orchestrator.config import LimitsConfig
+from orchestrator.limits import capped, limits_violation
 from transfer.protocol import GenParams, Reason, Role, StageLimits
 
 Tensors = dict[str, torch.Tensor]
@@ -82,10 +83,17 @@ class Stage(abc.ABC):
     """One pipeline stage loaded in one worker process."""
 
     role: ClassVar[Role]
+    # The operator's caps ([model.limits]), set by ``build_stage``.
+    caps: LimitsConfig = LimitsConfig()
 
     @abc.abstractmethod
+    def model_limits(self) -> StageLimits:
+        """What this stage's model can honour."""
+
     def limits(self) -> StageLimits:
-        """What this stage's model can honour; sent to the daemon at registration."""
+        """What this stage takes: its model's limits under the operator's caps. Sent to the
+        daemon at registration, which refuses requests outside them at its door."""
+        return capped(self.model_limits(), self.caps)
 
     @abc.abstractmethod
     def run(self, params: GenParams, inputs: Tensors, *, control: RunControl = UNATTENDED) -> Tensors:

@@ -59,7 +59,7 @@ class _NullStage(Stage):
     def __init__(self, cfg: NullStageConfig) -> None:
         self._cfg = cfg
 
-    def limits(self) -> StageLimits:
+    def model_limits(self) -> StageLimits:
         return LIMITS
 
     @staticmethod

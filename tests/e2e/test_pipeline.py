@@ -193,3 +193,19 @@ async def test_a_higher_priority_request_overtakes_queued_ones_at_a_busy_stage(s
             await anyio.to_thread.run_sync(wait_for, cluster, lambda s: s.queue_depths.get("denoiser") == 2)
             tg.start_soon(submit, "urgent", 10)
     assert finished == ["first", "urgent", "later-1", "later-2"]
+
+
+def test_the_operators_caps_refuse_a_request_at_the_door(start_cluster: StartCluster) -> None:
+    """[model.limits] lowers what the workers register; the daemon refuses past it, and no
+    worker computes anything for the refused request."""
+    cluster = start_cluster(layout={"encoder": 1, "denoiser": 1, "decoder": 1},
+                            **{"model.limits": {"max_size": 32, "max_pixels": 32 * 32 * 2}})
+    with Client(endpoint(cluster)) as client:
+        for too_much, problem in [({"width": 40, "height": 32}, "width 40 is outside [8, 32]"),
+                                  ({"num_images": 3, "width": 32, "height": 32}, "pixels exceeds 2048")]:
+            with pytest.raises(Rejection) as caught:
+                client.submit(GenParams(prompt="p", **too_much), timeout_s=10)
+            assert caught.value.reason == Reason.INVALID and problem in caught.value.rejected.message
+        client.submit(GenParams(prompt="p", width=32, height=32, num_images=2), timeout_s=10)
+    stats = cluster.control.stats()
+    assert stats.completed == 1 and [i.served for i in stats.instances] == [1, 1, 1]

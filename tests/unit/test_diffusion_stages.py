@@ -127,6 +127,17 @@ def test_bad_size_is_invalid_before_compute(family: str, role: Role, monkeypatch
     assert "width 60" in str(err.value)
 
 
+@pytest.mark.parametrize(("family", "native"), [("sd15", 32 * 2), ("pixart", 8 * 2)])  # sample_size x VAE factor
+def test_sizes_and_pixels_are_bounded_by_the_models_training_size(family: str, native: int) -> None:
+    s = stage(DiffusersConfig(family=family), "denoiser")
+    assert s.adapter.native_size() == native
+    limits = s.limits()
+    assert (limits.max_size, limits.max_pixels) == (4 * native, 16 * native * native)
+    with pytest.raises(StageError) as err:
+        s.run(GenParams(prompt="x", width=4 * native, height=4 * native, num_images=2), {})
+    assert err.value.reason is Reason.INVALID and "pixels exceeds" in str(err.value)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_the_steps_admitted_stop_short_of_the_schedule_s_length(family: str) -> None:
     """All num_train_timesteps crash SD 1.x's offset schedule and turn multistep solvers' latents to NaN."""

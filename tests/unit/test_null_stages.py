@@ -8,7 +8,9 @@ import time
 import pytest
 import torch
 
-from orchestrator.config import NullStageConfig
+from orchestrator.config import LimitsConfig, ModelConfig, NullStageConfig
+from orchestrator.limits import capped
+from orchestrator.stages import build_stage
 from orchestrator.stages.base import UNATTENDED, RunControl, StageError, StageStopped, limits_violation
 from orchestrator.stages.images import decode_png
 from orchestrator.stages.null import (
@@ -168,7 +170,7 @@ def test_null_stages_report_the_null_limits() -> None:
 
 
 LIMITS_UNDER_TEST = StageLimits(size_multiple=8, min_size=16, max_size=64, max_steps=50, max_images=4,
-                                max_frames=2, model="m")
+                                max_frames=2, model="m", max_pixels=64 * 16 * 4 * 2)
 
 
 def test_params_inside_the_limits_pass() -> None:
@@ -185,6 +187,8 @@ def test_params_inside_the_limits_pass() -> None:
         ({"steps": 51}, "steps 51 exceeds 50 for model 'm'"),
         ({"num_images": 5}, "num_images 5 exceeds 4 for model 'm'"),
         ({"frames": 3}, "frames 3 exceeds 2 for model 'm'"),
+        ({"width": 64, "height": 64, "num_images": 2, "frames": 2},
+         "width x height x frames x num_images = 16384 pixels exceeds 8192 for model 'm'"),
     ],
 )
 def test_limits_violation_names_the_problem(overrides: dict[str, int], message: str) -> None:
@@ -216,3 +220,16 @@ def test_the_shared_unattended_control_cannot_be_stopped() -> None:
     with pytest.raises(RuntimeError, match="shared"):
         UNATTENDED.stop()
     UNATTENDED.step(0, 1)  # and so never stops anything
+
+
+def test_the_operators_caps_lower_a_stages_limits_and_its_own_check_applies_them() -> None:
+    caps = LimitsConfig(max_size=32, max_images=2, max_pixels=32 * 32)
+    stage = build_stage("denoiser", ModelConfig(kind="null", limits=caps), torch_threads=1)
+    limits = stage.limits()
+    assert (limits.max_size, limits.max_images, limits.max_pixels) == (32, 2, 32 * 32)
+    assert limits.max_steps == LIMITS.max_steps and limits.size_multiple == LIMITS.size_multiple  # 0: the model's
+    with pytest.raises(StageError) as err:
+        stage.run(params(width=64, height=32), {"embeds": torch.zeros(1, 4, 8)})
+    assert err.value.reason is Reason.INVALID and "width 64 is outside [8, 32]" in str(err.value)
+    # A cap above the model's limit leaves the model's.
+    assert capped(LIMITS, LimitsConfig(max_size=1 << 20)).max_size == LIMITS.max_size

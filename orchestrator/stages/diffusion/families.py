@@ -85,12 +85,22 @@ class FamilyAdapter:
         # Both pipelines' check_inputs demand multiples of 8 whatever the VAE.
         return math.lcm(8, self.vae_scale_factor)
 
+    def native_size(self) -> int:
+        """The width and height the denoiser was trained at, in pixels."""
+        return self.config(self.denoiser_model)["sample_size"] * self.vae_scale_factor
+
     def limits(self) -> StageLimits:
         multiple = self.size_multiple()
         model = f"{self.name}:{Path(self.cfg.path).name}" if self.cfg.path else f"tiny-{self.name}"
+        # Past a few times its training size a model tiles and repeats itself, while its
+        # cost grows with the area (attention with its square): 4x per side at most, and
+        # at most the pixels of 16 images at the training size in one request.
+        native = self.native_size()
         return StageLimits(
             size_multiple=multiple,
             min_size=multiple,
+            max_size=4 * native // multiple * multiple,
+            max_pixels=16 * native * native,
             # Not all num_train_timesteps: with steps_offset (SD 1.x) the first timestep
             # then falls past the schedule, and multistep solvers return NaN there.
             max_steps=self.config("scheduler").get("num_train_timesteps", 1000) - 1,

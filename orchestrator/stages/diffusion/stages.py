@@ -41,7 +41,7 @@ class DiffusionStage(Stage):
         """The components this stage holds (the rest of the pipeline is ``None``)."""
         return {name: c for name, c in self.pipe.components.items() if c is not None}
 
-    def limits(self) -> StageLimits:
+    def model_limits(self) -> StageLimits:
         return self._limits
 
     def run(self, params: GenParams, inputs: Tensors, *, control: RunControl = UNATTENDED) -> Tensors:
