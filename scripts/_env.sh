@@ -28,7 +28,9 @@ fi
 
 STAMP=".venv/.triptych-installed"
 WANT="$(cat pyproject.toml; echo "$MOONCAKE")"
-if [ ! -x .venv/bin/python ]; then
+# A venv whose creation was cut short (no python, or no pip in it) is made anew.
+if ! .venv/bin/python -m pip --version >/dev/null 2>&1; then
+  rm -rf .venv
   python3 -m venv .venv
 fi
 if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
