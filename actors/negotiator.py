@@ -488,13 +488,15 @@ class TransferNegotiator:
         limit = heartbeat_s * self._cfg.heartbeat_misses
         for link in list(self._links.values()):
             silent_s = now - link.last_seen
-            if not link.reached and now - link.joined_at > limit:
-                self._refuse_unreached(link, limit)
-            elif silent_s > limit:
+            if silent_s > limit:
                 self._evict(link, f"{link.instance} missed heartbeats for {silent_s:.1f}s", gone=False)
             elif link.push_failed_at is not None and now - link.push_failed_at > SUSPECT_HEARTBEATS * heartbeat_s:
                 self._evict(link, f"{link.instance} went silent after a push into it failed "
                                   f"(last heard {silent_s:.1f}s ago)", gone=False)
+            elif not link.reached and now - link.joined_at > limit and silent_s <= SUSPECT_HEARTBEATS * heartbeat_s:
+                # It still speaks, so it is alive and its DEALER gets through: only the way
+                # to its work socket is wrong. (A silent one is evicted as any silent one.)
+                self._refuse_unreached(link, limit)
             elif silent_s > SUSPECT_HEARTBEATS * heartbeat_s:
                 self._suspect(link)  # quiet: dead, frozen or cut off, work sent now would wait
         while self._quarantine and self._quarantine[0][0] <= now:

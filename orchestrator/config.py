@@ -85,7 +85,8 @@ class DaemonConfig(Section):
 
     def __post_init__(self) -> None:
         if listens_beyond_this_host(self.worker_endpoint) and (
-            self.token == DEV_TOKEN or self.token.startswith("CHANGE-ME") or len(self.token) < MIN_NETWORK_TOKEN_CHARS
+            self.token == DEV_TOKEN or self.token.lower().startswith("change-me")
+            or len(self.token.strip()) < MIN_NETWORK_TOKEN_CHARS
         ):
             raise ValueError(
                 f"daemon.worker_endpoint ({self.worker_endpoint}) can be reached from other hosts, so daemon.token "

@@ -29,6 +29,16 @@ def limits_violation(limits: StageLimits, params: GenParams) -> str | None:
     return None
 
 
+def unsatisfiable(limits: StageLimits) -> str | None:
+    """Why no request at all fits ``limits`` (caps set below the model's smallest size), or None."""
+    smallest = -(-limits.min_size // limits.size_multiple) * limits.size_multiple
+    if smallest > limits.max_size:
+        return f"max_size {limits.max_size} is below the smallest size {smallest} model {limits.model!r} takes"
+    if smallest * smallest > limits.max_pixels:
+        return f"max_pixels {limits.max_pixels} is below one {smallest}x{smallest} image of model {limits.model!r}"
+    return None
+
+
 def capped(limits: StageLimits, caps: LimitsConfig) -> StageLimits:
     """``limits`` lowered to the operator's caps (``[model.limits]``; 0 leaves the model's)."""
     lowered = {name: min(getattr(limits, name), cap) for name in caps.__struct_fields__

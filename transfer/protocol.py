@@ -22,7 +22,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 Role = Literal["encoder", "denoiser", "decoder"]
 ROLES: tuple[Role, ...] = ("encoder", "denoiser", "decoder")

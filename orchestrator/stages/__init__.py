@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from orchestrator.config import ModelConfig
+from orchestrator.limits import unsatisfiable
 from orchestrator.stages.base import UNATTENDED, RunControl, Stage, StageError, StageStopped, Tensors
 from transfer.protocol import Role
 
@@ -23,4 +24,7 @@ def build_stage(role: Role, model: ModelConfig, *, torch_threads: int) -> Stage:
 
         stage = build_diffusion_stage(role, model.diffusers, torch_threads, fail_marker=model.null.fail_prompt)
     stage.caps = model.limits
+    problem = unsatisfiable(stage.limits())
+    if problem:
+        raise ValueError(f"[model.limits] leave nothing to admit: {problem}")
     return stage

@@ -56,13 +56,14 @@ async def test_a_worker_whose_probe_never_arrives_is_refused_naming_its_address(
         async with running_negotiator(ctx, tmp_path, heartbeat_s=HEARTBEAT_S, heartbeat_misses=MISSES) as n:
             sock, instance = await registered_unreached(ctx, n)
             with sock:
+                worker = FakeWorker(sock, instance, "s")
                 await anyio.sleep(MISSES * HEARTBEAT_S * 0.5)
-                await sock.send(encode(Heartbeat()))
+                await speak(n, worker)
                 n.inbox.post(Tick())
                 await n.stats()
                 n.assert_silent()  # not yet
                 await anyio.sleep(MISSES * HEARTBEAT_S * 0.6)
-                await sock.send(encode(Heartbeat()))
+                await speak(n, worker)  # it speaks: alive, and its DEALER gets through
                 n.inbox.post(Tick())
                 leave = await n.pools["denoiser"].receive()
                 assert isinstance(leave, Leave) and leave.instance == instance and leave.reason == Reason.WORKER_LOST
@@ -71,3 +72,18 @@ async def test_a_worker_whose_probe_never_arrives_is_refused_naming_its_address(
                 assert "work_address ipc://unused did not arrive" in refused.message
                 assert "advertise_host" in refused.message
                 assert instance not in (await n.stats()).prealloc
+
+
+async def test_an_unreached_worker_that_falls_silent_is_evicted_as_silent_and_may_rejoin(
+    ctx: zmq.asyncio.Context, tmp_path: Path
+) -> None:
+    """Frozen or cut off before its Probed came back: nothing says its address is wrong."""
+    with anyio.fail_after(5):
+        async with running_negotiator(ctx, tmp_path, heartbeat_s=HEARTBEAT_S, heartbeat_misses=MISSES) as n:
+            sock, instance = await registered_unreached(ctx, n)
+            with sock:
+                await anyio.sleep(MISSES * HEARTBEAT_S * 1.2)
+                n.inbox.post(Tick())
+                leave = await n.pools["denoiser"].receive()
+                assert isinstance(leave, Leave) and leave.instance == instance and "missed heartbeats" in leave.message
+                assert not await sock.poll(100)  # not refused: its next message rejoins it

@@ -115,6 +115,8 @@ def test_a_receiver_pool_must_hold_more_than_its_preallocated_slots(tmp_path: Pa
     ("tcp://0.0.0.0:5557", "triptych-local-dev", True),  # the built-in token, on every interface
     ("tcp://10.0.0.2:5557", "CHANGE-ME-to-a-long-random-secret", True),  # the example's placeholder
     ("tcp://*:5557", "short-secret", True),
+    ("tcp://eth0:5557", " " * 20, True),
+    ("tcp://0.0.0.0:5557", "change-me-0123456789", True),
     ("tcp://[::]:5557", "9f8e7d6c5b4a39281706f5e4", False),
     ("tcp://127.0.0.1:5557", "triptych-local-dev", False),  # loopback: this host only
     ("tcp://localhost:5557", "x", False),

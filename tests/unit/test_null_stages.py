@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 
@@ -233,3 +234,12 @@ def test_the_operators_caps_lower_a_stages_limits_and_its_own_check_applies_them
     assert err.value.reason is Reason.INVALID and "width 64 is outside [8, 32]" in str(err.value)
     # A cap above the model's limit leaves the model's.
     assert capped(LIMITS, LimitsConfig(max_size=1 << 20)).max_size == LIMITS.max_size
+
+
+@pytest.mark.parametrize(("caps", "problem"), [
+    (LimitsConfig(max_size=4), "max_size 4 is below the smallest size 8 model 'null' takes"),
+    (LimitsConfig(max_pixels=63), "max_pixels 63 is below one 8x8 image of model 'null'"),
+])
+def test_caps_that_would_refuse_every_request_stop_the_worker_at_start(caps: LimitsConfig, problem: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(f"[model.limits] leave nothing to admit: {problem}")):
+        build_stage("encoder", ModelConfig(kind="null", limits=caps), torch_threads=1)
