@@ -217,6 +217,11 @@ class TransferNegotiator:
         if stale is not None:
             # Same worker, new connection: it restarted, so its old slots and memory are gone.
             self._evict(stale, f"{stale.instance} re-registered as a new process")
+            # Unless two live processes share the name: the old connection is told to stop,
+            # or each one's rejoin would evict the other, over and over. (A dead one's
+            # connection is gone, and the ROUTER drops this.)
+            self._reply(stale.routing_id, RegisterRefused(
+                message=f"another worker registered under the name {msg.name!r}: worker names must be unique"))
         instance = f"{msg.role}-{next(self._ids)}"
         now = time.monotonic()
         link = Link(routing_id, instance, msg.role, msg.name, msg.session, msg.pool_base, msg.pool_size,

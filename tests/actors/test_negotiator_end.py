@@ -40,6 +40,7 @@ from tests.actors.negotiator_harness import (
     wait_late,
 )
 from transfer.protocol import (
+    DAEMON_TO_WORKER,
     Alloc,
     Allocated,
     AllocRejected,
@@ -48,6 +49,7 @@ from transfer.protocol import (
     Pushed,
     Ready,
     Reason,
+    RegisterRefused,
     Role,
     Staged,
     TensorSpec,
@@ -363,3 +365,14 @@ async def test_a_silent_sender_mid_push_keeps_the_receivers_slot_until_its_quara
             assert (await n.stats()).prealloc[denoiser.instance] == PreallocCounts(1, 2)
             waited = await beat_until(lambda s: s.prealloc[denoiser.instance] == PreallocCounts(2, 2))
             assert waited >= 0.25, "released before the quarantine ended"
+
+
+async def test_the_old_connection_of_a_reused_name_is_told_to_stop(ctx: zmq.asyncio.Context, tmp_path: Path) -> None:
+    """Two live workers under one --name: the older stops, instead of both evicting each
+    other on every rejoin."""
+    with anyio.fail_after(5), ExitStack() as stack:
+        async with encoder_and_denoiser(ctx, tmp_path, slots=1) as (n, _, denoiser):
+            await reregister(ctx, n, "denoiser", slots=1, stack=stack)
+            refused = DAEMON_TO_WORKER.decode(await denoiser.sock.recv())
+            assert isinstance(refused, RegisterRefused) and not refused.rejoin
+            assert refused.message == "another worker registered under the name 'denoiser-worker': worker names must be unique"

@@ -262,6 +262,23 @@ def test_a_dead_worker_is_evicted_and_a_restart_replaces_it(start_cluster: Start
     assert wait_for(cluster, all_free)
 
 
+def test_a_second_live_worker_under_a_name_in_use_replaces_the_first_which_stops(start_cluster: StartCluster) -> None:
+    """Two live processes with one --name (a copied unit file): without the refusal each
+    one's rejoin evicted the other, over and over, and every request failed worker_lost."""
+    cluster = start_cluster(layout={"encoder": 1, "denoiser": 1, "decoder": 1})
+    first = cluster.workers["denoiser0"]
+    cluster.start_worker("denoiser", 0)
+    assert first.wait(timeout=30) == 1
+    assert "worker names must be unique" in cluster.log_of("denoiser0")
+    stats = wait_for(cluster, lambda s: any(i.name == "denoiser0" and not i.suspect for i in s.instances), timeout_s=60)
+    instance = next(i.instance for i in stats.instances if i.name == "denoiser0")
+    with Client(cluster.config.daemon.client_endpoint) as client:
+        for seed in range(3):
+            client.submit(p(seed), timeout_s=20)
+    time.sleep(2 * cluster.config.daemon.heartbeat_s)
+    assert [i.instance for i in cluster.control.stats().instances if i.role == "denoiser"] == [instance]  # settled
+
+
 def test_a_receiver_that_cannot_fit_a_transfer_says_so(start_cluster: StartCluster) -> None:
     """The encoder's output is larger than the denoiser's whole pool: alloc_rejected, not silence."""
     cluster = start_cluster(**{"model.null": {"embed_shape": [1, 1024, 1024]},  # 4 MiB of embeddings
