@@ -28,28 +28,43 @@ def _serve(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config)
     configure_logging(cfg.log.level, json=cfg.log.json, daemon="orchestrator")
-    return _run_logged(serve, cfg)
+    return _run_logged(serve, cfg, ordinary=(zmq.ZMQError, OSError))  # an endpoint it cannot bind
 
 
 def _worker(args: argparse.Namespace) -> int:
     from orchestrator.log import configure_logging
-    from orchestrator.worker import run_worker
+    from orchestrator.worker import WorkerRefused, run_worker
 
     cfg = load_config(args.config)
     configure_logging(cfg.log.level, json=cfg.log.json, worker=args.role)
-    return _run_logged(run_worker, args.role, cfg, args.name)
+    # Refused by the daemon, no daemon within connect_timeout_s, an address it cannot
+    # bind, [model.limits] that admit nothing.
+    return _run_logged(run_worker, args.role, cfg, args.name,
+                       ordinary=(WorkerRefused, TimeoutError, zmq.ZMQError, OSError, ValueError))
 
 
-def _run_logged(main, *args: object) -> int:
-    """Run a process's event loop; a crash is logged once, with its traceback, and exits 1."""
+def _run_logged(main, *args: object, ordinary: tuple[type[Exception], ...]) -> int:
+    """Run a process's event loop. An ``ordinary`` failure (a refusal, a port in use) is
+    one line naming it; anything else is a crash, logged once with its traceback. Both exit 1."""
     import structlog
 
     try:
         anyio.run(main, *args, backend="asyncio")
-    except Exception:  # noqa: BLE001 - the one place that catches broadly (STYLE: only __main__)
-        structlog.get_logger().exception("process.crashed")
+    except Exception as exc:  # noqa: BLE001 - the one place that catches broadly (STYLE: only __main__)
+        cause = _sole_cause(exc)
+        if isinstance(cause, ordinary):
+            structlog.get_logger().error("process.failed", error=f"{type(cause).__name__}: {cause}")
+        else:
+            structlog.get_logger().error("process.crashed", exc_info=cause)
         return 1
     return 0
+
+
+def _sole_cause(exc: BaseException) -> BaseException:
+    """The one exception inside task-group wrappers (each group of one), or ``exc`` itself."""
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc
 
 
 def _instant_workers(args: argparse.Namespace) -> int:

@@ -33,7 +33,9 @@ def configure_logging(level: str = "info", *, json: bool | None = None, **contex
         ]
         factory: structlog.typing.WrappedLogger = structlog.BytesLoggerFactory(sys.stderr.buffer)
     else:
-        processors = shared + [structlog.dev.ConsoleRenderer()]
+        # Plain tracebacks: the default (rich's) prints every frame's locals, the config
+        # and its token among them.
+        processors = shared + [structlog.dev.ConsoleRenderer(exception_formatter=structlog.dev.plain_traceback)]
         factory = structlog.PrintLoggerFactory(sys.stderr)
     structlog.configure(
         processors=processors,

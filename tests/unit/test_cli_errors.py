@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import errno
 import signal
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
+import anyio
 import pytest
+import zmq
 
 from orchestrator import cli, metrics
 
@@ -70,3 +75,42 @@ def test_metrics_that_cannot_listen_is_one_line_and_never_says_it_serves(argv: l
     out, err = capsys.readouterr()
     assert out == "" and err.startswith("triptych metrics: ") and says in err and err.count("\n") == 1
     assert not {signal.SIGINT, signal.SIGTERM} & signal.pthread_sigmask(signal.SIG_BLOCK, [])  # Ctrl-C works again
+
+
+async def _fails_at_start(exc: Exception) -> None:
+    async with anyio.create_task_group() as tg:  # as the daemon's and the worker's do
+        tg.start_soon(_raise, exc)
+
+
+async def _raise(exc: Exception) -> None:
+    raise exc
+
+
+def test_a_process_that_fails_at_start_logs_one_line_naming_the_cause(logs: list[dict]) -> None:
+    in_use = zmq.ZMQError(errno.EADDRINUSE)
+    assert cli._run_logged(_fails_at_start, in_use, ordinary=(zmq.ZMQError,)) == 1
+    assert logs == [{"event": "process.failed", "error": f"ZMQError: {in_use}", "log_level": "error"}]
+
+
+def test_a_crash_is_logged_with_its_own_traceback(logs: list[dict]) -> None:
+    bug = KeyError("r1")
+    assert cli._run_logged(_fails_at_start, bug, ordinary=(zmq.ZMQError,)) == 1
+    assert logs == [{"event": "process.crashed", "exc_info": bug, "log_level": "error"}]
+
+
+def test_a_traceback_on_a_terminal_shows_no_locals() -> None:
+    """The console renderer's default (rich) prints each frame's locals: the config, its token."""
+    script = """if True:
+        from orchestrator.log import configure_logging
+        import structlog
+        configure_logging(json=False)
+        def start(token="s3cret-token"):
+            raise RuntimeError("boom")
+        try:
+            start()
+        except RuntimeError:
+            structlog.get_logger().exception("process.crashed")
+    """
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                          cwd=Path(__file__).resolve().parents[2])
+    assert "RuntimeError: boom" in done.stderr and "s3cret-token" not in done.stderr
