@@ -25,6 +25,14 @@ ACTIVE_BY_ROLE: dict[Role, RequestState] = {
     "decoder": RequestState.DECODING,
 }
 
+# Where a request in each state may be, for messages: a state lasts from the hand-off into
+# its stage to the hand-off out of it, so it also covers waiting for the next stage.
+WHERE: dict[RequestState, str] = {
+    RequestState.ENCODING: "queued for an encoder, encoding, or its embeddings waiting for a denoiser",
+    RequestState.DENOISING: "denoising, or its latents waiting for a decoder",
+    RequestState.DECODING: "decoding",
+}
+
 ALLOWED: dict[RequestState, frozenset[RequestState]] = {
     RequestState.ENCODING: frozenset({RequestState.DENOISING, RequestState.FAILED}),
     RequestState.DENOISING: frozenset({RequestState.DECODING, RequestState.FAILED}),

@@ -37,7 +37,7 @@ from actors.mail import (
     TrackerMail,
 )
 from actors.mailbox import Mailbox, MailboxCounts
-from actors.states import ACTIVE_BY_ROLE, RequestState, check_move
+from actors.states import ACTIVE_BY_ROLE, WHERE, RequestState, check_move
 from transfer.protocol import Progress, Reason, Rejected, Result, StageTiming, next_role
 
 log = structlog.get_logger()
@@ -202,7 +202,7 @@ class TrackerActor:
             entry = self._table.get(rid)
             # A reused request id has a later deadline of its own; only the matching one counts.
             if entry is not None and entry.deadline == deadline:
-                self._fail(rid, Reason.TIMED_OUT, f"deadline passed while {entry.state}")
+                self._fail(rid, Reason.TIMED_OUT, f"deadline passed while {WHERE[entry.state]}")
 
     def _compact_deadlines(self) -> None:
         # Finished requests leave their heap entries behind (deleting from a heap's middle

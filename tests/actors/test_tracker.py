@@ -198,6 +198,9 @@ async def test_deadline_rejects_with_timed_out() -> None:
             assert deliver.request_id == "r1"
             assert isinstance(deliver.message, Rejected)
             assert deliver.message.reason == Reason.TIMED_OUT
+            # Encoding lasts until the hand-off to a denoiser: the message says all it may be.
+            assert deliver.message.message == ("deadline passed while queued for an encoder, encoding, or its "
+                                               "embeddings waiting for a denoiser")
 
 
 async def test_deadline_sends_one_forget_to_admission() -> None:
