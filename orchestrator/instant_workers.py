@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import zmq
 
 from orchestrator.config import Config
-from orchestrator.work_socket import bind_work_socket
+from orchestrator.work_socket import bind_work_socket, close_work_socket
 from transfer.protocol import (
     DAEMON_TO_WORKER,
     PROTOCOL_VERSION,
@@ -56,6 +56,7 @@ class InstantWorker:
     role: Role
     dealer: zmq.Socket
     work: zmq.Socket
+    work_address: str
     key: bytes
     pool_base: int
 
@@ -109,7 +110,7 @@ def register(ctx: zmq.Context, cfg: Config, role: Role, index: int, pool_base: i
     if isinstance(reply, RegisterRefused):
         raise RuntimeError(f"registration refused: {reply.message}")
     assert isinstance(reply, Registered)
-    return InstantWorker(role, dealer, work, reply.key, pool_base)
+    return InstantWorker(role, dealer, work, work_address, reply.key, pool_base)
 
 
 def serve(cfg: Config, layout: dict[Role, int]) -> None:
@@ -123,8 +124,9 @@ def serve(cfg: Config, layout: dict[Role, int]) -> None:
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     ctx = zmq.Context()
+    workers: list[InstantWorker] = []
     try:
-        workers = [register(ctx, cfg, role, i, (n + 1) * POOL_SPACING)
+        workers += [register(ctx, cfg, role, i, (n + 1) * POOL_SPACING)
                    for n, (role, i) in enumerate((r, i) for r, count in layout.items() for i in range(count))]
         by_socket = {worker.work: worker for worker in workers}
         poller = zmq.Poller()
@@ -141,4 +143,6 @@ def serve(cfg: Config, layout: dict[Role, int]) -> None:
             for sock, _ in poller.poll(timeout=100):
                 by_socket[sock].take_orders()
     finally:
+        for worker in workers:
+            close_work_socket(worker.work, worker.work_address)
         ctx.destroy(linger=0)

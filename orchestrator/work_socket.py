@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import tempfile
 import uuid
+from pathlib import Path
 
 import zmq
 
@@ -19,10 +20,19 @@ def bind_work_socket(sock: zmq.Socket, wcfg: WorkerConfig) -> str:
     """Bind a worker's work socket as configured; returns the address the daemon should dial."""
     sock.setsockopt(zmq.MAXMSGSIZE, ORDER_MAX_MESSAGE_BYTES)
     if wcfg.work_socket == "ipc":
-        # Unique per process; ZMQ removes the file when the socket closes.
+        # Unique per process; close_work_socket removes the file.
         address = f"ipc://{tempfile.gettempdir()}/triptych-work-{uuid.uuid4().hex}"
         sock.bind(address)
         return address
     sock.bind(f"tcp://{wcfg.bind_host}:0")
     port = sock.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1]
     return f"tcp://{wcfg.advertise_host}:{port}"
+
+
+def close_work_socket(sock: zmq.Socket, address: str | None) -> None:
+    """Close a socket ``bind_work_socket`` bound at ``address`` (None: it never bound). An
+    ipc socket's file is removed: ZMQ leaves it behind, one more in the temp directory per
+    worker that ever ran."""
+    sock.close(linger=0)
+    if address is not None and address.startswith("ipc://"):
+        Path(address.removeprefix("ipc://")).unlink(missing_ok=True)

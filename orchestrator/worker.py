@@ -34,7 +34,7 @@ from orchestrator.config import Config
 from orchestrator.stages import RunControl, Stage, StageError, StageStopped, build_stage
 from orchestrator.stages.base import StepFn
 from orchestrator.watchdog import StageWatchdog
-from orchestrator.work_socket import bind_work_socket
+from orchestrator.work_socket import bind_work_socket, close_work_socket
 from transfer import frames
 from transfer.engine import Engine, MooncakeEngine, TransferError, TransferInDoubt
 from transfer.pool import Block, MemoryPool, PoolError
@@ -147,6 +147,7 @@ class WorkerRuntime:
         dealer = ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
         registered: Registered | None = None
+        work_address: str | None = None
         try:
             work_address = bind_work_socket(work, self._wcfg)
             dealer.connect(self._cfg.daemon.worker_endpoint)
@@ -157,7 +158,7 @@ class WorkerRuntime:
                 await self._forget_everything()
                 registered = await self._register(dealer, work_address)
         finally:
-            work.close(linger=0)
+            close_work_socket(work, work_address)
             # Stage and push threads have all ended here (_serve's task group waited for
             # them), so the daemon may free at once what this worker held or was sent.
             linger_ms = self._say_leaving(dealer) if registered is not None and self._may_say_leaving() else 0

@@ -268,9 +268,11 @@ def test_a_second_live_worker_under_a_name_in_use_replaces_the_first_which_stops
     one's rejoin evicted the other, over and over, and every request failed worker_lost."""
     cluster = start_cluster(layout={"encoder": 1, "denoiser": 1, "decoder": 1})
     first = cluster.workers["denoiser0"]
+    [first_address] = [i.address for i in cluster.control.stats().instances if i.role == "denoiser"]
     cluster.start_worker("denoiser", 0)
     assert first.wait(timeout=30) == 1
     assert "worker names must be unique" in cluster.log_of("denoiser0")
+    assert first_address.startswith("ipc://") and not Path(first_address.removeprefix("ipc://")).exists()
     stats = wait_for(cluster, lambda s: any(i.name == "denoiser0" and not i.suspect for i in s.instances), timeout_s=60)
     instance = next(i.instance for i in stats.instances if i.name == "denoiser0")
     with Client(cluster.config.daemon.client_endpoint) as client:

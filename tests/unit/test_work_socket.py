@@ -3,12 +3,14 @@ more orders is taken apart."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import anyio
 import pytest
 import zmq
 
 from orchestrator.config import Config, WorkerConfig
-from orchestrator.work_socket import ORDER_MAX_MESSAGE_BYTES, bind_work_socket
+from orchestrator.work_socket import ORDER_MAX_MESSAGE_BYTES, bind_work_socket, close_work_socket
 from orchestrator.worker import WorkerRuntime
 from transfer.pool import MemoryPool
 from transfer.protocol import Abort, encode
@@ -70,5 +72,20 @@ def test_the_work_socket_drops_a_sender_of_an_oversized_frame_unread() -> None:
         daemon.send(b"order")
         assert pull.poll(5000) and pull.recv() == b"order"
         assert not pull.poll(500)  # the oversized frame never arrives
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_closing_an_ipc_work_socket_removes_its_file() -> None:
+    """ZMQ leaves the file behind: one more in the temp directory for every worker that ran."""
+    ctx = zmq.Context()
+    try:
+        pull = ctx.socket(zmq.PULL)
+        address = bind_work_socket(pull, WorkerConfig(work_socket="ipc"))
+        path = Path(address.removeprefix("ipc://"))
+        assert path.exists()
+        close_work_socket(pull, address)
+        assert not path.exists()
+        close_work_socket(ctx.socket(zmq.PULL), None)  # never bound: nothing to remove
     finally:
         ctx.destroy(linger=0)
