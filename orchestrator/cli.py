@@ -225,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output", choices=["png", "raw"], default="png")
     p.add_argument("--request-id", default="")
     p.add_argument("--priority", type=int, default=0, help="-100..100; higher is served first")
-    p.add_argument("--timeout", type=float, default=None)
+    p.add_argument("--timeout", type=_positive_seconds, default=None, help="seconds; 120 when not given")
     p.add_argument("--progress", action="store_true", help="print where the request stands while it runs")
     p.add_argument("--out", default="out")
     p = command("stats", _stats, "print the daemon's stats")

@@ -84,7 +84,7 @@ def _submit_frames(params: GenParams, request_id: str, timeout_s: float | None, 
     caller names none), so the daemon never works on past the caller's patience.
     """
     body = encode(Submit(protocol=PROTOCOL_VERSION, params=params, request_id=request_id,
-                         timeout_s=timeout_s or DEFAULT_TIMEOUT_S, priority=priority, progress=progress))
+                         timeout_s=_or_default(timeout_s), priority=priority, progress=progress))
     try:
         CLIENT_REQUEST.decode(body)
     except msgspec.ValidationError as exc:
@@ -108,8 +108,13 @@ def _decode_reply(parts: list[bytes]) -> Reply:
     return header
 
 
+def _or_default(timeout_s: float | None) -> float:
+    # Not ``timeout_s or ...``: a 0 must be refused as the bad value it is, not read as "none".
+    return DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
+
+
 def _wait_s(timeout_s: float | None) -> float:
-    return (timeout_s or DEFAULT_TIMEOUT_S) + GRACE_S
+    return _or_default(timeout_s) + GRACE_S
 
 
 class Client:

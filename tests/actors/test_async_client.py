@@ -99,6 +99,9 @@ async def test_a_submit_the_daemon_would_refuse_is_refused_at_once_and_never_sen
                     await client.submit(huge, timeout_s=30)
             with Client(endpoint) as blocking, pytest.raises(Rejection) as refused_too:
                 blocking.submit(GenParams(prompt="p", steps=0), timeout_s=30)
+            async with AsyncClient(endpoint) as client:  # 0 is a bad deadline, not "none given"
+                with pytest.raises(Rejection, match=r"not sent: Expected `float` > 0.0 - at `\$.timeout_s`"):
+                    await client.submit(GenParams(prompt="p"), timeout_s=0)
         assert refused.value.reason == Reason.INVALID and "$.params.prompt" in refused.value.rejected.message
         assert refused_too.value.reason == Reason.INVALID and "$.params.steps" in refused_too.value.rejected.message
         assert refused.value.rejected.message.startswith("not sent")

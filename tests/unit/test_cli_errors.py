@@ -54,6 +54,13 @@ def test_metrics_refuses_a_bad_number_as_it_parses(argv: list[str], says: str,
     assert exited.value.code == 2 and says in capsys.readouterr().err
 
 
+def test_submit_refuses_a_timeout_of_zero_as_it_parses(capsys: pytest.CaptureFixture[str]) -> None:
+    """0 used to be read as "none given" and waited the default 120 s."""
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["submit", "--prompt", "p", "--timeout", "0"])
+    assert exited.value.code == 2 and "argument --timeout: expected a positive number of seconds" in capsys.readouterr().err
+
+
 @pytest.mark.usefixtures("never_serve")
 def test_metrics_checks_its_endpoint_before_it_serves(capsys: pytest.CaptureFixture[str]) -> None:
     """Not left to each scrape, where it would be an HTTP 500."""
