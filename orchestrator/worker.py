@@ -230,6 +230,7 @@ class WorkerRuntime:
         deadline = time.monotonic() + self._wcfg.connect_timeout_s
         # Retried until the daemon is up; the daemon answers a repeat on a live connection
         # with nothing, so duplicates are harmless.
+        tries = 0
         while time.monotonic() < deadline:
             await dealer.send(encode(hello))
             with anyio.move_on_after(REGISTER_RETRY_S):
@@ -240,6 +241,10 @@ class WorkerRuntime:
                     if isinstance(reply, RegisterRefused) and not reply.rejoin:
                         raise WorkerRefused(reply.message)
                     # A rejoin refusal answers a heartbeat sent before the daemon forgot us.
+            tries += 1
+            if tries == 1:  # said once: a worker started before its daemon is not stuck
+                log.info("worker.waiting_for_daemon", endpoint=self._cfg.daemon.worker_endpoint,
+                         gives_up_in_s=round(deadline - time.monotonic()))
         raise TimeoutError(
             f"no answer from the daemon at {self._cfg.daemon.worker_endpoint} within "
             f"{self._wcfg.connect_timeout_s}s (workers.{self.role}.connect_timeout_s)"

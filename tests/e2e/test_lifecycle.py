@@ -17,7 +17,7 @@ import pytest
 import zmq
 
 from orchestrator.client import AsyncClient, Client, Rejection
-from tests.e2e.conftest import StartCluster, all_free, wait_for
+from tests.e2e.conftest import StartCluster, all_free, cluster_config, wait_for
 from transfer.protocol import (
     DAEMON_TO_WORKER,
     PROTOCOL_VERSION,
@@ -322,3 +322,14 @@ async def test_allocs_and_pushes_are_answered_while_the_worker_computes(start_cl
     assert encoder_stage.fast_path is False
     # The hand-off (alloc round trip + push) did not wait for the 1.5 s computation.
     assert encoder_stage.queued_ms + encoder_stage.transfer_ms < 500, encoder_stage
+
+
+def test_a_worker_with_no_daemon_says_it_waits_then_gives_up_in_one_line(tmp_path: Path) -> None:
+    path, _ = cluster_config(tmp_path, **{"workers.encoder": {"connect_timeout_s": 4.0}})
+    done = subprocess.run([sys.executable, "-m", "orchestrator", "worker", "--role", "encoder", "--config", str(path)],
+                          capture_output=True, text=True, timeout=120)
+    events = [json.loads(line) for line in done.stderr.splitlines() if line.startswith("{")]
+    waiting = [e for e in events if e["event"] == "worker.waiting_for_daemon"]
+    assert len(waiting) == 1 and waiting[0]["endpoint"] == f"ipc://{tmp_path}/workers"
+    assert done.returncode == 1 and events[-1]["event"] == "process.failed"
+    assert "no answer from the daemon" in events[-1]["error"] and "workers.encoder.connect_timeout_s" in events[-1]["error"]
