@@ -20,6 +20,8 @@ if TYPE_CHECKING:
     from orchestrator.client import Control, Generation
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "local.toml"
+# How long a command waits for its daemon to take a connection before saying it is not there.
+DAEMON_CONNECT_S = 3.0
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -106,7 +108,7 @@ def _submit(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     try:
-        generation = _generate(args.endpoint or cfg.daemon.client_endpoint, params, args)
+        generation = _generate(_daemon_at(args.endpoint or cfg.daemon.client_endpoint), params, args)
     except Rejection as exc:
         print(f"rejected ({exc.reason}): {exc.rejected.message}", file=sys.stderr)
         return 2
@@ -124,11 +126,34 @@ def _submit(args: argparse.Namespace) -> int:
     return 0
 
 
-def _control(args: argparse.Namespace, **options: float) -> Control:
-    """The control client for ``--endpoint``, or for the config's control endpoint."""
+def _control_endpoint(args: argparse.Namespace) -> str:
+    """``--endpoint``, or the config's control endpoint."""
+    return args.endpoint or load_config(args.config).daemon.control_endpoint
+
+
+def _control(args: argparse.Namespace) -> Control:
+    """The control client, for a daemon that is there."""
     from orchestrator.client import Control
 
-    return Control(args.endpoint or load_config(args.config).daemon.control_endpoint, **options)
+    return Control(_daemon_at(_control_endpoint(args)))
+
+
+def _daemon_at(endpoint: str) -> str:
+    """``endpoint``, once something there took a ZMQ connection. Raises ``TimeoutError`` if
+    nothing did within ``DAEMON_CONNECT_S`` (the command would otherwise wait out its whole
+    timeout for a daemon that is not running), ``zmq.ZMQError`` for an endpoint no socket
+    can connect to."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+    try:
+        sock.connect(endpoint)
+        if not monitor.poll(int(DAEMON_CONNECT_S * 1000)):
+            raise TimeoutError(f"no daemon at {endpoint}: nothing there took a connection within {DAEMON_CONNECT_S:g}s")
+    finally:
+        sock.disable_monitor()
+        monitor.close(linger=0)
+        sock.close(linger=0)
+    return endpoint
 
 
 def _stats(args: argparse.Namespace) -> int:
@@ -164,9 +189,11 @@ def _check_endpoint(endpoint: str) -> None:
 
 
 def _metrics(args: argparse.Namespace) -> int:
+    from orchestrator.client import Control
     from orchestrator.metrics import serve_metrics
 
-    control = _control(args, timeout_s=args.scrape_timeout)
+    # Not _control: the exporter may start before the daemon, and says triptych_up 0 till then.
+    control = Control(_control_endpoint(args), timeout_s=args.scrape_timeout)
     # The other commands meet a bad endpoint on their one request; the exporter asks only
     # when scraped, where it would be an HTTP 500 on every scrape instead of one line here.
     _check_endpoint(control.endpoint)

@@ -323,7 +323,7 @@ class Control:
             sock.connect(self.endpoint)
             sock.send(encode(request))
             if not sock.poll(self._timeout_ms):
-                raise TimeoutError(f"no reply from control socket {self.endpoint} in {self._timeout_ms} ms")
+                raise TimeoutError(f"no reply from control socket {self.endpoint} within {self._timeout_ms / 1000:.1f}s")
             reply = CONTROL_REPLY.decode(sock.recv())
         finally:
             sock.close(linger=0)

@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import anyio
@@ -52,6 +53,19 @@ def test_metrics_refuses_a_bad_number_as_it_parses(argv: list[str], says: str,
     with pytest.raises(SystemExit) as exited:
         cli.main(["metrics", *argv])
     assert exited.value.code == 2 and says in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", [["stats"], ["workers"], ["drain"], ["submit", "--prompt", "p"]])
+def test_a_command_with_no_daemon_there_says_so_within_seconds(command: list[str], tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """Not after its whole timeout (120 s for a submit) of silence."""
+    endpoint = f"ipc://{tmp_path}/nobody"
+    started = time.monotonic()
+    out = ["--out", str(tmp_path)] if command[0] == "submit" else []
+    assert cli.main([*command, "--endpoint", endpoint, *out]) == 1
+    assert time.monotonic() - started < cli.DAEMON_CONNECT_S + 2
+    assert capsys.readouterr().err.strip() == (
+        f"triptych {command[0]}: no daemon at {endpoint}: nothing there took a connection within 3s")
 
 
 def test_submit_refuses_a_timeout_of_zero_as_it_parses(capsys: pytest.CaptureFixture[str]) -> None:
