@@ -238,7 +238,7 @@ def print_stage_breakdown(title: str, row: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(prog="triptych bench", description=__doc__)
     parser.add_argument("--requests", type=int, default=3000, help="per closed-loop level")
     parser.add_argument("--log-level", default="info", help="the daemon's log level (info logs one line per request)")
     parser.add_argument("--perf", action="store_true",

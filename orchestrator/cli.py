@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -118,7 +119,7 @@ def _submit(args: argparse.Namespace) -> int:
         suffix = "" if name.endswith(".png") else ".bin"
         path = out / f"{generation.result.request_id.replace('/', '_')}-{name}{suffix}"
         path.write_bytes(tensor.numpy().tobytes())
-        print(path)
+        print(path if suffix == "" else f"{path}  {str(tensor.dtype).removeprefix('torch.')} {tuple(tensor.shape)}")
     for stage in generation.result.stages:
         print(f"  {stage.role:<9} {stage.instance:<12} queued {stage.queued_ms:8.2f} ms  compute "
               f"{stage.compute_ms:8.2f} ms  transfer {stage.transfer_ms:7.2f} ms  {stage.transfer_bytes} B"
@@ -174,8 +175,9 @@ def _workers(args: argparse.Namespace) -> int:
 
 def _drain(args: argparse.Namespace) -> int:
     draining = _control(args).drain()
-    print(f"draining: new requests are refused; the daemon exits once its {draining.in_flight} requests in "
-          "flight finish, or its drain_timeout_s passes")
+    count = f"{draining.in_flight} request{'s' if draining.in_flight != 1 else ''}"
+    print(f"draining: new requests are refused; the daemon exits once its {count} in flight finish, or its "
+          "drain_timeout_s passes")
     return 0
 
 
@@ -283,6 +285,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     try:
         return args.func(args)
+    except BrokenPipeError:
+        # Whoever read the output left early (`| head`): nothing went wrong here. Stdout
+        # goes to /dev/null so the interpreter's last flush does not complain either.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except (OSError, msgspec.DecodeError, ValueError, TimeoutError, zmq.ZMQError) as exc:
         # An ordinary mistake (a missing or bad config, a daemon not running, a bad
         # endpoint, an unwritable --out): one line naming it, not a traceback.

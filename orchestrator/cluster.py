@@ -95,7 +95,9 @@ class LocalCluster:
     def _check_alive(self) -> None:
         for name, proc in [("daemon", self.daemon), *self.workers.items()]:
             if proc is not None and proc.poll() is not None:
-                raise ClusterError(f"{name} exited with {proc.returncode}:\n{self.log_of(name)[-3000:]}")
+                # Its last line says why (process.failed or process.crashed); the log has the rest.
+                last = (self.log_of(name).strip().splitlines() or ["(no output)"])[-1]
+                raise ClusterError(f"{name} exited with {proc.returncode} (log: {self.log_dir / name}.log): {last}")
 
     def stop_daemon(self, *, timeout_s: float = 30.0) -> int:
         """SIGTERM the daemon and wait for it to drain and exit; returns its exit code."""

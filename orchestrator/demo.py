@@ -19,7 +19,7 @@ import anyio
 import torch
 
 from orchestrator.client import AsyncClient, Generation
-from orchestrator.cluster import LocalCluster
+from orchestrator.cluster import ClusterError, LocalCluster
 from orchestrator.config import Config, load_config
 from orchestrator.report import progress_line, stats_table
 from orchestrator.stages.images import decode_png
@@ -66,7 +66,7 @@ async def generate(endpoint: str, requests: list[GenParams], watched: list[Progr
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(prog="triptych demo", description=__doc__)
     parser.add_argument("--config", type=Path, default=ROOT / "configs" / "local.toml")
     parser.add_argument("--requests", type=int, default=len(PROMPTS))
     parser.add_argument("--steps", type=int, default=20)
@@ -86,7 +86,11 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     cluster = LocalCluster(args.config, log_dir=args.out / "logs")
     try:
-        cluster.start()
+        try:
+            cluster.start()
+        except ClusterError as exc:
+            print(f"demo FAILED: the cluster did not start: {exc}", file=sys.stderr)
+            return 1
         print(f"cluster up in {time.monotonic() - started:.1f}s: "
               f"{', '.join(i.instance for i in cluster.control.stats().instances)}", flush=True)
         t0 = time.monotonic()

@@ -57,7 +57,7 @@ def measure(tmp: Path, mib: int, requests: int, same_host_copy: bool) -> list[fl
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(prog="triptych bench-handoff", description=__doc__)
     parser.add_argument("--mib", type=int, default=16, help="size of the handed-off tensor")
     parser.add_argument("--requests", type=int, default=20)
     args = parser.parse_args(argv)

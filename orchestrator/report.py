@@ -25,10 +25,14 @@ def stats_table(stats: Stats) -> str:
 
 
 def workers_table(instances: list[InstanceStats]) -> str:
-    lines = [f"{'instance':<12} {'role':<9} {'name':<16} {'slots':>7} {'prealloc':>9} {'served':>7} {'failed':>7}  address"]
+    # Columns as wide as their longest entry: default names (role@host:pid:suffix) are long.
+    iw = max([len("instance"), *(len(i.instance) for i in instances)])
+    nw = max([len("name"), *(len(i.name) for i in instances)])
+    lines = [f"{'instance':<{iw}} {'role':<9} {'name':<{nw}} {'slots':>7} {'prealloc':>9} {'served':>7} {'failed':>7}  "
+             "address"]
     for i in sorted(instances, key=lambda i: i.instance):
         lines.append(
-            f"{i.instance:<12} {i.role:<9} {i.name:<16} {i.slots_free:>3}/{i.slots_total:<3} "
+            f"{i.instance:<{iw}} {i.role:<9} {i.name:<{nw}} {i.slots_free:>3}/{i.slots_total:<3} "
             f"{i.prealloc_free:>4}/{i.prealloc_total:<4} {i.served:>7} {i.failed:>7}  {i.address}"
             + ("  (suspect: no new work)" if i.suspect else "")
         )

@@ -135,3 +135,13 @@ def test_a_traceback_on_a_terminal_shows_no_locals() -> None:
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
                           cwd=Path(__file__).resolve().parents[2])
     assert "RuntimeError: boom" in done.stderr and "s3cret-token" not in done.stderr
+
+
+def test_a_reader_that_leaves_early_is_no_error(tmp_path: Path) -> None:
+    """`triptych stats --json | head -1`: the rest of the output has nowhere to go."""
+    long_stats = "cli._stats = lambda args: print(json.dumps(list(range(100000)), indent=2)) or 0"
+    done = subprocess.run(
+        f'{sys.executable} -c "import json, sys; from orchestrator import cli; {long_stats}; '
+        f"sys.exit(cli.main(['stats']))\" | head -1",
+        shell=True, capture_output=True, text=True, timeout=60, cwd=Path(__file__).resolve().parents[2])
+    assert done.stdout == "[\n" and done.stderr == ""
