@@ -9,8 +9,16 @@ from contextlib import contextmanager
 import zmq
 
 
-class EndpointInUse(OSError):
-    pass
+class EndpointUnusable(OSError):
+    """An endpoint this process cannot bind: in use, malformed, or not an address of this host."""
+
+
+def bind(sock: zmq.Socket, endpoint: str) -> None:
+    """``sock.bind(endpoint)``, a failure raised as ``EndpointUnusable`` naming the endpoint."""
+    try:
+        sock.bind(endpoint)
+    except zmq.ZMQError as exc:
+        raise EndpointUnusable(f"{exc.strerror}: {endpoint}") from exc
 
 
 def bind_exclusive(sock: zmq.Socket, endpoint: str) -> str:
@@ -28,10 +36,10 @@ def bind_exclusive(sock: zmq.Socket, endpoint: str) -> str:
         except OSError:
             pass  # nothing listening: a stale file or no file, safe to bind
         else:
-            raise EndpointInUse(f"Address already in use: {endpoint} has a live listener")
+            raise EndpointUnusable(f"Address already in use: {endpoint} has a live listener")
         finally:
             probe.close()
-    sock.bind(endpoint)
+    bind(sock, endpoint)
     return sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
 

@@ -215,11 +215,12 @@ class TransferNegotiator:
             return
         stale = next((old for old in self._links.values() if old.name == msg.name), None)
         if stale is not None:
-            # Same worker, new connection: it restarted, so its old slots and memory are gone.
-            self._evict(stale, f"{stale.instance} re-registered as a new process")
-            # Unless two live processes share the name: the old connection is told to stop,
+            # Same name, new connection: a restart, whose old slots and memory are gone, or
+            # a second live process under the name. Which one cannot be told here, so not
+            # ``gone``: a live one may still be pushing. The old connection is told to stop,
             # or each one's rejoin would evict the other, over and over. (A dead one's
             # connection is gone, and the ROUTER drops this.)
+            self._evict(stale, f"{stale.instance} re-registered as a new process", gone=False)
             self._reply(stale.routing_id, RegisterRefused(
                 message=f"another worker registered under the name {msg.name!r}: worker names must be unique"))
         instance = f"{msg.role}-{next(self._ids)}"
@@ -519,8 +520,8 @@ class TransferNegotiator:
         self._reply(link.routing_id, RegisterRefused(message=why))
 
     def _evict(self, link: Link, why: str, *, gone: bool = True) -> None:
-        """Forget a worker. ``gone``: its process is known dead (it re-registered anew);
-        otherwise it only went silent and may yet finish a write it had started."""
+        """Forget a worker. ``gone``: no write of its can still land (it said Leaving after
+        its threads ended, or it never got work); otherwise it may yet finish one."""
         del self._links[link.routing_id]
         del self._by_instance[link.instance]
         self._slots.remove_instance(link.instance)

@@ -14,6 +14,7 @@ import anyio
 import msgspec
 import zmq
 
+from actors.edges import EndpointUnusable
 from orchestrator.config import load_config
 from transfer.protocol import GenParams, Progress
 
@@ -31,24 +32,24 @@ def _serve(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config)
     configure_logging(cfg.log.level, json=cfg.log.json, daemon="orchestrator")
-    return _run_logged(serve, cfg, ordinary=(zmq.ZMQError, OSError))  # an endpoint it cannot bind
+    return _run_logged(serve, cfg, ordinary=(EndpointUnusable,))
 
 
 def _worker(args: argparse.Namespace) -> int:
+    from orchestrator.limits import UnsatisfiableLimits
     from orchestrator.log import configure_logging
-    from orchestrator.worker import WorkerRefused, run_worker
+    from orchestrator.worker import DaemonUnreachable, WorkerRefused, run_worker
 
     cfg = load_config(args.config)
     configure_logging(cfg.log.level, json=cfg.log.json, worker=args.role)
-    # Refused by the daemon, no daemon within connect_timeout_s, an address it cannot
-    # bind, [model.limits] that admit nothing.
     return _run_logged(run_worker, args.role, cfg, args.name,
-                       ordinary=(WorkerRefused, TimeoutError, zmq.ZMQError, OSError, ValueError))
+                       ordinary=(WorkerRefused, DaemonUnreachable, EndpointUnusable, UnsatisfiableLimits))
 
 
 def _run_logged(main, *args: object, ordinary: tuple[type[Exception], ...]) -> int:
-    """Run a process's event loop. An ``ordinary`` failure (a refusal, a port in use) is
-    one line naming it; anything else is a crash, logged once with its traceback. Both exit 1."""
+    """Run a process's event loop. An ``ordinary`` failure (a refusal, a port in use: each
+    its own exception type, so no bug passes for one) is one line naming it; anything else
+    is a crash, logged once with its traceback. Both exit 1."""
     import structlog
 
     try:
@@ -175,9 +176,8 @@ def _workers(args: argparse.Namespace) -> int:
 
 def _drain(args: argparse.Namespace) -> int:
     draining = _control(args).drain()
-    count = f"{draining.in_flight} request{'s' if draining.in_flight != 1 else ''}"
-    print(f"draining: new requests are refused; the daemon exits once its {count} in flight finish, or its "
-          "drain_timeout_s passes")
+    print(f"draining: new requests are refused; requests in flight: {draining.in_flight}. The daemon exits once "
+          "they end, or once its drain_timeout_s passes")
     return 0
 
 

@@ -56,7 +56,6 @@ class InstantWorker:
     role: Role
     dealer: zmq.Socket
     work: zmq.Socket
-    work_address: str
     key: bytes
     pool_base: int
 
@@ -89,10 +88,9 @@ class InstantWorker:
             self.dealer.send_multipart(message)
 
 
-def register(ctx: zmq.Context, cfg: Config, role: Role, index: int, pool_base: int) -> InstantWorker:
+def register(ctx: zmq.Context, cfg: Config, role: Role, index: int, pool_base: int, work: zmq.Socket,
+             work_address: str) -> InstantWorker:
     wcfg = cfg.workers.for_role(role)
-    work = ctx.socket(zmq.PULL)
-    work_address = bind_work_socket(work, wcfg)
     dealer = ctx.socket(zmq.DEALER)
     dealer.connect(cfg.daemon.worker_endpoint)
     slots = [] if role == "encoder" else [
@@ -110,7 +108,7 @@ def register(ctx: zmq.Context, cfg: Config, role: Role, index: int, pool_base: i
     if isinstance(reply, RegisterRefused):
         raise RuntimeError(f"registration refused: {reply.message}")
     assert isinstance(reply, Registered)
-    return InstantWorker(role, dealer, work, work_address, reply.key, pool_base)
+    return InstantWorker(role, dealer, work, reply.key, pool_base)
 
 
 def serve(cfg: Config, layout: dict[Role, int]) -> None:
@@ -124,10 +122,13 @@ def serve(cfg: Config, layout: dict[Role, int]) -> None:
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     ctx = zmq.Context()
+    bound: list[tuple[zmq.Socket, str]] = []  # every work socket, closed however this ends
     workers: list[InstantWorker] = []
     try:
-        workers += [register(ctx, cfg, role, i, (n + 1) * POOL_SPACING)
-                   for n, (role, i) in enumerate((r, i) for r, count in layout.items() for i in range(count))]
+        for n, (role, i) in enumerate((r, i) for r, count in layout.items() for i in range(count)):
+            work = ctx.socket(zmq.PULL)
+            bound.append((work, bind_work_socket(work, cfg.workers.for_role(role))))
+            workers.append(register(ctx, cfg, role, i, (n + 1) * POOL_SPACING, *bound[-1]))
         by_socket = {worker.work: worker for worker in workers}
         poller = zmq.Poller()
         for sock in by_socket:
@@ -143,6 +144,6 @@ def serve(cfg: Config, layout: dict[Role, int]) -> None:
             for sock, _ in poller.poll(timeout=100):
                 by_socket[sock].take_orders()
     finally:
-        for worker in workers:
-            close_work_socket(worker.work, worker.work_address)
+        for work, address in bound:
+            close_work_socket(work, address)
         ctx.destroy(linger=0)

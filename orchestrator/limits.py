@@ -29,6 +29,10 @@ def limits_violation(limits: StageLimits, params: GenParams) -> str | None:
     return None
 
 
+class UnsatisfiableLimits(ValueError):
+    """Caps ([model.limits]) under which no request at all could be admitted."""
+
+
 def unsatisfiable(limits: StageLimits) -> str | None:
     """Why no request at all fits ``limits`` (caps set below the model's smallest size), or None."""
     smallest = -(-limits.min_size // limits.size_multiple) * limits.size_multiple

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import zmq
 
+from actors.edges import bind
 from orchestrator.config import WorkerConfig
 
 # An order frame stays under 150 KiB (its two prompts hold at most 16,384 characters each).
@@ -22,9 +23,9 @@ def bind_work_socket(sock: zmq.Socket, wcfg: WorkerConfig) -> str:
     if wcfg.work_socket == "ipc":
         # Unique per process; close_work_socket removes the file.
         address = f"ipc://{tempfile.gettempdir()}/triptych-work-{uuid.uuid4().hex}"
-        sock.bind(address)
+        bind(sock, address)
         return address
-    sock.bind(f"tcp://{wcfg.bind_host}:0")
+    bind(sock, f"tcp://{wcfg.bind_host}:0")
     port = sock.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1]
     return f"tcp://{wcfg.advertise_host}:{port}"
 
@@ -34,5 +35,10 @@ def close_work_socket(sock: zmq.Socket, address: str | None) -> None:
     ipc socket's file is removed: ZMQ leaves it behind, one more in the temp directory per
     worker that ever ran."""
     sock.close(linger=0)
+    remove_socket_file(address)
+
+
+def remove_socket_file(address: str | None) -> None:
+    """Remove an ``ipc://`` work socket's file (nothing for tcp, or None)."""
     if address is not None and address.startswith("ipc://"):
         Path(address.removeprefix("ipc://")).unlink(missing_ok=True)

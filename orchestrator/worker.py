@@ -34,7 +34,7 @@ from orchestrator.config import Config
 from orchestrator.stages import RunControl, Stage, StageError, StageStopped, build_stage
 from orchestrator.stages.base import StepFn
 from orchestrator.watchdog import StageWatchdog
-from orchestrator.work_socket import bind_work_socket, close_work_socket
+from orchestrator.work_socket import bind_work_socket, close_work_socket, remove_socket_file
 from transfer import frames
 from transfer.engine import Engine, MooncakeEngine, TransferError, TransferInDoubt
 from transfer.pool import Block, MemoryPool, PoolError
@@ -83,6 +83,10 @@ class WorkerRefused(RuntimeError):
     """The daemon refused this worker (bad token, protocol, or it forgot us)."""
 
 
+class DaemonUnreachable(TimeoutError):
+    """No daemon answered the registration within ``connect_timeout_s``."""
+
+
 def _decode_reply(body: bytes) -> Registered | RegisterRefused | None:
     try:
         return DAEMON_TO_WORKER.decode(body)
@@ -115,7 +119,8 @@ class WorkerRuntime:
         self._scopes: dict[str, anyio.CancelScope] = {}  # compute and alloc tasks, by request
         self._runs: dict[str, RunControl] = {}  # stage runs, by request: stopped, they end at their next step
         self._log = log.bind(role=role, worker=self.name)
-        self._watchdog = StageWatchdog(self._wcfg.stage_timeout_s, log=self._log)
+        self._work_address: str | None = None  # once bound
+        self._watchdog = StageWatchdog(self._wcfg.stage_timeout_s, log=self._log, exit=self._exit_hung)
         self._staged: dict[str, Block] = {}
         self._allocs: dict[str, Block] = {}
         self._pushing: set[str] = set()
@@ -147,9 +152,8 @@ class WorkerRuntime:
         dealer = ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
         registered: Registered | None = None
-        work_address: str | None = None
         try:
-            work_address = bind_work_socket(work, self._wcfg)
+            self._work_address = work_address = bind_work_socket(work, self._wcfg)
             dealer.connect(self._cfg.daemon.worker_endpoint)
             registered = await self._register(dealer, work_address)
             task_status.started(registered.instance)
@@ -158,13 +162,19 @@ class WorkerRuntime:
                 await self._forget_everything()
                 registered = await self._register(dealer, work_address)
         finally:
-            close_work_socket(work, work_address)
+            close_work_socket(work, self._work_address)
             # Stage and push threads have all ended here (_serve's task group waited for
             # them), so the daemon may free at once what this worker held or was sent.
             linger_ms = self._say_leaving(dealer) if registered is not None and self._may_say_leaving() else 0
             dealer.close(linger=linger_ms)
             ctx.term()
             self._engine.close()
+
+    def _exit_hung(self, status: int) -> None:
+        """The watchdog's exit: at once (a normal exit would wait for the hung stage thread,
+        and skip nothing but the cleanup below), leaving no socket file behind."""
+        remove_socket_file(self._work_address)
+        os._exit(status)
 
     def _may_say_leaving(self) -> bool:
         """Leaving tells the daemon no write of ours can still land: false for a while after
@@ -245,7 +255,7 @@ class WorkerRuntime:
             if tries == 1:  # said once: a worker started before its daemon is not stuck
                 log.info("worker.waiting_for_daemon", endpoint=self._cfg.daemon.worker_endpoint,
                          gives_up_in_s=round(deadline - time.monotonic()))
-        raise TimeoutError(
+        raise DaemonUnreachable(
             f"no answer from the daemon at {self._cfg.daemon.worker_endpoint} within "
             f"{self._wcfg.connect_timeout_s}s (workers.{self.role}.connect_timeout_s)"
         )

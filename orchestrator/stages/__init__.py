@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from orchestrator.config import ModelConfig
-from orchestrator.limits import unsatisfiable
+from orchestrator.limits import UnsatisfiableLimits, unsatisfiable
 from orchestrator.stages.base import UNATTENDED, RunControl, Stage, StageError, StageStopped, Tensors
 from transfer.protocol import Role
 
@@ -26,5 +26,5 @@ def build_stage(role: Role, model: ModelConfig, *, torch_threads: int) -> Stage:
     stage.caps = model.limits
     problem = unsatisfiable(stage.limits())
     if problem:
-        raise ValueError(f"[model.limits] leave nothing to admit: {problem}")
+        raise UnsatisfiableLimits(f"[model.limits] leave nothing to admit: {problem}")
     return stage

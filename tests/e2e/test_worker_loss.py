@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import time
+from pathlib import Path
 
 import anyio
 import pytest
@@ -85,6 +86,7 @@ def test_a_hung_stage_takes_its_worker_down_and_nothing_else(start_cluster: Star
     its request ended long before: its worker exits with status 70 for a supervisor to
     replace, the daemon evicts it when it goes silent, and the other denoiser keeps serving."""
     cluster = start_cluster(**{"workers.denoiser": {"stage_timeout_s": 1.0}, "model.null": {"hang_prompt": "wedge"}})
+    addresses = {i.name: i.address for i in cluster.control.stats().instances}
     with Client(cluster.config.daemon.client_endpoint) as client:
         with pytest.raises(Rejection) as caught:
             client.submit(GenParams(prompt="wedge the gpu", seed=1, output="raw"), timeout_s=0.5)
@@ -94,6 +96,7 @@ def test_a_hung_stage_takes_its_worker_down_and_nothing_else(start_cluster: Star
         assert name.startswith("denoiser") and hung.returncode == EXIT_STAGE_HUNG
         [event] = [json.loads(line) for line in cluster.log_of(name).splitlines() if "worker.stage_hung" in line]
         assert event["limit_s"] == 1.0 and event["ran_s"] >= 1.0
+        assert not Path(addresses[name].removeprefix("ipc://")).exists()  # its socket file went with it
         params = GenParams(prompt="an ordinary request", seed=2, output="raw")
         generation = client.submit(params, timeout_s=20)
     assert torch.equal(generation.outputs["images"], expected_outputs(params, cluster.config.model.null)["images"])

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import errno
 import signal
 import socket
 import subprocess
@@ -12,9 +11,10 @@ from pathlib import Path
 
 import anyio
 import pytest
-import zmq
 
+from actors.edges import EndpointUnusable
 from orchestrator import cli, metrics
+from orchestrator.limits import UnsatisfiableLimits
 
 
 @pytest.mark.parametrize(("argv", "says"), [
@@ -108,14 +108,14 @@ async def _raise(exc: Exception) -> None:
 
 
 def test_a_process_that_fails_at_start_logs_one_line_naming_the_cause(logs: list[dict]) -> None:
-    in_use = zmq.ZMQError(errno.EADDRINUSE)
-    assert cli._run_logged(_fails_at_start, in_use, ordinary=(zmq.ZMQError,)) == 1
-    assert logs == [{"event": "process.failed", "error": f"ZMQError: {in_use}", "log_level": "error"}]
+    in_use = EndpointUnusable("Address already in use: tcp://127.0.0.1:5557")
+    assert cli._run_logged(_fails_at_start, in_use, ordinary=(EndpointUnusable,)) == 1
+    assert logs == [{"event": "process.failed", "error": f"EndpointUnusable: {in_use}", "log_level": "error"}]
 
 
 def test_a_crash_is_logged_with_its_own_traceback(logs: list[dict]) -> None:
-    bug = KeyError("r1")
-    assert cli._run_logged(_fails_at_start, bug, ordinary=(zmq.ZMQError,)) == 1
+    bug = ValueError("a bug, not a bad setting")  # the base class of an ordinary failure
+    assert cli._run_logged(_fails_at_start, bug, ordinary=(EndpointUnusable, UnsatisfiableLimits)) == 1
     assert logs == [{"event": "process.crashed", "exc_info": bug, "log_level": "error"}]
 
 

@@ -9,6 +9,7 @@ import anyio
 import pytest
 import zmq
 
+from actors.edges import EndpointUnusable
 from orchestrator.config import Config, WorkerConfig
 from orchestrator.work_socket import ORDER_MAX_MESSAGE_BYTES, bind_work_socket, close_work_socket
 from orchestrator.worker import WorkerRuntime
@@ -88,4 +89,15 @@ def test_closing_an_ipc_work_socket_removes_its_file() -> None:
         assert not path.exists()
         close_work_socket(ctx.socket(zmq.PULL), None)  # never bound: nothing to remove
     finally:
+        ctx.destroy(linger=0)
+
+
+def test_an_address_the_work_socket_cannot_bind_is_named() -> None:
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    try:
+        with pytest.raises(EndpointUnusable, match=r"tcp://192\.0\.2\.1:0"):  # not this host's
+            bind_work_socket(pull, WorkerConfig(bind_host="192.0.2.1"))
+    finally:
+        pull.close(linger=0)
         ctx.destroy(linger=0)
