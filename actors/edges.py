@@ -8,6 +8,9 @@ from contextlib import contextmanager
 
 import zmq
 
+# How long a closing socket may take to send what was handed to it last (answers, farewells).
+FLUSH_ON_CLOSE_MS = 1000
+
 
 class EndpointUnusable(OSError):
     """An endpoint this process cannot bind: in use, malformed, or not an address of this host."""

@@ -23,7 +23,7 @@ import zmq
 import zmq.asyncio
 
 from actors.base import reply_once, serve_mailbox
-from actors.edges import bound_router
+from actors.edges import FLUSH_ON_CLOSE_MS, bound_router
 from actors.mail import Admit, CancelRequest, Deliver, FrontendMail, LimitsChanged, QueryStats, SetDraining, TrackerMail
 from actors.mailbox import Mailbox, MailboxCounts
 from orchestrator.config import DaemonConfig
@@ -48,7 +48,6 @@ from transfer.sockets import NOBLOCK, PlainPump, send_frames
 
 log = structlog.get_logger()
 
-FLUSH_ON_CLOSE_MS = 1000
 # Failures that a fresh attempt on other workers can mend (daemon.retries).
 RETRIED = frozenset({Reason.WORKER_LOST, Reason.TRANSFER_FAILED})
 

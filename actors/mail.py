@@ -251,4 +251,8 @@ class Stuck(Mail):
     message: str
 
 
-NegotiatorMail = Placed | Forget | Tick | Stuck | QueryStats
+class Farewell(Mail):
+    """The daemon stops: tell every worker to rejoin its successor, and no one else to join."""
+
+
+NegotiatorMail = Placed | Forget | Tick | Stuck | Farewell | QueryStats

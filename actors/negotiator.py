@@ -34,13 +34,14 @@ import zmq
 import zmq.asyncio
 
 from actors.base import reply_once, serve_mailbox
-from actors.edges import bound_router
+from actors.edges import FLUSH_ON_CLOSE_MS, bound_router
 from actors.flight import Flight, FlightState
 from actors.links import Link, registration_problem, work_address_problem
 from actors.mail import (
     AdmissionMail,
     Enqueue,
     Failed,
+    Farewell,
     Finished,
     Forget,
     FrontendMail,
@@ -149,11 +150,13 @@ class TransferNegotiator:
         self._ids = itertools.count(1)
         self._late = 0  # reports about requests that had already ended: counted, then dropped
         self._quarantine: deque[tuple[float, Flight]] = deque()  # (release at, doomed flight)
+        self._stopping = False  # farewells sent: registrations get no answer
         self._log = log.bind(actor="negotiator")
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[str] = anyio.TASK_STATUS_IGNORED) -> None:
         with bound_router(self._ctx, self._cfg.worker_endpoint, send_hwm=self._cfg.worker_send_hwm,
-                          max_message_bytes=self._cfg.worker_max_message_bytes, plain=True) as (sock, bound):
+                          max_message_bytes=self._cfg.worker_max_message_bytes, close_linger_ms=FLUSH_ON_CLOSE_MS,
+                          plain=True) as (sock, bound):
             self._sock = sock
             pump = PlainPump(sock, self._on_frames, copy=False, hold=self._inbox.board.hold)
             await serve_mailbox(self._inbox, self._handle, pump=pump.run, task_status=task_status, started=bound)
@@ -170,6 +173,8 @@ class TransferNegotiator:
             return
         link = self._links.get(routing_id)
         if link is None:
+            if self._stopping:
+                return  # a worker rejoining the daemon that just said farewell: it retries, and its successor answers
             if isinstance(first, Register):
                 self._register(routing_id, first)
             else:
@@ -417,6 +422,8 @@ class TransferNegotiator:
                     self._end(flight, pushing=flight.state == FlightState.PUSHING)
             case Tick():
                 self._check_liveness(time.monotonic())
+            case Farewell():
+                self._farewell()
             case Stuck(instance=instance, message=message):
                 link = self._by_instance.get(instance)
                 if link is not None:  # later flushes to it say so again until its Leave lands
@@ -431,6 +438,17 @@ class TransferNegotiator:
                                                   self._late, self._inbox.counts()))
             case _:
                 raise AssertionError(f"unexpected mail {mail!r}")
+
+    def _farewell(self) -> None:
+        """Tell every worker the daemon stops, to rejoin its successor; ``settled`` for each
+        that no flight still names as receiver, so no write ordered here can land in its
+        memory later and it need not wait out push_quarantine_s when it rejoins."""
+        receiving = {flight.receiver for flight in self._flights.values() if flight.receiver is not None}
+        for link in self._links.values():
+            self._reply(link.routing_id, RegisterRefused(message="the daemon is stopping", rejoin=True,
+                                                         settled=link.instance not in receiving))
+        self._stopping = True
+        self._log.info("negotiator.farewell", workers=len(self._links), unsettled=len(receiving))
 
     def _end(self, flight: Flight, *, pushing: bool, outcome: bool | None = None) -> None:
         """Free everything ``flight`` holds, as soon as each piece is safe to free.

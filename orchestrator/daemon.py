@@ -24,7 +24,7 @@ from actors.admission import AdmissionActor
 from actors.base import ask_stats
 from actors.control import ControlActor
 from actors.frontend import FrontendActor
-from actors.mail import EndAll, SetDraining, StartDrain, Tick
+from actors.mail import EndAll, Farewell, SetDraining, StartDrain, Tick
 from actors.mailbox import Mailbox, Switchboard
 from actors.negotiator import TransferNegotiator
 from actors.pools import PoolActor
@@ -80,7 +80,7 @@ async def serve(cfg: Config, *, task_status: anyio.abc.TaskStatus[dict[str, str]
             endpoints["client"] = await tg.start(FrontendActor(fe, ctx=ctx, cfg=d, tracker=tr).run)
             tg.start_soon(_tick, tr, TRACKER_TICK_S)
             tg.start_soon(_tick, ng, d.heartbeat_s / 2)
-            tg.start_soon(_drain_on_request, tg.cancel_scope, drain_requested, fe, tr, d.drain_timeout_s)
+            tg.start_soon(_drain_on_request, tg.cancel_scope, drain_requested, fe, tr, ng, d.drain_timeout_s)
             tg.start_soon(_watch_signals, tg.cancel_scope, drain_requested)
             log.info("daemon.ready", **endpoints)
             task_status.started(endpoints)
@@ -104,9 +104,11 @@ async def _drain_on_request(
     drain_requested: anyio.Event,
     frontend: Mailbox[Any],
     tracker: Mailbox[Any],
+    negotiator: Mailbox[Any],
     timeout_s: float,
 ) -> None:
-    """On the first signal or ``Drain``: refuse new work, let in-flight work finish, stop."""
+    """On the first signal or ``Drain``: refuse new work, let in-flight work finish, tell
+    the workers, stop."""
     await drain_requested.wait()
     with anyio.move_on_after(timeout_s) as waited:
         frontend.post(SetDraining())
@@ -125,4 +127,9 @@ async def _drain_on_request(
             await ask_stats(frontend)
     else:
         log.info("daemon.drained")
+    # Workers rejoin the next daemon at once, instead of when their heartbeats meet it, and
+    # those nothing is being written into skip push_quarantine_s (the answer flushes as the
+    # worker socket closes).
+    negotiator.post(Farewell())
+    await ask_stats(negotiator)
     scope.cancel()

@@ -155,12 +155,12 @@ class WorkerRuntime:
         try:
             self._work_address = work_address = bind_work_socket(work, self._wcfg)
             dealer.connect(self._cfg.daemon.worker_endpoint)
-            registered = await self._register(dealer, work_address)
+            registered = await self._register(dealer, work_address, patient=False)
             task_status.started(registered.instance)
             while True:
-                await self._serve(registered, dealer, work, work_address)
-                await self._forget_everything()
-                registered = await self._register(dealer, work_address)
+                forgotten = await self._serve(registered, dealer, work, work_address)
+                await self._forget_everything(settled=forgotten.settled)
+                registered = await self._register(dealer, work_address, patient=True)
         finally:
             close_work_socket(work, self._work_address)
             # Stage and push threads have all ended here (_serve's task group waited for
@@ -191,8 +191,8 @@ class WorkerRuntime:
         return LEAVING_LINGER_MS
 
     async def _serve(self, registered: Registered, dealer: zmq.asyncio.Socket, work: zmq.Socket,
-                     work_address: str) -> None:
-        """Serve one registration; return once the daemon no longer knows it."""
+                     work_address: str) -> RegisterRefused:
+        """Serve one registration; return the refusal that says the daemon no longer knows it."""
         assert self._engine is not None
         self._key = registered.key
         self._log = log.bind(role=self.role, worker=self.name, instance=registered.instance)
@@ -213,9 +213,11 @@ class WorkerRuntime:
             # ours is in flight after it.
             tg.cancel_scope.cancel()
         self._log.warning("worker.forgotten", why=forgotten.message)
+        return forgotten
 
-    async def _forget_everything(self) -> None:
-        """Free what the forgotten registration held, then wait until rejoining is safe."""
+    async def _forget_everything(self, *, settled: bool) -> None:
+        """Free what the forgotten registration held, then wait until rejoining is safe.
+        ``settled``: the daemon, stopping, said nothing can still be written here."""
         assert self._pool is not None
         for block in [*self._staged.values(), *self._allocs.values()]:
             self._pool.free(block)
@@ -224,11 +226,14 @@ class WorkerRuntime:
         self._outbox = ReportOutbox()  # reports about requests nobody knows any more
         # A sender told to push here before the daemon forgot us may still be writing: the
         # daemon must not hand this memory out again before such a write is over.
-        wait_s = 0.0 if self.role == "encoder" else self._cfg.daemon.push_quarantine_s
+        wait_s = 0.0 if self.role == "encoder" or settled else self._cfg.daemon.push_quarantine_s
         self._log.warning("worker.rejoining", wait_s=wait_s, blocks_held=self._pool.allocated_blocks)
         await anyio.sleep(wait_s)
 
-    async def _register(self, dealer: zmq.asyncio.Socket, work_address: str) -> Registered:
+    async def _register(self, dealer: zmq.asyncio.Socket, work_address: str, *, patient: bool) -> Registered:
+        """Register, retrying until the daemon answers: for ``connect_timeout_s`` at start (a
+        daemon that never comes is a setup mistake), for as long as it takes when rejoining
+        (a worker waits out its daemon's restart, as it does a silent daemon)."""
         assert self._pool is not None and self._stage is not None and self._engine is not None
         hello = Register(
             protocol=PROTOCOL_VERSION, token=self._cfg.daemon.token, role=self.role, name=self.name,
@@ -237,7 +242,7 @@ class WorkerRuntime:
             local=self._region.describe(self._pool.base, self._pool.size) if self._region else None,
             limits=self._stage.limits(),
         )
-        deadline = time.monotonic() + self._wcfg.connect_timeout_s
+        deadline = math.inf if patient else time.monotonic() + self._wcfg.connect_timeout_s
         # Retried until the daemon is up; the daemon answers a repeat on a live connection
         # with nothing, so duplicates are harmless.
         tries = 0
@@ -250,11 +255,12 @@ class WorkerRuntime:
                         return reply
                     if isinstance(reply, RegisterRefused) and not reply.rejoin:
                         raise WorkerRefused(reply.message)
-                    # A rejoin refusal answers a heartbeat sent before the daemon forgot us.
+                    # A rejoin refusal answers a heartbeat sent before the daemon forgot us
+                    # (or it is a stopping daemon's farewell, repeated).
             tries += 1
-            if tries == 1:  # said once: a worker started before its daemon is not stuck
+            if tries == 1:  # said once: a worker waiting for its daemon is not stuck
                 log.info("worker.waiting_for_daemon", endpoint=self._cfg.daemon.worker_endpoint,
-                         gives_up_in_s=round(deadline - time.monotonic()))
+                         gives_up_in_s=None if patient else round(deadline - time.monotonic()))
         raise DaemonUnreachable(
             f"no answer from the daemon at {self._cfg.daemon.worker_endpoint} within "
             f"{self._wcfg.connect_timeout_s}s (workers.{self.role}.connect_timeout_s)"

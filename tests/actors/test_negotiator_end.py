@@ -18,7 +18,7 @@ import anyio
 import zmq
 import zmq.asyncio
 
-from actors.mail import Failed, Forget, HandedOff, Join, Leave, LimitsChanged, Placed, Send, Tick
+from actors.mail import Failed, Farewell, Forget, HandedOff, Join, Leave, LimitsChanged, Placed, Send, Tick
 from actors.negotiator import PreallocCounts
 from tests.actors.negotiator_harness import (
     MANIFEST,
@@ -34,6 +34,7 @@ from tests.actors.negotiator_harness import (
     job,
     push_on_fast_path,
     register,
+    registration,
     released,
     running_negotiator,
     stage_encoder_output,
@@ -54,6 +55,7 @@ from transfer.protocol import (
     Staged,
     TensorSpec,
     Work,
+    encode,
 )
 
 ALLOCATION = POOL_BASE + 8192
@@ -383,3 +385,22 @@ async def test_the_old_connection_of_a_reused_name_is_told_to_stop(ctx: zmq.asyn
             refused = DAEMON_TO_WORKER.decode(await denoiser.sock.recv())
             assert isinstance(refused, RegisterRefused) and not refused.rejoin
             assert refused.message == "another worker registered under the name 'denoiser-worker': worker names must be unique"
+
+
+async def test_a_farewell_tells_each_worker_to_rejoin_and_which_may_skip_the_quarantine(
+    ctx: zmq.asyncio.Context, tmp_path: Path
+) -> None:
+    """The daemon stops: each worker rejoins its successor at once; the denoiser, which a
+    push may still be writing into, waits out push_quarantine_s first, the encoder need not."""
+    with anyio.fail_after(5):
+        async with encoder_and_denoiser(ctx, tmp_path, slots=2) as (n, encoder, denoiser):
+            await push_on_fast_path(n, encoder, denoiser, "r1")
+            n.inbox.post(Farewell())
+            await n.stats()
+            for worker, settled in ((encoder, True), (denoiser, False)):
+                farewell = DAEMON_TO_WORKER.decode(await worker.sock.recv())
+                assert farewell == RegisterRefused(message="the daemon is stopping", rejoin=True, settled=settled)
+            with ctx.socket(zmq.DEALER) as late:  # a worker rejoining too soon: it meets the next daemon
+                late.connect(n.endpoint)
+                await late.send(encode(registration("decoder", "s", 1)))
+                assert not await late.poll(200)

@@ -85,3 +85,25 @@ async def test_workers_rejoin_a_restarted_daemon(start_cluster: StartCluster) ->
     assert cluster.workers == workers and all(proc.poll() is None for proc in workers.values())
     await serve_correctly(cluster, 8)
     assert wait_for(cluster, all_free)
+
+
+async def test_after_a_clean_stop_workers_rejoin_the_next_daemon_at_once(start_cluster: StartCluster) -> None:
+    """A drained daemon says farewell: receivers nothing is written into skip
+    push_quarantine_s (the default 60 s here), and rejoining waits for the next daemon
+    past connect_timeout_s, as long as it takes to come."""
+    patient = {f"workers.{role}": {"connect_timeout_s": 1.0} for role in ("encoder", "denoiser", "decoder")}
+    cluster = start_cluster(**patient)
+    assert cluster.config.daemon.push_quarantine_s == 60.0
+    await serve_correctly(cluster, 2)
+    assert cluster.stop_daemon() == 0
+    await anyio.sleep(2.5)
+    workers = dict(cluster.workers)
+    cluster.start_daemon()
+    stats = cluster.wait_registered(4, timeout_s=30)  # well inside the 60 s quarantine
+    assert sorted(i.name for i in stats.instances) == ["decoder0", "denoiser0", "denoiser1", "encoder0"]
+    assert cluster.workers == workers and all(proc.poll() is None for proc in workers.values())
+    for name in ("denoiser0", "decoder0"):
+        [rejoining] = [json.loads(line) for line in cluster.log_of(name).splitlines() if "worker.rejoining" in line]
+        assert rejoining["wait_s"] == 0.0
+    await serve_correctly(cluster, 4)
+    assert wait_for(cluster, all_free)

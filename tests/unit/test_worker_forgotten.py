@@ -26,13 +26,17 @@ def holding(role: Role) -> WorkerRuntime:
     return worker
 
 
-@pytest.mark.parametrize(("role", "waits"), [("encoder", False), ("denoiser", True), ("decoder", True)])
-async def test_it_frees_everything_and_only_a_receiver_waits_out_the_quarantine(role: Role, waits: bool) -> None:
+@pytest.mark.parametrize(("role", "settled", "waits"), [
+    ("encoder", False, False), ("denoiser", False, True), ("decoder", False, True),
+    ("denoiser", True, False),  # a stopping daemon said nothing can still be written here
+])
+async def test_it_frees_everything_and_only_an_unsettled_receiver_waits_out_the_quarantine(
+        role: Role, settled: bool, waits: bool) -> None:
     worker = holding(role)
     stale_outbox = worker._outbox
     stale_outbox.put(b"a report about a forgotten request")
     started = time.monotonic()
-    await worker._forget_everything()
+    await worker._forget_everything(settled=settled)
     waited = time.monotonic() - started
     assert worker._pool is not None and worker._pool.allocated_blocks == 0
     assert not worker._staged and not worker._allocs
