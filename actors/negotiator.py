@@ -220,12 +220,14 @@ class TransferNegotiator:
             return
         stale = next((old for old in self._links.values() if old.name == msg.name), None)
         if stale is not None:
-            # Same name, new connection: a restart, whose old slots and memory are gone, or
-            # a second live process under the name. Which one cannot be told here, so not
-            # ``gone``: a live one may still be pushing. The old connection is told to stop,
-            # or each one's rejoin would evict the other, over and over. (A dead one's
-            # connection is gone, and the ROUTER drops this.)
-            self._evict(stale, f"{stale.instance} re-registered as a new process", gone=False)
+            # Same name, new connection: a restart, whose old process is dead, or a second
+            # live process under the name. One silent for a while is taken for the dead one
+            # of a restart, and what it was pushing into is freed at once; one heard from
+            # lately may be alive and still pushing, so its writes get their Pushed or the
+            # quarantine. The old connection is told to stop, or two live ones would evict
+            # each other on every rejoin. (A dead one's connection is gone: the ROUTER drops it.)
+            silent = time.monotonic() - stale.last_seen > SUSPECT_HEARTBEATS * self._cfg.heartbeat_s
+            self._evict(stale, f"{stale.instance} re-registered as a new process", gone=silent)
             self._reply(stale.routing_id, RegisterRefused(
                 message=f"another worker registered under the name {msg.name!r}: worker names must be unique"))
         instance = f"{msg.role}-{next(self._ids)}"

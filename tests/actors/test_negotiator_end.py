@@ -302,11 +302,29 @@ async def reregister(ctx: zmq.asyncio.Context, n: Negotiator, role: Role, *, slo
     return FakeWorker(sock, registered.instance, f"{role}-session-2"), posted[:-1]
 
 
-async def test_a_sender_whose_name_registers_anew_mid_push_keeps_the_receivers_slot_until_the_quarantine(
+async def test_a_silent_sender_whose_name_registers_anew_mid_push_frees_the_receivers_slot_at_once(
     ctx: zmq.asyncio.Context, tmp_path: Path
 ) -> None:
-    """A restart or a second live process under the name: the daemon cannot tell which, and
-    a live old sender is still writing into the slot (it stops only once told to)."""
+    """A restart: the old process went silent (killed) before the new one registered."""
+    with anyio.fail_after(5), ExitStack() as stack:
+        async with encoder_and_denoiser(ctx, tmp_path, slots=2, heartbeat_s=0.05) as (n, encoder, denoiser):
+            await push_on_fast_path(n, encoder, denoiser, "r1")
+            await anyio.sleep(0.15)  # three beats of silence
+            _, posted = await reregister(ctx, n, "encoder", slots=0, stack=stack)
+            assert isinstance(posted[0], Leave) and posted[0].instance == encoder.instance
+            assert n.take("denoiser") == [released("r1", denoiser)]
+            failed = await n.tracker.receive()
+            assert (failed.request_id, failed.reason) == ("r1", Reason.WORKER_LOST)
+            stats = await n.stats()
+            assert stats.prealloc[denoiser.instance] == PreallocCounts(2, 2)  # nobody writes any more
+            assert stats.handoffs_in_flight == 0
+
+
+async def test_a_live_sender_whose_name_registers_anew_mid_push_keeps_the_receivers_slot_until_the_quarantine(
+    ctx: zmq.asyncio.Context, tmp_path: Path
+) -> None:
+    """Heard from just now: it may be a second live process under the name, still writing
+    into the slot (it stops only once told to)."""
     with anyio.fail_after(5), ExitStack() as stack:
         async with encoder_and_denoiser(ctx, tmp_path, slots=2, push_quarantine_s=0.3) as (n, encoder, denoiser):
             await push_on_fast_path(n, encoder, denoiser, "r1")

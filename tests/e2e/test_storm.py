@@ -133,7 +133,11 @@ async def kill_and_restart_a_denoiser(cluster: LocalCluster, after_s: float, dow
 
 
 async def test_a_storm_of_every_ending_leaves_nothing_behind(start_cluster: StartCluster) -> None:
-    cluster = start_cluster(**{"model.null": {"encoder_ms": 5.0, "denoiser_ms": 40.0, "decoder_ms": 5.0}})
+    # The killed denoiser may be evicted as silent before its restart registers (a slow
+    # start): then what it was pushing into waits out push_quarantine_s, kept short here
+    # (above the 5 s transfer timeout) so "afterwards" comes within the test's wait.
+    cluster = start_cluster(**{"model.null": {"encoder_ms": 5.0, "denoiser_ms": 40.0, "decoder_ms": 5.0},
+                               "daemon": {"push_quarantine_s": 6.0}})
     rng = random.Random(SEED)
     fates = rng.choices(list(FATES), weights=list(FATES.values()), k=REQUESTS)
     ledger = Ledger()
