@@ -141,22 +141,8 @@ def _control(args: argparse.Namespace) -> Control:
 
 
 def _daemon_at(endpoint: str) -> str:
-    """``endpoint``, once something there took a ZMQ connection. Raises ``TimeoutError`` if
-    nothing did within ``DAEMON_CONNECT_S`` (the command would otherwise wait out its whole
-    timeout for a daemon that is not running), ``zmq.ZMQError`` for an endpoint no socket
-    can connect to."""
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
-    try:
-        sock.connect(endpoint)
-        if not monitor.poll(int(DAEMON_CONNECT_S * 1000)):
-            raise TimeoutError(f"no daemon at {endpoint}: nothing there took a connection within {DAEMON_CONNECT_S:g}s")
-    finally:
-        sock.disable_monitor()
-        monitor.close(linger=0)
-        sock.close(linger=0)
-    return endpoint
-
+    """``endpoint``, once something there took a ZMQ connection (see ``_check_endpoint``)."""
+    return _check_endpoint(endpoint, answered_within_s=DAEMON_CONNECT_S)
 
 def _stats(args: argparse.Namespace) -> int:
     from orchestrator.report import stats_table
@@ -181,13 +167,23 @@ def _drain(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check_endpoint(endpoint: str) -> None:
-    """Raise ``zmq.ZMQError`` now for an endpoint no socket can connect to (``nonsense``)."""
-    sock = zmq.Context.instance().socket(zmq.REQ)
+def _check_endpoint(endpoint: str, *, answered_within_s: float = 0.0) -> str:
+    """``endpoint``, checked: ``zmq.ZMQError`` for one no socket can connect to (``nonsense``);
+    with ``answered_within_s``, ``TimeoutError`` unless something there takes a connection in
+    that time (a command would otherwise wait out its whole timeout for a daemon that is not
+    running)."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED) if answered_within_s else None
     try:
         sock.connect(endpoint)
+        if monitor is not None and not monitor.poll(int(answered_within_s * 1000)):
+            raise TimeoutError(f"no daemon at {endpoint}: nothing there took a connection within {answered_within_s:g}s")
     finally:
+        if monitor is not None:
+            sock.disable_monitor()
+            monitor.close(linger=0)
         sock.close(linger=0)
+    return endpoint
 
 
 def _metrics(args: argparse.Namespace) -> int:
