@@ -23,11 +23,11 @@ import zmq
 import zmq.asyncio
 
 from actors.base import reply_once, serve_mailbox
+from actors.door import DoorLimits
 from actors.edges import FLUSH_ON_CLOSE_MS, bound_router
 from actors.mail import Admit, CancelRequest, Deliver, FrontendMail, LimitsChanged, QueryStats, SetDraining, TrackerMail
 from actors.mailbox import Mailbox, MailboxCounts
 from orchestrator.config import DaemonConfig
-from orchestrator.limits import limits_violation
 from transfer.protocol import (
     CLIENT_REQUEST,
     DECODE_ERRORS,
@@ -39,8 +39,6 @@ from transfer.protocol import (
     Progress,
     Reason,
     Rejected,
-    Role,
-    StageLimits,
     Submit,
     encode,
 )
@@ -94,7 +92,7 @@ class FrontendActor:
         self._keys = itertools.count()
         self._clients: dict[str, Asked] = {}  # internal key -> who asked
         self._in_flight: dict[str, str] = {}  # client's id -> internal key
-        self._limits: dict[Role, StageLimits] = {}
+        self._door = DoorLimits()
         self._draining = False
         self._retried = 0
         self._unsent: list[list] = []  # replies waiting for the flush
@@ -145,12 +143,8 @@ class FrontendActor:
             problem = Reason.DUPLICATE, f"request {rid!r} is already in flight"
         elif len(self._clients) >= self._cfg.max_in_flight:
             problem = Reason.OVERLOADED, f"{len(self._clients)} requests in flight (max_in_flight)"
-        else:
-            for limits in self._limits.values():
-                violation = limits_violation(limits, msg.params)
-                if violation:
-                    problem = Reason.INVALID, violation
-                    break
+        elif violation := self._door.violation(msg.params):
+            problem = Reason.INVALID, violation
         if problem is not None:
             self._send(identity, Rejected(request_id=rid, reason=problem[0], message=problem[1]))
             return
@@ -203,8 +197,10 @@ class FrontendActor:
                         self._send(asked.identity, msgspec.structs.replace(message, request_id=asked.request_id), frames)
             case SetDraining():
                 self._draining = True
-            case LimitsChanged(role=role, limits=limits):
-                self._limits[role] = limits
+            case LimitsChanged(role=role, instance=instance, limits=None):
+                self._door.left(role, instance)
+            case LimitsChanged(role=role, instance=instance, limits=limits):
+                self._door.joined(role, instance, limits)
             case QueryStats(reply=reply):
                 reply_once(reply, FrontendStats(len(self._clients), self._draining, self._retried,
                                                 self._inbox.counts()))

@@ -63,10 +63,11 @@ class SetDraining(Mail):
 
 
 class LimitsChanged(Mail):
-    """A worker of ``role`` registered with these model limits."""
+    """A worker of ``role`` registered with these model limits, or left (``limits`` None)."""
 
     role: Role
-    limits: StageLimits
+    instance: str
+    limits: StageLimits | None
 
 
 FrontendMail = Deliver | SetDraining | LimitsChanged | QueryStats

@@ -241,7 +241,7 @@ class TransferNegotiator:
         key = secrets.token_bytes(16)
         self._pools[msg.role].post(Join(instance=instance, name=msg.name, work_address=msg.work_address,
                                          session=msg.session, key=key, capacity=msg.capacity))
-        self._frontend.post(LimitsChanged(role=msg.role, limits=msg.limits))
+        self._frontend.post(LimitsChanged(role=msg.role, instance=instance, limits=msg.limits))
         self._reply(routing_id, Registered(instance=instance, key=key, heartbeat_s=self._cfg.heartbeat_s))
         self._log.info("worker.registered", instance=instance, name=msg.name, role=msg.role,
                        session=msg.session, slots=[s.size for s in msg.slots], capacity=msg.capacity)
@@ -546,6 +546,7 @@ class TransferNegotiator:
         del self._by_instance[link.instance]
         self._slots.remove_instance(link.instance)
         self._pools[link.role].post(Leave(instance=link.instance, reason=Reason.WORKER_LOST, message=why))
+        self._frontend.post(LimitsChanged(role=link.role, instance=link.instance, limits=None))
         # Eviction is rare, so a pass over the flights is fine here (never on the hot path).
         for flight in [f for f in self._flights.values() if link.instance in (f.instance, f.receiver)]:
             sender_lost = flight.state == FlightState.PUSHING and flight.instance == link.instance

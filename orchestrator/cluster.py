@@ -42,14 +42,15 @@ class LocalCluster:
         self._spawned: set[str] = set()
         self.control = Control(self.config.daemon.control_endpoint)
 
-    def _spawn(self, name: str, *args: str) -> subprocess.Popen:
+    def _spawn(self, name: str, *args: str, config_path: Path | None = None) -> subprocess.Popen:
         # A process started again under the same name (a restart) appends: its log keeps the
         # story. A first start replaces whatever an earlier cluster left there.
         mode = "ab" if name in self._spawned else "wb"
         self._spawned.add(name)
         log = open(self.log_dir / f"{name}.log", mode)  # noqa: SIM115 - lives as long as the process
         try:
-            return subprocess.Popen([sys.executable, "-m", "orchestrator", *args, "--config", str(self.config_path)],
+            config = str(config_path or self.config_path)
+            return subprocess.Popen([sys.executable, "-m", "orchestrator", *args, "--config", config],
                                     stdout=log, stderr=subprocess.STDOUT, env=self._env, start_new_session=True)
         finally:
             log.close()
@@ -72,9 +73,10 @@ class LocalCluster:
         """Start the daemon (again, after it stopped: running workers rejoin it)."""
         self.daemon = self._spawn("daemon", "serve")
 
-    def start_worker(self, role: Role, index: int) -> subprocess.Popen:
+    def start_worker(self, role: Role, index: int, *, config_path: Path | None = None) -> subprocess.Popen:
+        """Start worker ``<role><index>``, with its own config file if given (else the cluster's)."""
         name = f"{role}{index}"
-        proc = self._spawn(name, "worker", "--role", role, "--name", name)
+        proc = self._spawn(name, "worker", "--role", role, "--name", name, config_path=config_path)
         self.workers[name] = proc
         return proc
 

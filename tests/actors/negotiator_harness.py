@@ -82,6 +82,10 @@ class Negotiator:
                   **self.pools}[name]
         return queued(outbox)
 
+    def assert_withdrawn(self, role: Role, instance: str) -> None:
+        """The frontend was told ``instance`` left: its limits no longer bind the door."""
+        assert self.frontend.receive_nowait() == LimitsChanged(role=role, instance=instance, limits=None)
+
     def assert_silent(self) -> None:
         for name, outbox in (("admission", self.admission), ("tracker", self.tracker),
                              ("frontend", self.frontend), *self.pools.items()):

@@ -81,6 +81,7 @@ async def test_reports_after_a_leaving_in_the_same_message_are_about_nothing(
             assert isinstance(leave, Leave) and leave.instance == encoder.instance
             stats = await n.stats()
             assert encoder.instance not in stats.prealloc and stats.late_reports == 0
+            n.assert_withdrawn("encoder", encoder.instance)
             n.assert_silent()
 
 
@@ -170,6 +171,7 @@ async def test_a_stuck_worker_is_evicted_once_and_may_still_be_finishing_a_write
             n.inbox.post(stuck)
             leave = await n.pools["encoder"].receive()
             assert leave == Leave(instance=encoder.instance, reason=Reason.WORKER_LOST, message=stuck.message)
+            n.assert_withdrawn("encoder", encoder.instance)
             failed = await n.tracker.receive()
             assert (failed.request_id, failed.reason) == ("r1", Reason.WORKER_LOST)
             assert n.take("encoder") == [released("r1", encoder), aborted("r1", encoder)]

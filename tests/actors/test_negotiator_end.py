@@ -18,7 +18,7 @@ import anyio
 import zmq
 import zmq.asyncio
 
-from actors.mail import Failed, Farewell, Forget, HandedOff, Join, Leave, LimitsChanged, Placed, Send, Tick
+from actors.mail import Failed, Farewell, Forget, HandedOff, Join, Leave, Placed, Send, Tick
 from actors.negotiator import PreallocCounts
 from tests.actors.negotiator_harness import (
     MANIFEST,
@@ -298,7 +298,9 @@ async def reregister(ctx: zmq.asyncio.Context, n: Negotiator, role: Role, *, slo
     registered = await register(sock, role, f"{role}-session-2", slots)
     posted = n.take(role)
     assert isinstance(posted[-1], Join) and posted[-1].instance == registered.instance
-    assert isinstance(n.frontend.receive_nowait(), LimitsChanged)
+    # The door forgets the old instance's limits and binds the new one's.
+    assert [(m.instance, m.limits is None) for m in n.take("frontend")] == [
+        (posted[0].instance, True), (registered.instance, False)]
     return FakeWorker(sock, registered.instance, f"{role}-session-2"), posted[:-1]
 
 

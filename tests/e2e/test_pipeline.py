@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import anyio
+import msgspec
 import pytest
 import torch
 import zmq
@@ -209,3 +210,28 @@ def test_the_operators_caps_refuse_a_request_at_the_door(start_cluster: StartClu
         client.submit(GenParams(prompt="p", width=32, height=32, num_images=2), timeout_s=10)
     stats = cluster.control.stats()
     assert stats.completed == 1 and [i.served for i in stats.instances] == [1, 1, 1]
+
+
+def test_the_door_admits_what_every_registered_worker_takes(start_cluster: StartCluster, tmp_path: Path) -> None:
+    """Workers of one role with different [model.limits]: the door admits only what all of
+    them take (dispatch may pick any), whichever registered last; once the tighter one
+    leaves, its caps no longer bind."""
+    cluster = start_cluster(layout={"encoder": 1, "denoiser": 1, "decoder": 1})
+    raw = msgspec.toml.decode(cluster.config_path.read_bytes())
+    raw["model"]["limits"] = {"max_size": 32}
+    capped = tmp_path / "capped.toml"
+    capped.write_bytes(msgspec.toml.encode(raw))
+    wide = GenParams(prompt="p", width=40, height=32)
+    with Client(endpoint(cluster)) as client:
+        client.submit(wide, timeout_s=10)
+        tight = cluster.start_worker("denoiser", 1, config_path=capped)
+        cluster.wait_registered(4, timeout_s=60)
+        cluster.start_worker("denoiser", 2)  # registers last, with the model's own limits
+        cluster.wait_registered(5, timeout_s=60)
+        with pytest.raises(Rejection) as caught:
+            client.submit(wide, timeout_s=10)
+        assert caught.value.reason == Reason.INVALID and "width 40 is outside [8, 32]" in caught.value.rejected.message
+        tight.terminate()
+        assert tight.wait(timeout=20) == 0
+        wait_for(cluster, lambda s: len(s.instances) == 4)
+        client.submit(wide, timeout_s=10)

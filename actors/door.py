@@ -1,0 +1,47 @@
+"""DoorLimits: what the frontend admits, from the limits every registered worker sent.
+
+Dispatch does not look at limits (a pick stays O(1)), so a request let in must fit every
+instance it could be sent to: the door checks the limits of every registered worker, of
+every role, and so admits only what the tightest of them takes. Workers of one role given
+different ``[model.limits]`` therefore admit what all of them take, never what the most
+recently registered one happens to take.
+"""
+
+from __future__ import annotations
+
+from orchestrator.limits import limits_violation
+from transfer.protocol import GenParams, Role, StageLimits
+
+
+class DoorLimits:
+    def __init__(self) -> None:
+        self._live: dict[Role, dict[str, StageLimits]] = {}  # role -> instance -> its limits
+        # A role whose last worker left keeps that worker's limits until another registers:
+        # a restart is the usual reason, and its replacement runs the same config. Requests
+        # admitted meanwhile wait in the role's queue for it.
+        self._departed: dict[Role, StageLimits] = {}
+        self._checked: tuple[StageLimits, ...] = ()  # distinct: one check per distinct config
+
+    def joined(self, role: Role, instance: str, limits: StageLimits) -> None:
+        self._live.setdefault(role, {})[instance] = limits
+        self._departed.pop(role, None)
+        self._recount()
+
+    def left(self, role: Role, instance: str) -> None:
+        live = self._live.get(role, {})
+        limits = live.pop(instance, None)
+        if limits is not None and not live:
+            self._departed[role] = limits
+        self._recount()
+
+    def violation(self, params: GenParams) -> str | None:
+        """The first way ``params`` break a registered worker's limits, or None."""
+        for limits in self._checked:
+            problem = limits_violation(limits, params)
+            if problem:
+                return problem
+        return None
+
+    def _recount(self) -> None:
+        every = [*self._departed.values(), *(limits for live in self._live.values() for limits in live.values())]
+        self._checked = tuple(dict.fromkeys(every))
