@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hmac
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import zmq
@@ -25,6 +26,8 @@ class Link:
     joined_at: float
     last_seen: float
     local: LocalMemory | None = None  # its pool as shared memory, for senders on its host
+    model: str = ""  # its model's name, for messages
+    model_digest: str = ""  # every link's is the same (``model_problem``)
     reached: bool = False  # its Probed came back: orders sent to its work_address arrive
     # It gets no new work until heard from (a push into it failed, or it went quiet), and
     # none before it is reached.
@@ -53,6 +56,22 @@ def registration_problem(msg: Register, token: str) -> str | None:
     if msg.local is not None and (msg.local.base, msg.local.size) != (msg.pool_base, msg.pool_size):
         return "the shared memory it advertises is not its registered pool"
     return None
+
+
+def model_problem(msg: Register, links: Iterable[Link]) -> str | None:
+    """Why ``msg``'s model cannot join the registered workers' (``RegisterRefused``), or None.
+
+    Every worker of one daemon serves one model: the first to register sets it, for as
+    long as any worker is registered. A worker re-registering under its own name (a
+    restart) is compared with the others only.
+    """
+    serving = next((link for link in links if link.name != msg.name), None)
+    if serving is None or serving.model_digest == msg.model_digest:
+        return None
+    return (f"this worker's model {msg.limits.model!r} (digest {msg.model_digest or 'none'}) is not the model "
+            f"the registered workers serve, {serving.model!r} (digest {serving.model_digest or 'none'}): every "
+            "worker of a daemon must load the same model (family, configs, tiny seed); to change models, "
+            "stop every worker first")
 
 
 def work_address_problem(ctx: zmq.Context, address: str) -> str | None:

@@ -36,7 +36,7 @@ import zmq.asyncio
 from actors.base import reply_once, serve_mailbox
 from actors.edges import FLUSH_ON_CLOSE_MS, bound_router
 from actors.flight import Flight, FlightState
-from actors.links import Link, registration_problem, work_address_problem
+from actors.links import Link, model_problem, registration_problem, work_address_problem
 from actors.mail import (
     AdmissionMail,
     Enqueue,
@@ -213,7 +213,8 @@ class TransferNegotiator:
         self._sock.send_multipart([routing_id, encode(msg)], flags=NOBLOCK)
 
     def _register(self, routing_id: bytes, msg: Register) -> None:
-        problem = registration_problem(msg, self._cfg.token) or work_address_problem(self._ctx, msg.work_address)
+        problem = (registration_problem(msg, self._cfg.token) or model_problem(msg, self._links.values())
+                   or work_address_problem(self._ctx, msg.work_address))
         if problem is not None:
             self._log.warning("worker.refused", name=msg.name, why=problem)
             self._reply(routing_id, RegisterRefused(message=problem))
@@ -233,7 +234,8 @@ class TransferNegotiator:
         instance = f"{msg.role}-{next(self._ids)}"
         now = time.monotonic()
         link = Link(routing_id, instance, msg.role, msg.name, msg.session, msg.pool_base, msg.pool_size,
-                    msg.work_address, joined_at=now, last_seen=now, local=msg.local)
+                    msg.work_address, joined_at=now, last_seen=now, local=msg.local, model=msg.limits.model,
+                    model_digest=msg.model_digest)
         self._links[routing_id] = link
         self._by_instance[instance] = link
         if msg.role != "encoder":

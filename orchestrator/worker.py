@@ -240,7 +240,7 @@ class WorkerRuntime:
             work_address=work_address, session=self._engine.session, pool_base=self._pool.base,
             pool_size=self._pool.size, slots=self._pool.slots, capacity=self._wcfg.capacity,
             local=self._region.describe(self._pool.base, self._pool.size) if self._region else None,
-            limits=self._stage.limits(),
+            limits=self._stage.limits(), model_digest=self._stage.model_digest(),
         )
         deadline = math.inf if patient else time.monotonic() + self._wcfg.connect_timeout_s
         # Retried until the daemon is up; the daemon answers a repeat on a live connection

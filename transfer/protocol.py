@@ -296,6 +296,9 @@ class Register(Wire):
     capacity: Annotated[int, msgspec.Meta(ge=1, le=1024)]
     limits: StageLimits = StageLimits()
     local: LocalMemory | None = None  # the pool is shared memory peers on this host may write
+    # What every worker of one daemon must share (``Stage.model_digest``): workers of two
+    # models would hand each other tensors of the wrong shape or meaning.
+    model_digest: Annotated[str, msgspec.Meta(max_length=64)] = ""
 
 
 class Registered(Wire):

@@ -14,6 +14,8 @@ will read.
 from __future__ import annotations
 
 import abc
+import hashlib
+import json
 import threading
 from collections.abc import Callable
 from typing import ClassVar
@@ -25,6 +27,11 @@ from orchestrator.limits import capped, limits_violation
 from transfer.protocol import GenParams, Reason, Role, StageLimits
 
 Tensors = dict[str, torch.Tensor]
+
+
+def digest_of(value: object) -> str:
+    """A short digest of a JSON-able value, the same in every process and on every host."""
+    return hashlib.blake2b(json.dumps(value, sort_keys=True).encode(), digest_size=8).hexdigest()
 
 
 class StageError(Exception):
@@ -89,6 +96,12 @@ class Stage(abc.ABC):
     @abc.abstractmethod
     def model_limits(self) -> StageLimits:
         """What this stage's model can honour."""
+
+    @abc.abstractmethod
+    def model_digest(self) -> str:
+        """A short digest of what the three roles must agree on to hand each other tensors:
+        the model's configs, and the seed of weights made from one. Every worker of one
+        daemon must give the same (the daemon refuses a worker that does not)."""
 
     def limits(self) -> StageLimits:
         """What this stage takes: its model's limits under the operator's caps. Sent to the

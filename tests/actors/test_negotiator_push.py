@@ -25,6 +25,7 @@ from tests.actors.negotiator_harness import (
     aborted,
     allocate_on_slow_path,
     encoder_and_denoiser,
+    fake_worker,
     job,
     push_on_fast_path,
     registration,
@@ -339,6 +340,7 @@ async def refused(ctx: zmq.asyncio.Context, n: Negotiator, **register: Any) -> R
     """Register with ``register`` overriding a valid denoiser's fields; expect a refusal."""
     fields = dict(protocol=PROTOCOL_VERSION, token=TOKEN, role="denoiser", name="w", work_address="ipc://unused",
                   session="s", pool_base=0, pool_size=4096, slots=[], capacity=1)
+    before = (await n.stats()).prealloc
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     try:
@@ -348,7 +350,7 @@ async def refused(ctx: zmq.asyncio.Context, n: Negotiator, **register: Any) -> R
     finally:
         sock.close(linger=0)
     assert isinstance(reply, RegisterRefused), reply
-    assert (await n.stats()).prealloc == {}
+    assert (await n.stats()).prealloc == before  # nothing of it was taken in
     n.assert_silent()
     return reply
 
@@ -368,3 +370,12 @@ async def test_slots_that_repeat_an_id_or_overlap_are_refused(ctx: zmq.asyncio.C
             overlapping = [SlotInfo(slot_id=0, address=0, size=512), SlotInfo(slot_id=1, address=256, size=256)]
             for slots in (same_id, overlapping):
                 assert "overlap" in (await refused(ctx, n, slots=slots)).message
+
+
+async def test_a_worker_of_another_model_is_refused(ctx: zmq.asyncio.Context, tmp_path: Path) -> None:
+    """The registered encoder's model is the daemon's: a denoiser of another would be handed
+    embeddings it cannot read."""
+    with anyio.fail_after(5):
+        async with running_negotiator(ctx, tmp_path) as n, fake_worker(ctx, n, "encoder"):
+            reply = await refused(ctx, n, model_digest="0123456789abcdef")
+            assert "is not the model the registered workers serve" in reply.message and not reply.rejoin

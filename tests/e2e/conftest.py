@@ -33,6 +33,18 @@ def cluster_config(tmp: Path, **sections: dict) -> tuple[Path, Config]:
     return path, load_config(path)
 
 
+def config_variant(cluster: LocalCluster, path: Path, section: str, values: dict) -> Path:
+    """The cluster's config file with ``values`` set in ``section`` (dotted), written to
+    ``path``: a worker started with it joins the same daemon with other settings."""
+    raw = msgspec.toml.decode(cluster.config_path.read_bytes())
+    node = raw
+    for key in section.split("."):
+        node = node.setdefault(key, {})
+    node.update(values)
+    path.write_bytes(msgspec.toml.encode(raw))
+    return path
+
+
 StartCluster = Callable[..., LocalCluster]
 
 

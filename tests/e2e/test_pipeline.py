@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import anyio
-import msgspec
 import pytest
 import torch
 import zmq
@@ -13,7 +12,7 @@ import zmq
 from orchestrator.client import AsyncClient, Client, Rejection
 from orchestrator.cluster import LocalCluster
 from orchestrator.stages.null import expected_outputs
-from tests.e2e.conftest import StartCluster, all_free, wait_for
+from tests.e2e.conftest import StartCluster, all_free, config_variant, wait_for
 from transfer.protocol import PROTOCOL_VERSION, GenParams, GetStats, Reason, Rejected, Submit, encode
 
 HOPS = ("encoder->denoiser", "denoiser->decoder")
@@ -217,10 +216,7 @@ def test_the_door_admits_what_every_registered_worker_takes(start_cluster: Start
     them take (dispatch may pick any), whichever registered last; once the tighter one
     leaves, its caps no longer bind."""
     cluster = start_cluster(layout={"encoder": 1, "denoiser": 1, "decoder": 1})
-    raw = msgspec.toml.decode(cluster.config_path.read_bytes())
-    raw["model"]["limits"] = {"max_size": 32}
-    capped = tmp_path / "capped.toml"
-    capped.write_bytes(msgspec.toml.encode(raw))
+    capped = config_variant(cluster, tmp_path / "capped.toml", "model.limits", {"max_size": 32})
     wide = GenParams(prompt="p", width=40, height=32)
     with Client(endpoint(cluster)) as client:
         client.submit(wide, timeout_s=10)
@@ -235,3 +231,17 @@ def test_the_door_admits_what_every_registered_worker_takes(start_cluster: Start
         assert tight.wait(timeout=20) == 0
         wait_for(cluster, lambda s: len(s.instances) == 4)
         client.submit(wide, timeout_s=10)
+
+
+def test_a_worker_of_another_model_is_refused_and_the_cluster_serves_on(start_cluster: StartCluster,
+                                                                       tmp_path: Path) -> None:
+    """A denoiser whose encoder embeddings would have another shape stops at registration,
+    naming both models; it never gets a request."""
+    cluster = start_cluster(layout={"encoder": 1, "denoiser": 1, "decoder": 1})
+    other = config_variant(cluster, tmp_path / "other.toml", "model.null", {"embed_shape": [1, 77, 32]})
+    stranger = cluster.start_worker("denoiser", 1, config_path=other)
+    assert stranger.wait(timeout=60) == 1
+    assert "is not the model the registered workers serve" in cluster.log_of("denoiser1")
+    with Client(endpoint(cluster)) as client:
+        client.submit(params(0), timeout_s=10)
+    assert len(cluster.control.stats().instances) == 3

@@ -20,7 +20,7 @@ from PIL import Image
 
 from orchestrator.config import DiffusersConfig
 from orchestrator.stages.base import RunControl, Stage, StageError, StageStopped, Tensors
-from orchestrator.stages.diffusion import build_diffusion_stage, tiny
+from orchestrator.stages.diffusion import adapter_for, build_diffusion_stage, tiny
 from orchestrator.stages.diffusion.reference import monolithic
 from transfer.frames import layout, pack, unpack
 from transfer.protocol import GenParams, Reason, Role
@@ -239,3 +239,19 @@ def test_tiny_components_build_alone_identically() -> None:
     whole = tiny.build_pipeline("sd15", seed=9).unet
     for (name, a), (_, b) in zip(alone.state_dict().items(), whole.state_dict().items(), strict=True):
         assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_model_digest_is_one_per_model_whatever_the_role_or_directory(family: str, tmp_path) -> None:
+    """What the daemon compares across workers: every role of one model gives one digest,
+    wherever the model sits; another tiny seed or an edited config gives another."""
+    one, other = tmp_path / "one", tmp_path / "other"
+    for directory in (one, other):
+        tiny.build_pipeline(family, seed=4).save_pretrained(directory)
+    digests = {build_diffusion_stage(role, DiffusersConfig(family=family, path=str(directory))).model_digest()
+               for role in ("encoder", "denoiser", "decoder") for directory in (one, other)}
+    assert len(digests) == 1
+    vae_config = other / "vae" / "config.json"
+    vae_config.write_text(vae_config.read_text().replace('"latent_channels": 4', '"latent_channels": 8'))
+    assert adapter_for(DiffusersConfig(family=family, path=str(other))).digest() not in digests
+    assert len({adapter_for(DiffusersConfig(family=family, seed=seed)).digest() for seed in (0, 1)}) == 2

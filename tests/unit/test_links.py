@@ -5,8 +5,8 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from actors.links import Link, registration_problem
-from transfer.protocol import PROTOCOL_VERSION, LocalMemory, Register, SlotInfo
+from actors.links import Link, model_problem, registration_problem
+from transfer.protocol import PROTOCOL_VERSION, LocalMemory, Register, SlotInfo, StageLimits
 
 BASE, SIZE = 1 << 20, 4096
 GOOD = Register(protocol=PROTOCOL_VERSION, token="secret", role="denoiser", name="d0", work_address="ipc://w",
@@ -40,3 +40,20 @@ def test_a_link_holds_only_ranges_inside_its_pool() -> None:
     link = Link(b"id", "denoiser-1", "denoiser", "d0", "s", BASE, SIZE, "ipc://w", joined_at=0.0, last_seen=0.0)
     assert link.holds(BASE, SIZE) and link.holds(BASE + SIZE - 1, 1)
     assert not link.holds(BASE - 1, 1) and not link.holds(BASE + SIZE - 1, 2)
+
+
+def serving(name: str, digest: str) -> Link:
+    return Link(b"id", "encoder-1", "encoder", name, "s", BASE, SIZE, "ipc://e", joined_at=0.0, last_seen=0.0,
+                model="tiny-sd15", model_digest=digest)
+
+
+def test_a_worker_joins_only_workers_of_its_own_model() -> None:
+    mine = msgspec.structs.replace(GOOD, model_digest="aa", limits=StageLimits(model="tiny-sd15"))
+    assert model_problem(mine, []) is None  # the first sets the model
+    assert model_problem(mine, [serving("e0", "aa")]) is None
+    assert model_problem(msgspec.structs.replace(mine, model_digest="bb"), [serving("e0", "aa")]) == (
+        "this worker's model 'tiny-sd15' (digest bb) is not the model the registered workers serve, "
+        "'tiny-sd15' (digest aa): every worker of a daemon must load the same model (family, configs, "
+        "tiny seed); to change models, stop every worker first")
+    # A restart under its own name is compared with the others only.
+    assert model_problem(msgspec.structs.replace(mine, model_digest="bb"), [serving("d0", "aa")]) is None

@@ -28,7 +28,7 @@ from diffusers.schedulers.scheduling_utils import SchedulerMixin
 from diffusers.utils.torch_utils import randn_tensor
 
 from orchestrator.config import DiffusersConfig
-from orchestrator.stages.base import StageError, StepFn, Tensors
+from orchestrator.stages.base import StageError, StepFn, Tensors, digest_of
 from orchestrator.stages.diffusion import tiny
 from transfer.protocol import GenParams, Role, StageLimits
 
@@ -107,6 +107,15 @@ class FamilyAdapter:
             max_frames=1,
             model=model,
         )
+
+    def digest(self) -> str:
+        """What the roles must agree on: every component's config (each role's machine has
+        them all, see docs/models.md) and, for the tiny model, the seed of its weights. Not
+        the path: one model may sit in different directories on different hosts. Weights
+        are not read (a role holds only its own), so two checkpoints of one architecture,
+        a model and its fine-tune, give the same digest."""
+        configs = {name: self.config(name) for name in ("text_encoder", self.denoiser_model, "vae", "scheduler")}
+        return digest_of([self.name, configs, None if self.cfg.path else self.cfg.seed])
 
     def uses_cfg(self, params: GenParams) -> bool:
         """Classifier-free guidance, decided as ``__call__`` decides it."""

@@ -44,6 +44,9 @@ class DiffusionStage(Stage):
     def model_limits(self) -> StageLimits:
         return self._limits
 
+    def model_digest(self) -> str:
+        return self.adapter.digest()
+
     def run(self, params: GenParams, inputs: Tensors, *, control: RunControl = UNATTENDED) -> Tensors:
         self.check(params)
         control.check()
