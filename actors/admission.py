@@ -14,14 +14,11 @@ from collections import OrderedDict
 
 import anyio
 import msgspec
-import structlog
 
 from actors.base import reply_once, serve_mailbox
 from actors.mail import AdmissionMail, Credit, Dispatch, Enqueue, Forget, Job, PoolMail, QueryStats, Queued, TrackerMail
 from actors.mailbox import Mailbox, MailboxCounts
 from transfer.protocol import ROLES, Role
-
-log = structlog.get_logger()
 
 
 class AdmissionStats(msgspec.Struct, frozen=True):

@@ -10,7 +10,6 @@ import time
 from typing import Any
 
 import anyio
-import structlog
 import zmq
 import zmq.asyncio
 
@@ -37,8 +36,6 @@ from transfer.protocol import (
     Workers,
     encode,
 )
-
-log = structlog.get_logger()
 
 QUERY_TIMEOUT_S = 5.0
 CONTROL_SEND_HWM = 100

@@ -10,8 +10,9 @@ The tensors never come here: workers write into each other's memory with Mooncak
 only sizes, addresses and manifests cross this actor. The decoder's output frames pass
 through untouched on their way to the frontend.
 
-A worker silent for two heartbeats, or a receiver a push just failed to reach, is a
-suspect: it gets no new work until it speaks again. A suspect whose push failed is evicted
+A worker whose ``Probe`` has not yet come back, one silent for two heartbeats, or a
+receiver a push just failed to reach, is a suspect: it gets no new work until it is
+reached or speaks again. A suspect whose push failed is evicted
 if it stays silent for two more heartbeats, so a dead receiver costs one request instead of
 every request dispatched to it until its heartbeats are missed.
 
@@ -326,7 +327,8 @@ class TransferNegotiator:
         if flight is None or flight.state != FlightState.AWAITING:
             # Ended while queued: its Forget may have reached the pool before this dispatch
             # did, so the slot just reserved would never be freed: hand it back here. (Not a
-            # Forget: the pool would forward it and kill a newer request reusing the id.)
+            # Forget: the request's own already went round, and a second would abort its
+            # workers again.)
             self._pools[job.role].post(Release(request_id=rid, instance=instance, ok=None))
             return
         hop = hop_name(flight.role, job.role)

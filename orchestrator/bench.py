@@ -46,7 +46,8 @@ from transfer.protocol import GenParams, StageTiming
 ROOT = Path(__file__).resolve().parent.parent
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
-# The reference head on a 2-core machine with zero-work workers (shared/REFERENCE.md §3).
+# The design Triptych replaces ("the reference head"), as published for a 2-core machine
+# with zero-work workers; docs/benchmarks.md sets them side by side.
 REFERENCE_CPU_MS = {"1": 0.685, "16": 0.50, "64": 0.51, "backlog 2048": 0.92}
 REFERENCE_ADDED_P50_MS = 1.0
 BUDGET_CPU_MS = 0.15

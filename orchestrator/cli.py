@@ -54,7 +54,7 @@ def _run_logged(main, *args: object, ordinary: tuple[type[Exception], ...]) -> i
 
     try:
         anyio.run(main, *args, backend="asyncio")
-    except Exception as exc:  # noqa: BLE001 - the one place that catches broadly (STYLE: only __main__)
+    except Exception as exc:  # a process's outermost catch: nothing above it could
         cause = _sole_cause(exc)
         if isinstance(cause, ordinary):
             structlog.get_logger().error("process.failed", error=f"{type(cause).__name__}: {cause}")

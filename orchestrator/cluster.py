@@ -47,7 +47,7 @@ class LocalCluster:
         # story. A first start replaces whatever an earlier cluster left there.
         mode = "ab" if name in self._spawned else "wb"
         self._spawned.add(name)
-        log = open(self.log_dir / f"{name}.log", mode)  # noqa: SIM115 - lives as long as the process
+        log = open(self.log_dir / f"{name}.log", mode)  # lives as long as the process
         try:
             config = str(config_path or self.config_path)
             return subprocess.Popen([sys.executable, "-m", "orchestrator", *args, "--config", config],

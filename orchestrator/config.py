@@ -74,7 +74,9 @@ class DaemonConfig(Section):
     # this long, and a rejoining receiver waits this long; it must exceed the workers'
     # MC_TRANSFER_TIMEOUT (checked when the config loads).
     push_quarantine_s: PositiveFloat = 60.0
-    mailbox_size: PositiveInt = 1024
+    # Each actor's mailbox holds the mail max_in_flight requests can post at once plus this
+    # many more (orchestrator/daemon.py sizes them); a full one makes its senders wait.
+    mailbox_headroom: PositiveInt = 1024
     # Messages queued to one worker before it counts as stuck (ZMQ SNDHWM).
     worker_send_hwm: PositiveInt = 1000
     client_send_hwm: PositiveInt = 10000
@@ -98,6 +100,9 @@ class WorkerConfig(Section):
     """One role's worker processes."""
 
     capacity: PositiveInt = 2  # requests a worker holds at once (running or staged)
+    # Stage runs at once in one worker (its threads share the device): more than 1 only for
+    # a stage that leaves its device idle part of a run. Requests past it, up to capacity,
+    # wait in the worker for a thread.
     compute_threads: PositiveInt = 1
     torch_threads: PositiveInt = 1
     pool_bytes: PositiveInt = 256 * MiB
@@ -139,8 +144,13 @@ class NullStageConfig(Section):
     decoder_ms: Annotated[float, msgspec.Meta(ge=0)] = 5.0
     embed_shape: tuple[int, ...] = (1, 77, 64)
     latent_channels: PositiveInt = 4
-    fail_prompt: str = ""  # a prompt containing this makes the denoiser raise (tests, demo)
-    hang_prompt: str = ""  # ...makes the denoiser hang, deaf to stops, as a wedged GPU would (tests)
+
+
+class FaultsConfig(Section):
+    """Failures the denoiser stages on request, for tests and fire drills (empty: none)."""
+
+    fail_prompt: str = ""  # a prompt containing this makes the denoiser fail the request
+    hang_prompt: str = ""  # ...makes the null denoiser hang, deaf to stops, as a wedged GPU would
 
 
 class DiffusersConfig(Section):
@@ -169,6 +179,7 @@ class ModelConfig(Section):
     null: NullStageConfig = NullStageConfig()
     diffusers: DiffusersConfig = DiffusersConfig()
     limits: LimitsConfig = LimitsConfig()
+    faults: FaultsConfig = FaultsConfig()
 
 
 # Loopback CI and laptops: TCP forced even if an RDMA device exists, sockets reused

@@ -56,7 +56,7 @@ async def serve(cfg: Config, *, task_status: anyio.abc.TaskStatus[dict[str, str]
     # admitted request, and admission stops at max_in_flight (see actors/mailbox.py); plus a
     # piece of mail for every report one batch of the worker socket's reader can bring
     # (a late report's abort), which no admission bounds.
-    size = d.mailbox_size + 8 * d.max_in_flight + PUMP_BATCH * REPORTS_PER_MESSAGE
+    size = d.mailbox_headroom + 8 * d.max_in_flight + PUMP_BATCH * REPORTS_PER_MESSAGE
     ctx = zmq.asyncio.Context()
     drain_requested = anyio.Event()
     board = Switchboard()

@@ -4,7 +4,7 @@ They speak the real worker protocol over real sockets (register with the token, 
 answer Probe with Probed, Work/Ready with Staged or Done, Alloc with Allocated, Push with Pushed), so the
 daemon cannot tell them from real workers; they skip the compute and the Mooncake write.
 What remains is the daemon's own cost per request, the figure the reference head was
-measured by (zero-work fake workers, shared/REFERENCE.md §3). All of them share one
+measured by (zero-work fake workers; docs/benchmarks.md). All of them share one
 process and one poll loop, so they take as little CPU from the daemon as a peer can.
 """
 

@@ -80,7 +80,8 @@ INLINE_COPY_BYTES = 1 << 20
 
 
 class WorkerRefused(RuntimeError):
-    """The daemon refused this worker (bad token, protocol, or it forgot us)."""
+    """The daemon refused this worker for good (bad token or protocol, a name in use, another
+    model, a work address it cannot reach); a refusal that says rejoin is not one."""
 
 
 class DaemonUnreachable(TimeoutError):
@@ -417,7 +418,7 @@ class WorkerRuntime:
             self._report(Done(request_id=rid, ok=False, compute_ms=compute_ms, reason=exc.reason, error=str(exc)))
         except (PoolError, ValueError) as exc:
             self._report(Done(request_id=rid, ok=False, compute_ms=compute_ms, error=str(exc)))
-        except Exception as exc:  # noqa: BLE001 - one request's failure must not kill the worker
+        except Exception as exc:  # one request's failure must not kill the worker
             self._log.exception("worker.stage_crashed", request_id=rid)
             self._report(Done(request_id=rid, ok=False, compute_ms=compute_ms,
                               error=f"{type(exc).__name__}: {exc}"))
@@ -506,7 +507,7 @@ class WorkerRuntime:
             error, in_doubt = str(exc), isinstance(exc, TransferInDoubt)
             if in_doubt:
                 self._in_doubt_until = time.monotonic() + self._cfg.daemon.push_quarantine_s
-        except Exception as exc:  # noqa: BLE001 - the daemon must hear Pushed, whatever happened
+        except Exception as exc:  # the daemon must hear Pushed, whatever happened
             self._log.exception("worker.push_crashed", request_id=rid)
             error = f"{type(exc).__name__}: {exc}"
         finally:

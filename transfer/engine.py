@@ -2,7 +2,7 @@
 
 ``Engine`` is the interface the worker runtime codes against; ``MooncakeEngine`` implements
 it over Mooncake's TransferEngine (TCP in CI, RDMA in production), and tests may supply a
-loopback fake. Facts this wrapper relies on are in MOONCAKE.md; the ones that shaped it:
+loopback fake. Facts measured on Mooncake that shaped this wrapper:
 
 * A write is ``transfer_submit_write`` plus our own ``transfer_check_status`` poll, which
   sleeps between checks. ``transfer_sync_write`` busy-spins a core in C++ until the TCP ack

@@ -200,7 +200,9 @@ class InstanceStats(Plain):
     served: int
     failed: int
     alive: bool
-    suspect: bool = False  # silent 2 heartbeats, or a push into it failed, and not heard from since: no new work
+    # No new work: not yet reached by its Probe, or silent 2 heartbeats, or a push into it
+    # failed, and not heard from since.
+    suspect: bool = False
 
 
 class Stats(Wire):

@@ -1,6 +1,6 @@
 """Same-host hand-offs through shared memory: a copy instead of a loopback transfer.
 
-Mooncake over loopback TCP costs about 7× a memcpy (shared/MOONCAKE.md), and the transport
+Mooncake over loopback TCP costs 6-8× a memcpy (docs/benchmarks.md, bench-handoff), and the transport
 cannot be told apart from a cross-host one. So a worker's pool lives in an anonymous shared
 file (``memfd``), still registered with Mooncake for peers elsewhere; at registration the
 worker advertises how a peer on its host opens that file (``/proc/<pid>/fd/<fd>``), which

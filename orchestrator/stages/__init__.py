@@ -17,12 +17,12 @@ def build_stage(role: Role, model: ModelConfig, *, torch_threads: int) -> Stage:
         from orchestrator.stages import null
 
         stage_class = {"encoder": null.NullEncoder, "denoiser": null.NullDenoiser, "decoder": null.NullDecoder}[role]
-        stage = stage_class(model.null)
+        stage = stage_class(model.null, model.faults)
     else:
         # Imported here so null-stage workers and the daemon never pay for diffusers' import.
         from orchestrator.stages.diffusion import build_diffusion_stage
 
-        stage = build_diffusion_stage(role, model.diffusers, torch_threads, fail_marker=model.null.fail_prompt)
+        stage = build_diffusion_stage(role, model.diffusers, torch_threads, fail_marker=model.faults.fail_prompt)
     stage.caps = model.limits
     problem = unsatisfiable(stage.limits())
     if problem:

@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from orchestrator.config import NullStageConfig
+from orchestrator.config import FaultsConfig, NullStageConfig
 from orchestrator.stages.base import UNATTENDED, RunControl, Stage, StageError, Tensors, digest_of
 from orchestrator.stages.images import image_outputs
 from transfer.protocol import GenParams, StageLimits
@@ -56,8 +56,9 @@ def expected_outputs(params: GenParams, cfg: NullStageConfig) -> Tensors:
 
 
 class _NullStage(Stage):
-    def __init__(self, cfg: NullStageConfig) -> None:
+    def __init__(self, cfg: NullStageConfig, faults: FaultsConfig | None = None) -> None:
         self._cfg = cfg
+        self._faults = faults or FaultsConfig()
 
     def model_limits(self) -> StageLimits:
         return LIMITS
@@ -86,12 +87,12 @@ class NullDenoiser(_NullStage):
 
     def run(self, params: GenParams, inputs: Tensors, *, control: RunControl = UNATTENDED) -> Tensors:
         self.check(params)
-        if self._cfg.hang_prompt and self._cfg.hang_prompt in params.prompt:
+        if self._faults.hang_prompt and self._faults.hang_prompt in params.prompt:
             threading.Event().wait()  # never set: only the worker's stage watchdog ends this
         for done in range(params.steps):
             control.step(done, params.steps)
             control.sleep(self._cfg.denoiser_ms / 1000 / params.steps)
-        if self._cfg.fail_prompt and self._cfg.fail_prompt in params.prompt:
+        if self._faults.fail_prompt and self._faults.fail_prompt in params.prompt:
             raise StageError(f"null denoiser told to fail on prompt {params.prompt!r}")
         if "embeds" not in inputs:
             raise StageError(f"denoiser input lacks 'embeds' (got {sorted(inputs)})")

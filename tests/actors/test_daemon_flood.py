@@ -35,7 +35,7 @@ async def test_a_flood_of_late_reports_fits_the_mailboxes(ctx: zmq.asyncio.Conte
     cfg = load_config(ROOT / "configs" / "test.toml")
     daemon = msgspec.structs.replace(cfg.daemon, client_endpoint=f"ipc://{tmp_path}/client",
                                      control_endpoint=f"ipc://{tmp_path}/control",
-                                     worker_endpoint=f"ipc://{tmp_path}/workers", max_in_flight=8, mailbox_size=64)
+                                     worker_endpoint=f"ipc://{tmp_path}/workers", max_in_flight=8, mailbox_headroom=64)
     cfg = msgspec.structs.replace(cfg, daemon=daemon)
     late = [encode(Staged(request_id=f"r{i}", nbytes=256, manifest=[], compute_ms=0.0))
             for i in range(REPORTS_PER_MESSAGE)]

@@ -40,7 +40,7 @@ def requests() -> list[GenParams]:
 @pytest.mark.parametrize("family", ["sd15", "pixart"])
 async def test_images_equal_the_monolithic_pipeline(start_cluster: StartCluster, family: str) -> None:
     cluster = start_cluster(**{"model": {"kind": "diffusers"}, "model.diffusers": {"family": family},
-                               "model.null": {"fail_prompt": FAIL_MARKER}})
+                               "model.faults": {"fail_prompt": FAIL_MARKER}})
     cfg = cluster.config.model.diffusers
     batch = requests()
     outcomes: dict[int, object] = {}

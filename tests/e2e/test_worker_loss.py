@@ -85,7 +85,7 @@ def test_a_hung_stage_takes_its_worker_down_and_nothing_else(start_cluster: Star
     """A stage deaf to stops (a wedged GPU) outlives workers.denoiser.stage_timeout_s, though
     its request ended long before: its worker exits with status 70 for a supervisor to
     replace, the daemon evicts it when it goes silent, and the other denoiser keeps serving."""
-    cluster = start_cluster(**{"workers.denoiser": {"stage_timeout_s": 1.0}, "model.null": {"hang_prompt": "wedge"}})
+    cluster = start_cluster(**{"workers.denoiser": {"stage_timeout_s": 1.0}, "model.faults": {"hang_prompt": "wedge"}})
     addresses = {i.name: i.address for i in cluster.control.stats().instances}
     with Client(cluster.config.daemon.client_endpoint) as client:
         with pytest.raises(Rejection) as caught:
@@ -108,7 +108,7 @@ def test_a_worker_told_to_stop_during_a_hung_stage_still_exits(start_cluster: St
     """SIGTERM cancels a worker's tasks, then waits for its stage threads: a hung one would
     keep the process alive for good, but the watchdog, a thread of its own, still ends it."""
     cluster = start_cluster(layout={"encoder": 1, "denoiser": 1, "decoder": 1},
-                            **{"workers.denoiser": {"stage_timeout_s": 2.0}, "model.null": {"hang_prompt": "wedge"}})
+                            **{"workers.denoiser": {"stage_timeout_s": 2.0}, "model.faults": {"hang_prompt": "wedge"}})
     with Client(cluster.config.daemon.client_endpoint) as client, pytest.raises(Rejection):
         client.submit(GenParams(prompt="wedge the gpu", seed=1, output="raw"), timeout_s=0.5)
     denoiser = cluster.workers["denoiser0"]

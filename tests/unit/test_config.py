@@ -30,7 +30,7 @@ def test_test_config_loads() -> None:
     assert cfg.daemon.token == "triptych-test"
     assert cfg.model.kind == "null"
     assert cfg.model.null.embed_shape == (1, 77, 64)
-    assert cfg.model.null.fail_prompt == "please fail"
+    assert cfg.model.faults.fail_prompt == "please fail"
 
 
 def test_empty_file_gives_the_defaults(tmp_path: Path) -> None:

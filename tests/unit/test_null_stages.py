@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from orchestrator.config import LimitsConfig, ModelConfig, NullStageConfig
+from orchestrator.config import FaultsConfig, LimitsConfig, ModelConfig, NullStageConfig
 from orchestrator.limits import capped
 from orchestrator.stages import build_stage
 from orchestrator.stages.base import UNATTENDED, RunControl, StageError, StageStopped, limits_violation
@@ -27,7 +27,8 @@ from orchestrator.stages.null import (
 from transfer.protocol import GenParams, Reason, StageLimits
 
 # No simulated time, and small tensors: these tests are about values, not timing.
-CFG = NullStageConfig(encoder_ms=0, denoiser_ms=0, decoder_ms=0, embed_shape=(1, 4, 8), fail_prompt="please fail")
+CFG = NullStageConfig(encoder_ms=0, denoiser_ms=0, decoder_ms=0, embed_shape=(1, 4, 8))
+FAULTS = FaultsConfig(fail_prompt="please fail")
 
 
 def params(**overrides: object) -> GenParams:
@@ -142,7 +143,7 @@ def test_raw_output_is_uint8_nhwc() -> None:
 def test_fail_prompt_raises_stage_error() -> None:
     p = params(prompt="oh please fail now")
     with pytest.raises(StageError, match="told to fail") as info:
-        NullDenoiser(CFG).run(p, encode(p, CFG))
+        NullDenoiser(CFG, FAULTS).run(p, encode(p, CFG))
     assert info.value.reason == Reason.STAGE_FAILED
 
 

@@ -118,11 +118,6 @@ CONFIGS: dict[Family, dict[str, dict[str, Any]]] = {
     },
 }
 
-PIPELINES: dict[Family, type[DiffusionPipeline]] = {
-    "sd15": StableDiffusionPipeline,
-    "pixart": PixArtAlphaPipeline,
-}
-
 
 def tiny_config(family: Family, name: str) -> dict[str, Any]:
     """The config a tiny component is built from (a copy; the denoiser reads the VAE's)."""
