@@ -22,7 +22,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream
 
 from actors.base import ask_stats
 from actors.frontend import FrontendActor, FrontendStats
-from actors.mail import Admit, CancelRequest, Deliver, FrontendMail, SetDraining
+from actors.mail import Admit, CancelRequest, Deliver, FrontendMail, LimitsChanged, SetDraining
 from actors.mailbox import Mailbox, Switchboard
 from orchestrator.config import DaemonConfig
 from tests.actors.streams import open_stream
@@ -37,6 +37,7 @@ from transfer.protocol import (
     Reason,
     Rejected,
     Result,
+    StageLimits,
     Submit,
     TensorSpec,
     encode,
@@ -75,8 +76,8 @@ class Frontend:
 
 
 @asynccontextmanager
-async def running_frontend(ctx: zmq.asyncio.Context, tmp_path: Path) -> AsyncIterator[Frontend]:
-    cfg = DaemonConfig(client_endpoint=f"ipc://{tmp_path}/clients")
+async def running_frontend(ctx: zmq.asyncio.Context, tmp_path: Path, **settings: Any) -> AsyncIterator[Frontend]:
+    cfg = DaemonConfig(client_endpoint=f"ipc://{tmp_path}/clients", **settings)
     async with AsyncExitStack() as stack:
         board = Switchboard()
         inbox = board.mailbox("frontend", 32)
@@ -278,3 +279,49 @@ async def test_progress_reaches_its_client_under_its_id_and_leaves_the_request_i
             f.inbox.post(Deliver(request_id=admit.request_id, message=news))  # late: nobody to tell
             assert (await f.stats()).in_flight == 0
             assert not await f.client.poll(100)
+
+
+async def test_past_max_in_flight_submits_are_overloaded_until_one_ends(ctx: zmq.asyncio.Context,
+                                                                        tmp_path: Path) -> None:
+    with anyio.fail_after(5):
+        async with running_frontend(ctx, tmp_path, max_in_flight=2) as f:
+            first = await f.admitted("a")
+            await f.admitted("b")
+            await f.ask(Submit(protocol=PROTOCOL_VERSION, params=PARAMS, request_id="c"))
+            rejected, _ = await f.reply()
+            assert rejected == Rejected(request_id="c", reason=Reason.OVERLOADED,
+                                        message="2 requests in flight (max_in_flight)")
+            assert_empty(f.tracker)
+            f.inbox.post(Deliver(request_id=first, message=Result(request_id=first, outputs=[], stages=[],
+                                                                  total_ms=1.0)))
+            await f.reply()
+            assert await f.admitted("c") == "c#2"
+
+
+async def test_a_submits_timeout_is_capped_by_max_request_timeout_s(ctx: zmq.asyncio.Context,
+                                                                    tmp_path: Path) -> None:
+    with anyio.fail_after(5):
+        async with running_frontend(ctx, tmp_path, max_request_timeout_s=5.0) as f:
+            for asked, given in ((100.0, 5.0), (2.0, 2.0)):
+                await f.ask(Submit(protocol=PROTOCOL_VERSION, params=PARAMS, timeout_s=asked))
+                admit = await f.tracker.receive()
+                assert admit.timeout_s == given
+
+
+async def test_the_door_checks_every_registered_workers_limits(ctx: zmq.asyncio.Context, tmp_path: Path) -> None:
+    """Wider limits registered last do not open the door past a tighter worker's; once the
+    tighter one leaves, they do."""
+    wide = GenParams(prompt="p", width=48, height=16)
+    with anyio.fail_after(5):
+        async with running_frontend(ctx, tmp_path) as f:
+            f.inbox.post(LimitsChanged(role="denoiser", instance="denoiser-1", limits=StageLimits(max_size=32)))
+            f.inbox.post(LimitsChanged(role="denoiser", instance="denoiser-2", limits=StageLimits(max_size=64)))
+            await f.ask(Submit(protocol=PROTOCOL_VERSION, params=wide, request_id="w"))
+            rejected, _ = await f.reply()
+            assert rejected == Rejected(request_id="w", reason=Reason.INVALID,
+                                        message="width 48 is outside [8, 32] for model ''")
+            assert_empty(f.tracker)
+            f.inbox.post(LimitsChanged(role="denoiser", instance="denoiser-1", limits=None))
+            await f.ask(Submit(protocol=PROTOCOL_VERSION, params=wide, request_id="w"))
+            admit = await f.tracker.receive()
+            assert isinstance(admit, Admit) and admit.params == wide
