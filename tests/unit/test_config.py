@@ -33,6 +33,21 @@ def test_test_config_loads() -> None:
     assert cfg.model.faults.fail_prompt == "please fail"
 
 
+def test_bench_config_loads() -> None:
+    cfg = load_config(CONFIGS / "bench.toml")
+    assert cfg.model.kind == "null" and cfg.model.null.denoiser_ms == 0
+
+
+def test_the_production_sketch_loads_once_its_token_is_set(tmp_path: Path) -> None:
+    """Its placeholder token is refused (other hosts reach its worker_endpoint); with a real
+    secret every other setting it ships is valid."""
+    sketch = (CONFIGS / "example.prod.toml").read_text()
+    with pytest.raises(ValueError, match="daemon.token"):
+        load_config(CONFIGS / "example.prod.toml")
+    cfg = load_config(write(tmp_path, sketch.replace("CHANGE-ME-to-a-long-random-secret", "s3cret-of-our-own-1234")))
+    assert cfg.transfer.protocol == "rdma" and cfg.model.diffusers.path == "/models/stable-diffusion-v1-5"
+
+
 def test_empty_file_gives_the_defaults(tmp_path: Path) -> None:
     assert load_config(write(tmp_path, "")) == Config()
 

@@ -26,8 +26,6 @@ from transfer.engine import Engine, MooncakeEngine, TransferError, TransferInDou
 from transfer.pool import MemoryPool
 from transfer.shm import SharedRegion
 
-pytest.importorskip("mooncake.engine")
-
 CFG = TransferConfig()
 POOL_BYTES = 1 << 20
 SLOT_BYTES = 300_001  # odd on purpose: slots keep their true size
