@@ -45,6 +45,7 @@ from transfer.protocol import GenParams, StageTiming
 
 ROOT = Path(__file__).resolve().parent.parent
 CLK_TCK = os.sysconf("SC_CLK_TCK")
+MIN_REQUESTS = 300  # a third of them at concurrency 1 still spend several clock ticks
 
 # The design Triptych replaces ("the reference head"), as published for a 2-core machine
 # with zero-work workers; docs/benchmarks.md sets them side by side.
@@ -245,6 +246,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--perf", action="store_true",
                         help="also sample the daemon alone with Linux perf at concurrency 64 and 1: where its CPU goes")
     args = parser.parse_args(argv)
+    if args.requests < MIN_REQUESTS:
+        parser.error(f"--requests must be at least {MIN_REQUESTS}: the daemon's CPU time is read in "
+                     f"{1000 // CLK_TCK} ms clock ticks, and fewer requests round it to nothing")
     if args.perf and not bench_perf.available():
         parser.error("--perf needs Linux perf on the PATH (apt-get install linux-perf)")
     tmp = Path(tempfile.mkdtemp(prefix="triptych-bench-"))

@@ -1,0 +1,55 @@
+"""The shipped tools run as a user runs them: the demo, the benchmark and the hand-off
+benchmark, each a real cluster of processes, each with an exit status that means something."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import msgspec
+
+from tests.e2e.conftest import CONFIGS
+
+
+def run_tool(module: str, *args: str, timeout_s: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=timeout_s,
+                          env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"})
+
+
+def test_the_demo_generates_images_equal_to_the_one_process_pipeline(tmp_path: Path) -> None:
+    """configs/local.toml as shipped (tiny diffusers model, 1/2/1 workers), on ipc endpoints
+    so it cannot collide with anything listening on its ports."""
+    raw = msgspec.toml.decode((CONFIGS / "local.toml").read_bytes())
+    raw["daemon"].update(client_endpoint=f"ipc://{tmp_path}/c", control_endpoint=f"ipc://{tmp_path}/k",
+                         worker_endpoint=f"ipc://{tmp_path}/w")
+    config = tmp_path / "local.toml"
+    config.write_bytes(msgspec.toml.encode(raw))
+    out = tmp_path / "out"
+    done = run_tool("orchestrator.demo", "--config", str(config), "--requests", "3", "--steps", "3",
+                    "--size", "32", "--out", str(out))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.count("OK, matches the one-process pipeline") == 3
+    assert "all 3 images verified" in done.stdout
+    assert sorted(p.name for p in out.glob("*.png")) == ["demo-0-0.png", "demo-1-0.png", "demo-2-0.png"]
+
+
+def test_the_benchmark_completes_every_request_and_prints_its_figures() -> None:
+    done = run_tool("orchestrator.bench", "--requests", "300")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "every request completed" in done.stdout
+    for line in ("daemon alone: instant protocol workers", "full stack: real workers",
+                 "daemon alone, added p50 at concurrency 1:", "backlog / concurrency-64 ratio"):
+        assert line in done.stdout
+
+
+def test_the_benchmark_refuses_too_few_requests_to_measure() -> None:
+    done = run_tool("orchestrator.bench", "--requests", "30")
+    assert done.returncode == 2 and "--requests must be at least 300" in done.stderr
+
+
+def test_the_handoff_benchmark_compares_both_paths() -> None:
+    done = run_tool("orchestrator.handoff_bench", "--mib", "1", "--requests", "3")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "mooncake" in done.stdout and "memcpy" in done.stdout
+    assert "same-host copy is" in done.stdout
