@@ -15,12 +15,12 @@ import zmq.asyncio
 
 from actors.admission import AdmissionStats
 from actors.base import ask_stats
-from actors.edges import bound_router
 from actors.frontend import FrontendStats
 from actors.mailbox import Mailbox
 from actors.negotiator import NegotiatorStats
 from actors.pools import PoolStats
 from actors.tracker import TrackerStats
+from transfer.binding import bound_router
 from transfer.protocol import (
     CONTROL_REQUEST,
     DECODE_ERRORS,

@@ -24,10 +24,10 @@ import zmq.asyncio
 
 from actors.base import reply_once, serve_mailbox
 from actors.door import DoorLimits
-from actors.edges import FLUSH_ON_CLOSE_MS, bound_router
 from actors.mail import Admit, CancelRequest, Deliver, FrontendMail, LimitsChanged, QueryStats, SetDraining, TrackerMail
 from actors.mailbox import Mailbox, MailboxCounts
 from orchestrator.config import DaemonConfig
+from transfer.binding import FLUSH_ON_CLOSE_MS, bound_router
 from transfer.protocol import (
     CLIENT_REQUEST,
     DECODE_ERRORS,

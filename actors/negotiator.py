@@ -35,7 +35,6 @@ import zmq
 import zmq.asyncio
 
 from actors.base import reply_once, serve_mailbox
-from actors.edges import FLUSH_ON_CLOSE_MS, bound_router
 from actors.flight import Flight, FlightState
 from actors.links import Link, model_problem, registration_problem, work_address_problem
 from actors.mail import (
@@ -66,6 +65,7 @@ from actors.mail import (
 from actors.mailbox import Mailbox, MailboxCounts
 from actors.slots import SlotBook
 from orchestrator.config import DaemonConfig
+from transfer.binding import FLUSH_ON_CLOSE_MS, bound_router
 from transfer.protocol import (
     DECODE_ERRORS,
     WORKER_MESSAGE,

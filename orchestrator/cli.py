@@ -14,8 +14,8 @@ import anyio
 import msgspec
 import zmq
 
-from actors.edges import EndpointUnusable
 from orchestrator.config import load_config
+from transfer.binding import EndpointUnusable
 from transfer.protocol import GenParams, Progress
 
 if TYPE_CHECKING:

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import zmq
 
-from actors.edges import bind
 from orchestrator.config import WorkerConfig
+from transfer.binding import bind
 
 # An order frame stays under 150 KiB (its two prompts hold at most 16,384 characters each).
 # Anyone who can reach the port can send, and the key is only checked once a message is

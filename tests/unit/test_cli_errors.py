@@ -12,9 +12,9 @@ from pathlib import Path
 import anyio
 import pytest
 
-from actors.edges import EndpointUnusable
 from orchestrator import cli, metrics
 from orchestrator.limits import UnsatisfiableLimits
+from transfer.binding import EndpointUnusable
 
 
 @pytest.mark.parametrize(("argv", "says"), [

@@ -9,10 +9,10 @@ import anyio
 import pytest
 import zmq
 
-from actors.edges import EndpointUnusable
 from orchestrator.config import Config, WorkerConfig
 from orchestrator.work_socket import ORDER_MAX_MESSAGE_BYTES, bind_work_socket, close_work_socket
 from orchestrator.worker import WorkerRuntime
+from transfer.binding import EndpointUnusable
 from transfer.pool import MemoryPool
 from transfer.protocol import Abort, encode
 

@@ -1,4 +1,5 @@
-"""Binding the daemon's sockets: an endpoint in use is an error, never silently taken over."""
+"""Binding sockets, the daemon's and a worker's work socket: an endpoint in use is an error, never
+silently taken over."""
 
 from __future__ import annotations
 
