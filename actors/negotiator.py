@@ -1,10 +1,8 @@
-"""TransferNegotiator: every hand-off between stages, and the link to every worker.
+"""TransferNegotiator: the link to every worker, and through it every hand-off.
 
-It owns the worker ROUTER (registration, heartbeats, everything workers report), the
-preallocated receive slots of every receiver, and one ``Flight`` per request from the
-moment a stage starts it until the decoder answers. Per hop it takes the fast path (a
-free preallocated slot big enough: tell the sender to push at once) or the slow path
-(ask the receiver to allocate, then push).
+It owns the worker ROUTER: registration, heartbeats, liveness, and everything workers
+report. Reports about requests go to its ``Handoffs`` (actors/handoffs.py): the flights,
+the receive slots, the fast and slow paths.
 
 The tensors never come here: workers write into each other's memory with Mooncake and
 only sizes, addresses and manifests cross this actor. The decoder's output frames pass
@@ -26,7 +24,6 @@ from __future__ import annotations
 import itertools
 import secrets
 import time
-from collections import deque
 
 import anyio
 import msgspec
@@ -35,18 +32,13 @@ import zmq
 import zmq.asyncio
 
 from actors.base import reply_once, serve_mailbox
-from actors.flight import Flight, FlightState
+from actors.handoffs import Handoffs
 from actors.links import Link, model_problem, registration_problem, work_address_problem
 from actors.mail import (
     AdmissionMail,
-    Enqueue,
-    Failed,
     Farewell,
-    Finished,
     Forget,
     FrontendMail,
-    HandedOff,
-    Job,
     Join,
     Leave,
     LimitsChanged,
@@ -54,32 +46,24 @@ from actors.mail import (
     Placed,
     PoolMail,
     QueryStats,
-    Release,
-    Send,
-    Stepped,
     Stuck,
     Suspect,
     Tick,
     TrackerMail,
 )
 from actors.mailbox import Mailbox, MailboxCounts
-from actors.slots import SlotBook
 from orchestrator.config import DaemonConfig
 from transfer.binding import FLUSH_ON_CLOSE_MS, bound_router
 from transfer.protocol import (
     DECODE_ERRORS,
     WORKER_MESSAGE,
-    Abort,
-    Alloc,
     Allocated,
     AllocRejected,
     Done,
     Heartbeat,
     Leaving,
     Probed,
-    Push,
     Pushed,
-    Ready,
     Reason,
     Register,
     Registered,
@@ -87,16 +71,11 @@ from transfer.protocol import (
     Role,
     Staged,
     Step,
-    Work,
     WorkerMessage,
-    WorkOrder,
     encode,
-    hop_name,
-    next_role,
 )
 from transfer.reports import REPORTS_PER_MESSAGE
 from transfer.sockets import NOBLOCK, PlainPump
-from transfer.specs import check_frames
 
 log = structlog.get_logger()
 
@@ -121,7 +100,7 @@ class NegotiatorStats(msgspec.Struct, frozen=True):
 
 
 class TransferNegotiator:
-    """Owns the worker socket, the receive slots and every request's flight."""
+    """Owns the worker socket and the registered workers; its ``Handoffs`` owns every flight."""
 
     def __init__(
         self,
@@ -138,19 +117,13 @@ class TransferNegotiator:
         self._ctx = ctx
         self._cfg = cfg
         self._pools = pools
-        self._admission = admission
-        self._tracker = tracker
         self._frontend = frontend
         self._sock: zmq.Socket | None = None
         self._links: dict[bytes, Link] = {}
         self._by_instance: dict[str, Link] = {}
-        self._slots = SlotBook()
-        self._flights: dict[str, Flight] = {}
-        self._fast: dict[str, int] = {}
-        self._slow: dict[str, int] = {}
+        self._handoffs = Handoffs(links=self._by_instance, push_quarantine_s=cfg.push_quarantine_s, pools=pools,
+                                  admission=admission, tracker=tracker, push_failed_into=self._push_failed_into)
         self._ids = itertools.count(1)
-        self._late = 0  # reports about requests that had already ended: counted, then dropped
-        self._quarantine: deque[tuple[float, Flight]] = deque()  # (release at, doomed flight)
         self._stopping = False  # farewells sent: registrations get no answer
         self._log = log.bind(actor="negotiator")
 
@@ -240,7 +213,7 @@ class TransferNegotiator:
         self._links[routing_id] = link
         self._by_instance[instance] = link
         if msg.role != "encoder":
-            self._slots.add_instance(instance, msg.slots)
+            self._handoffs.add_receiver(instance, msg.slots)
         key = secrets.token_bytes(16)
         self._pools[msg.role].post(Join(instance=instance, name=msg.name, work_address=msg.work_address,
                                          session=msg.session, key=key, capacity=msg.capacity))
@@ -263,169 +236,28 @@ class TransferNegotiator:
                 # Sent after its threads ended: no write of its is in flight (gone=True).
                 self._evict(link, f"{link.instance} left: its process is stopping")
             case Staged():
-                self._staged(link, msg)
+                self._handoffs.staged(link, msg)
             case Allocated():
-                self._allocated(link, msg)
-            case AllocRejected(request_id=rid, message=message):
-                flight = self._flights.get(rid)
-                if flight is None or flight.state != FlightState.ALLOCATING or flight.receiver != link.instance:
-                    self._late += 1
-                    return
-                self._fail(flight, Reason.TRANSFER_FAILED, f"{link.instance} cannot fit {flight.nbytes} bytes: {message}")
+                self._handoffs.allocated(link, msg)
+            case AllocRejected():
+                self._handoffs.alloc_rejected(link, msg)
             case Pushed():
-                self._pushed(link, msg)
+                self._handoffs.pushed(link, msg)
             case Done():
-                self._done(link, msg, frames)
-            case Step(request_id=rid, step=step, steps=steps):
-                flight = self._flights.get(rid)
-                if flight is None or flight.state != FlightState.RUNNING or flight.instance != link.instance:
-                    self._late += 1
-                    return
-                self._tracker.post(Stepped(request_id=rid, step=step, steps=steps))
+                self._handoffs.done(link, msg, frames)
+            case Step():
+                self._handoffs.step(link, msg)
             case Register():
                 pass  # only a message's first report registers
-
-    def _staged(self, link: Link, msg: Staged) -> None:
-        rid = msg.request_id
-        flight = self._flights.get(rid)
-        if flight is None or flight.state != FlightState.RUNNING or flight.instance != link.instance:
-            self._free_late(link, rid, flight)  # late (the request ended), repeated, or not its to report
-            return
-        following = next_role(link.role)
-        bad = [s.name for s in msg.manifest if s.offset + s.nbytes > msg.nbytes]
-        if following is None or bad:
-            self._fail(flight, Reason.STAGE_FAILED, f"{link.instance} staged an invalid output {bad}", outcome=False)
-            return
-        self._recycle_input(flight)
-        flight.stage_output(msg.nbytes, msg.manifest, msg.compute_ms)
-        self._admission.post(Enqueue(job=Job(request_id=rid, role=following, params=flight.params,
-                                             priority=flight.priority, progress=flight.progress)))
-
-    def _free_late(self, link: Link, rid: str, flight: Flight | None) -> None:
-        """A late report says ``link`` holds memory for ``rid``: have it freed there, unless the
-        request is live on that worker (a repeated report), where the memory is in use.
-
-        A doomed flight's sender may be aborted again (an abort never frees a block that is
-        being pushed), but not its receiver: that would free an allocation a write may still
-        land in. The receiver is aborted when its memory is released.
-        """
-        self._late += 1
-        involved = flight is not None and link.instance in (flight.instance, flight.receiver)
-        if not involved or (flight.doomed and link.instance == flight.instance):
-            self._order(link.role, link.instance, Abort(request_id=rid))
-        elif flight.doomed:
-            flight.abort_receiver = True
-
-    def _placed(self, job: Job, instance: str) -> None:
-        rid = job.request_id
-        if job.role == "encoder":
-            self._flights[rid] = Flight(request_id=rid, params=job.params, role="encoder", instance=instance,
-                                        priority=job.priority, progress=job.progress)
-            self._order("encoder", instance, Work(request_id=rid, params=job.params, progress=job.progress))
-            return
-        flight = self._flights.get(rid)
-        if flight is None or flight.state != FlightState.AWAITING:
-            # Ended while queued: its Forget may have reached the pool before this dispatch
-            # did, so the slot just reserved would never be freed: hand it back here. (Not a
-            # Forget: the request's own already went round, and a second would abort its
-            # workers again.)
-            self._pools[job.role].post(Release(request_id=rid, instance=instance, ok=None))
-            return
-        hop = hop_name(flight.role, job.role)
-        slot = self._slots.take(instance, flight.nbytes)
-        if slot is not None:
-            self._fast[hop] = self._fast.get(hop, 0) + 1
-            flight.reserve(instance, job.role, slot=slot, address=slot.address)
-            self._push(flight)
-        else:
-            self._slow[hop] = self._slow.get(hop, 0) + 1
-            flight.reserve(instance, job.role, slot=None, address=None)
-            self._order(job.role, instance, Alloc(request_id=rid, nbytes=flight.nbytes))
-
-    def _allocated(self, link: Link, msg: Allocated) -> None:
-        flight = self._flights.get(msg.request_id)
-        if flight is None or flight.state != FlightState.ALLOCATING or flight.receiver != link.instance:
-            self._free_late(link, msg.request_id, flight)  # the request ended while it allocated, or repeated
-            return
-        if not link.holds(msg.address, flight.nbytes):
-            self._fail(flight, Reason.TRANSFER_FAILED, f"{link.instance} allocated outside its pool")
-            return
-        flight.allocated(msg.address)
-        self._push(flight)
-
-    def _push(self, flight: Flight) -> None:
-        receiver, sender = self._by_instance[flight.receiver], self._by_instance[flight.instance]
-        # Two workers of one kernel: the sender may copy into the receiver's shared pool.
-        same_host = receiver.local is not None and sender.local is not None and receiver.local.host == sender.local.host
-        self._order(flight.role, flight.instance, Push(request_id=flight.request_id, session=receiver.session,
-                                                       address=flight.address, nbytes=flight.nbytes,
-                                                       local=receiver.local if same_host else None))
-
-    def _pushed(self, link: Link, msg: Pushed) -> None:
-        flight = self._flights.get(msg.request_id)
-        if flight is None or flight.state != FlightState.PUSHING or flight.instance != link.instance:
-            self._late += 1
-            return
-        rid = flight.request_id
-        if flight.doomed:
-            # The request ended mid-push; only now is the receiver's memory safe to reuse.
-            self._release_receiver(flight)
-            del self._flights[rid]
-            return
-        if not msg.ok:
-            receiver = self._by_instance.get(flight.receiver or "")
-            if receiver is not None and receiver.push_failed_at is None:
-                receiver.push_failed_at = time.monotonic()
-                self._suspect(receiver)
-            # A push that ended in failure wrote nothing more: the receiver's memory is free at
-            # once. One in doubt (timed out) may still land: that memory waits out the quarantine.
-            self._fail(flight, Reason.TRANSFER_FAILED, f"{flight.instance} -> {flight.receiver}: {msg.error}",
-                       outcome=False, pushing=msg.in_doubt)
-            return
-        self._pools[flight.role].post(Release(request_id=rid, instance=flight.instance, ok=True))
-        self._tracker.post(HandedOff(request_id=rid, role=flight.role, instance=flight.instance,
-                                      compute_ms=flight.compute_ms, transfer_ms=msg.transfer_ms,
-                                      nbytes=flight.nbytes, fast_path=flight.slot is not None, via=msg.via))
-        ready = Ready(request_id=rid, params=flight.params, address=flight.address, manifest=flight.manifest,
-                      slot_id=flight.slot.slot_id if flight.slot else None, progress=flight.progress)
-        flight.delivered()
-        self._order(flight.role, flight.instance, ready)
-
-    def _done(self, link: Link, msg: Done, frames: list[zmq.Frame]) -> None:
-        flight = self._flights.get(msg.request_id)
-        if flight is None or flight.state != FlightState.RUNNING or flight.instance != link.instance:
-            self._late += 1
-            return
-        rid = flight.request_id
-        if not msg.ok:
-            self._fail(flight, msg.reason, f"{link.instance}: {msg.error}", outcome=False)
-            return
-        if link.role != "decoder":
-            self._fail(flight, Reason.STAGE_FAILED, f"{link.instance} ({link.role}) answered Done; only decoders do",
-                       outcome=False)
-            return
-        try:
-            check_frames(msg.outputs, frames)
-        except ValueError as exc:
-            self._fail(flight, Reason.STAGE_FAILED, f"{link.instance} sent outputs unlike their headers: {exc}",
-                       outcome=False)
-            return
-        self._recycle_input(flight)
-        del self._flights[rid]
-        self._pools[link.role].post(Release(request_id=rid, instance=link.instance, ok=True))
-        self._tracker.post(Finished(request_id=rid, instance=link.instance, compute_ms=msg.compute_ms,
-                                     outputs=msg.outputs, frames=frames))
 
     # ------------------------------------------------------------------ mail
 
     def _handle(self, mail: NegotiatorMail) -> None:
         match mail:
             case Placed(job=job, instance=instance):
-                self._placed(job, instance)
+                self._handoffs.placed(job, instance)
             case Forget(request_id=rid):
-                flight = self._flights.get(rid)
-                if flight is not None and not flight.doomed:
-                    self._end(flight, pushing=flight.state == FlightState.PUSHING)
+                self._handoffs.forget(rid)
             case Tick():
                 self._check_liveness(time.monotonic())
             case Farewell():
@@ -435,13 +267,10 @@ class TransferNegotiator:
                 if link is not None:  # later flushes to it say so again until its Leave lands
                     self._evict(link, message, gone=False)
             case QueryStats(reply=reply):
-                prealloc = {}
-                for instance in self._by_instance:
-                    free, total = self._slots.counts(instance)
-                    prealloc[instance] = PreallocCounts(free, total)
-                in_flight = sum(1 for f in self._flights.values() if f.state != FlightState.RUNNING)
-                reply_once(reply, NegotiatorStats(prealloc, in_flight, dict(self._fast), dict(self._slow),
-                                                  self._late, self._inbox.counts()))
+                h = self._handoffs
+                prealloc = {instance: PreallocCounts(*h.prealloc_counts(instance)) for instance in self._by_instance}
+                reply_once(reply, NegotiatorStats(prealloc, h.in_flight(), dict(h.fast), dict(h.slow), h.late,
+                                                  self._inbox.counts()))
             case _:
                 raise AssertionError(f"unexpected mail {mail!r}")
 
@@ -449,57 +278,12 @@ class TransferNegotiator:
         """Tell every worker the daemon stops, to rejoin its successor; ``settled`` for each
         that no flight still names as receiver, so no write ordered here can land in its
         memory later and it need not wait out push_quarantine_s when it rejoins."""
-        receiving = {flight.receiver for flight in self._flights.values() if flight.receiver is not None}
+        receiving = self._handoffs.receivers()
         for link in self._links.values():
             self._reply(link.routing_id, RegisterRefused(message="the daemon is stopping", rejoin=True,
                                                          settled=link.instance not in receiving))
         self._stopping = True
         self._log.info("negotiator.farewell", workers=len(self._links), unsettled=len(receiving))
-
-    def _end(self, flight: Flight, *, pushing: bool, outcome: bool | None = None) -> None:
-        """Free everything ``flight`` holds, as soon as each piece is safe to free.
-
-        The negotiator alone decides when a placed request lets go: the pool slots of its
-        current instance and of a reserved receiver, the worker state (an abort), and the
-        receiver's memory. ``pushing`` means a write into that memory may be in progress,
-        so the memory stays reserved until the push reports. ``outcome`` is how the
-        current instance's stage ended (None: the request ended elsewhere).
-        """
-        rid = flight.request_id
-        self._pools[flight.role].post(Release(request_id=rid, instance=flight.instance, ok=outcome))
-        self._order(flight.role, flight.instance, Abort(request_id=rid))
-        self._recycle_input(flight)
-        if flight.receiver is not None:
-            self._pools[flight.receiver_role].post(Release(request_id=rid, instance=flight.receiver, ok=None))
-            if pushing:
-                # Normally the sender's Pushed releases it; the quarantine bounds the wait
-                # should that report never come.
-                flight.doomed = True
-                self._quarantine.append((time.monotonic() + self._cfg.push_quarantine_s, flight))
-                return
-            self._release_receiver(flight)
-        del self._flights[rid]
-
-    def _fail(self, flight: Flight, reason: Reason, message: str, *, pushing: bool = False,
-              outcome: bool | None = None) -> None:
-        """End ``flight`` here and now, and tell the tracker why."""
-        self._end(flight, pushing=pushing, outcome=outcome)
-        self._tracker.post(Failed(request_id=flight.request_id, reason=reason, message=message))
-
-    def _release_receiver(self, flight: Flight) -> None:
-        if flight.slot is not None:
-            self._slots.recycle(flight.slot)
-        if flight.slot is None or flight.abort_receiver:
-            self._order(flight.receiver_role, flight.receiver, Abort(request_id=flight.request_id))
-
-    def _recycle_input(self, flight: Flight) -> None:
-        if flight.input_slot is not None:
-            self._slots.recycle(flight.input_slot)
-            flight.input_slot = None
-
-    def _order(self, role: Role, instance: str | None, order: WorkOrder) -> None:
-        assert instance is not None
-        self._pools[role].post(Send(instance=instance, order=order))
 
     # ------------------------------------------------------------------ liveness
 
@@ -508,6 +292,14 @@ class TransferNegotiator:
         if not link.suspect:
             link.suspect = True
             self._pools[link.role].post(Suspect(instance=link.instance, suspect=True))
+
+    def _push_failed_into(self, link: Link) -> None:
+        """A write into ``link`` failed: it gets no new work, and is evicted unless heard from
+        within two heartbeats (a dead receiver then costs one request, not every one sent
+        its way until its heartbeats are missed)."""
+        if link.push_failed_at is None:
+            link.push_failed_at = time.monotonic()
+            self._suspect(link)
 
     def _trust(self, link: Link) -> None:
         link.suspect, link.push_failed_at = False, None
@@ -529,11 +321,7 @@ class TransferNegotiator:
                 self._refuse_unreached(link, limit)
             elif silent_s > SUSPECT_HEARTBEATS * heartbeat_s:
                 self._suspect(link)  # quiet: dead, frozen or cut off, work sent now would wait
-        while self._quarantine and self._quarantine[0][0] <= now:
-            _, flight = self._quarantine.popleft()
-            if self._flights.get(flight.request_id) is flight:  # not already released by its Pushed
-                self._release_receiver(flight)
-                del self._flights[flight.request_id]
+        self._handoffs.expire_quarantine(now)
 
     def _refuse_unreached(self, link: Link, limit_s: float) -> None:
         """Drop a worker whose work socket the daemon cannot reach, and tell it why: it was
@@ -548,18 +336,7 @@ class TransferNegotiator:
         its threads ended, or it never got work); otherwise it may yet finish one."""
         del self._links[link.routing_id]
         del self._by_instance[link.instance]
-        self._slots.remove_instance(link.instance)
         self._pools[link.role].post(Leave(instance=link.instance, reason=Reason.WORKER_LOST, message=why))
         self._frontend.post(LimitsChanged(role=link.role, instance=link.instance, limits=None))
-        # Eviction is rare, so a pass over the flights is fine here (never on the hot path).
-        for flight in [f for f in self._flights.values() if link.instance in (f.instance, f.receiver)]:
-            sender_lost = flight.state == FlightState.PUSHING and flight.instance == link.instance
-            if not flight.doomed:
-                self._fail(flight, Reason.WORKER_LOST, why, pushing=flight.state == FlightState.PUSHING)
-            if sender_lost and gone:
-                # A dead sender writes nothing more: the receiver's memory is free at once.
-                self._release_receiver(flight)
-                self._flights.pop(flight.request_id, None)
-            # A silent sender may wake and finish its write: its flight stays doomed until
-            # the quarantine (set when it was doomed) ends, past Mooncake's transfer timeout.
+        self._handoffs.worker_lost(link, why, gone=gone)
         self._log.warning("worker.evicted", instance=link.instance, why=why)

@@ -1,0 +1,330 @@
+"""Handoffs: every request's flight between stages, and the receive slots it lands in.
+
+One ``Flight`` per request, from the moment a stage starts it until the decoder answers.
+Per hop it takes the fast path (a free preallocated slot big enough: tell the sender to
+push at once) or the slow path (ask the receiver to allocate, then push). It decides alone
+when a request lets go of what it holds at each worker: its pool slots, its worker state
+(an abort) and the receiver's memory, which stays reserved while a write may still land
+in it (until the sender's Pushed, or push_quarantine_s).
+
+Owned by the ``TransferNegotiator`` actor, which feeds it the reports of registered
+workers (``link`` is the worker that sent one) and the mail about placements and ends. A
+report counts only if it comes from the instance the request's flight names; anything else
+is late or forged, is counted, and changes nothing (memory a late report says is held is
+freed at its worker).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+
+import zmq
+
+from actors.flight import Flight, FlightState
+from actors.links import Link
+from actors.mail import (
+    AdmissionMail,
+    Enqueue,
+    Failed,
+    Finished,
+    HandedOff,
+    Job,
+    PoolMail,
+    Release,
+    Send,
+    Stepped,
+    TrackerMail,
+)
+from actors.mailbox import Mailbox
+from actors.slots import SlotBook
+from transfer.protocol import (
+    Abort,
+    Alloc,
+    Allocated,
+    AllocRejected,
+    Done,
+    Push,
+    Pushed,
+    Ready,
+    Reason,
+    Role,
+    SlotInfo,
+    Staged,
+    Step,
+    Work,
+    WorkOrder,
+    hop_name,
+    next_role,
+)
+from transfer.specs import check_frames
+
+
+class Handoffs:
+    """Owns every flight, every receiver's preallocated slots, and the hand-off counters."""
+
+    def __init__(
+        self,
+        *,
+        links: dict[str, Link],
+        push_quarantine_s: float,
+        pools: dict[Role, Mailbox[PoolMail]],
+        admission: Mailbox[AdmissionMail],
+        tracker: Mailbox[TrackerMail],
+        push_failed_into: Callable[[Link], None],
+    ) -> None:
+        self._links = links  # the negotiator's registered workers, by instance (read here)
+        self._push_quarantine_s = push_quarantine_s
+        self._pools = pools
+        self._admission = admission
+        self._tracker = tracker
+        self._push_failed_into = push_failed_into  # a receiver a write could not reach
+        self._slots = SlotBook()
+        self._flights: dict[str, Flight] = {}
+        self.fast: dict[str, int] = {}  # hand-offs by hop
+        self.slow: dict[str, int] = {}
+        self.late = 0  # reports about requests that had already ended: counted, then dropped
+        self._quarantine: deque[tuple[float, Flight]] = deque()  # (release at, doomed flight)
+
+    # ------------------------------------------------------------------ workers
+
+    def add_receiver(self, instance: str, slots: list[SlotInfo]) -> None:
+        self._slots.add_instance(instance, slots)
+
+    def worker_lost(self, link: Link, why: str, *, gone: bool) -> None:
+        """End every flight ``link`` takes part in. ``gone``: no write of its can still land."""
+        self._slots.remove_instance(link.instance)
+        # Eviction is rare, so a pass over the flights is fine here (never on the hot path).
+        for flight in [f for f in self._flights.values() if link.instance in (f.instance, f.receiver)]:
+            sender_lost = flight.state == FlightState.PUSHING and flight.instance == link.instance
+            if not flight.doomed:
+                self._fail(flight, Reason.WORKER_LOST, why, pushing=flight.state == FlightState.PUSHING)
+            if sender_lost and gone:
+                # A dead sender writes nothing more: the receiver's memory is free at once.
+                self._release_receiver(flight)
+                self._flights.pop(flight.request_id, None)
+            # A silent sender may wake and finish its write: its flight stays doomed until
+            # the quarantine (set when it was doomed) ends, past Mooncake's transfer timeout.
+
+    def receivers(self) -> set[str]:
+        """Every instance a flight names as receiver: a write may yet land in its memory."""
+        return {flight.receiver for flight in self._flights.values() if flight.receiver is not None}
+
+    def prealloc_counts(self, instance: str) -> tuple[int, int]:
+        """(free, total) preallocated slots of ``instance``."""
+        return self._slots.counts(instance)
+
+    def in_flight(self) -> int:
+        """Hand-offs under way: flights between two stages."""
+        return sum(1 for f in self._flights.values() if f.state != FlightState.RUNNING)
+
+    # ------------------------------------------------------------------ mail
+
+    def placed(self, job: Job, instance: str) -> None:
+        rid = job.request_id
+        if job.role == "encoder":
+            self._flights[rid] = Flight(request_id=rid, params=job.params, role="encoder", instance=instance,
+                                        priority=job.priority, progress=job.progress)
+            self._order("encoder", instance, Work(request_id=rid, params=job.params, progress=job.progress))
+            return
+        flight = self._flights.get(rid)
+        if flight is None or flight.state != FlightState.AWAITING:
+            # Ended while queued: its Forget may have reached the pool before this dispatch
+            # did, so the slot just reserved would never be freed: hand it back here. (Not a
+            # Forget: the request's own already went round, and a second would abort its
+            # workers again.)
+            self._pools[job.role].post(Release(request_id=rid, instance=instance, ok=None))
+            return
+        hop = hop_name(flight.role, job.role)
+        slot = self._slots.take(instance, flight.nbytes)
+        if slot is not None:
+            self.fast[hop] = self.fast.get(hop, 0) + 1
+            flight.reserve(instance, job.role, slot=slot, address=slot.address)
+            self._push(flight)
+        else:
+            self.slow[hop] = self.slow.get(hop, 0) + 1
+            flight.reserve(instance, job.role, slot=None, address=None)
+            self._order(job.role, instance, Alloc(request_id=rid, nbytes=flight.nbytes))
+
+    def forget(self, rid: str) -> None:
+        """The request ended elsewhere (failed, timed out, cancelled)."""
+        flight = self._flights.get(rid)
+        if flight is not None and not flight.doomed:
+            self._end(flight, pushing=flight.state == FlightState.PUSHING)
+
+    def expire_quarantine(self, now: float) -> None:
+        while self._quarantine and self._quarantine[0][0] <= now:
+            _, flight = self._quarantine.popleft()
+            if self._flights.get(flight.request_id) is flight:  # not already released by its Pushed
+                self._release_receiver(flight)
+                del self._flights[flight.request_id]
+
+    # ------------------------------------------------------------------ reports
+
+    def staged(self, link: Link, msg: Staged) -> None:
+        rid = msg.request_id
+        flight = self._flights.get(rid)
+        if flight is None or flight.state != FlightState.RUNNING or flight.instance != link.instance:
+            self._free_late(link, rid, flight)  # late (the request ended), repeated, or not its to report
+            return
+        following = next_role(link.role)
+        bad = [s.name for s in msg.manifest if s.offset + s.nbytes > msg.nbytes]
+        if following is None or bad:
+            self._fail(flight, Reason.STAGE_FAILED, f"{link.instance} staged an invalid output {bad}", outcome=False)
+            return
+        self._recycle_input(flight)
+        flight.stage_output(msg.nbytes, msg.manifest, msg.compute_ms)
+        self._admission.post(Enqueue(job=Job(request_id=rid, role=following, params=flight.params,
+                                             priority=flight.priority, progress=flight.progress)))
+
+    def allocated(self, link: Link, msg: Allocated) -> None:
+        flight = self._flights.get(msg.request_id)
+        if flight is None or flight.state != FlightState.ALLOCATING or flight.receiver != link.instance:
+            self._free_late(link, msg.request_id, flight)  # the request ended while it allocated, or repeated
+            return
+        if not link.holds(msg.address, flight.nbytes):
+            self._fail(flight, Reason.TRANSFER_FAILED, f"{link.instance} allocated outside its pool")
+            return
+        flight.allocated(msg.address)
+        self._push(flight)
+
+    def alloc_rejected(self, link: Link, msg: AllocRejected) -> None:
+        flight = self._flights.get(msg.request_id)
+        if flight is None or flight.state != FlightState.ALLOCATING or flight.receiver != link.instance:
+            self.late += 1
+            return
+        self._fail(flight, Reason.TRANSFER_FAILED, f"{link.instance} cannot fit {flight.nbytes} bytes: {msg.message}")
+
+    def pushed(self, link: Link, msg: Pushed) -> None:
+        flight = self._flights.get(msg.request_id)
+        if flight is None or flight.state != FlightState.PUSHING or flight.instance != link.instance:
+            self.late += 1
+            return
+        rid = flight.request_id
+        if flight.doomed:
+            # The request ended mid-push; only now is the receiver's memory safe to reuse.
+            self._release_receiver(flight)
+            del self._flights[rid]
+            return
+        if not msg.ok:
+            receiver = self._links.get(flight.receiver or "")
+            if receiver is not None:
+                self._push_failed_into(receiver)
+            # A push that ended in failure wrote nothing more: the receiver's memory is free at
+            # once. One in doubt (timed out) may still land: that memory waits out the quarantine.
+            self._fail(flight, Reason.TRANSFER_FAILED, f"{flight.instance} -> {flight.receiver}: {msg.error}",
+                       outcome=False, pushing=msg.in_doubt)
+            return
+        self._pools[flight.role].post(Release(request_id=rid, instance=flight.instance, ok=True))
+        self._tracker.post(HandedOff(request_id=rid, role=flight.role, instance=flight.instance,
+                                      compute_ms=flight.compute_ms, transfer_ms=msg.transfer_ms,
+                                      nbytes=flight.nbytes, fast_path=flight.slot is not None, via=msg.via))
+        ready = Ready(request_id=rid, params=flight.params, address=flight.address, manifest=flight.manifest,
+                      slot_id=flight.slot.slot_id if flight.slot else None, progress=flight.progress)
+        flight.delivered()
+        self._order(flight.role, flight.instance, ready)
+
+    def done(self, link: Link, msg: Done, frames: list[zmq.Frame]) -> None:
+        flight = self._flights.get(msg.request_id)
+        if flight is None or flight.state != FlightState.RUNNING or flight.instance != link.instance:
+            self.late += 1
+            return
+        rid = flight.request_id
+        if not msg.ok:
+            self._fail(flight, msg.reason, f"{link.instance}: {msg.error}", outcome=False)
+            return
+        if link.role != "decoder":
+            self._fail(flight, Reason.STAGE_FAILED, f"{link.instance} ({link.role}) answered Done; only decoders do",
+                       outcome=False)
+            return
+        try:
+            check_frames(msg.outputs, frames)
+        except ValueError as exc:
+            self._fail(flight, Reason.STAGE_FAILED, f"{link.instance} sent outputs unlike their headers: {exc}",
+                       outcome=False)
+            return
+        self._recycle_input(flight)
+        del self._flights[rid]
+        self._pools[link.role].post(Release(request_id=rid, instance=link.instance, ok=True))
+        self._tracker.post(Finished(request_id=rid, instance=link.instance, compute_ms=msg.compute_ms,
+                                     outputs=msg.outputs, frames=frames))
+
+    def step(self, link: Link, msg: Step) -> None:
+        flight = self._flights.get(msg.request_id)
+        if flight is None or flight.state != FlightState.RUNNING or flight.instance != link.instance:
+            self.late += 1
+            return
+        self._tracker.post(Stepped(request_id=msg.request_id, step=msg.step, steps=msg.steps))
+
+    # ------------------------------------------------------------------ ends
+
+    def _end(self, flight: Flight, *, pushing: bool, outcome: bool | None = None) -> None:
+        """Free everything ``flight`` holds, as soon as each piece is safe to free.
+
+        The negotiator alone decides when a placed request lets go: the pool slots of its
+        current instance and of a reserved receiver, the worker state (an abort), and the
+        receiver's memory. ``pushing`` means a write into that memory may be in progress,
+        so the memory stays reserved until the push reports. ``outcome`` is how the
+        current instance's stage ended (None: the request ended elsewhere).
+        """
+        rid = flight.request_id
+        self._pools[flight.role].post(Release(request_id=rid, instance=flight.instance, ok=outcome))
+        self._order(flight.role, flight.instance, Abort(request_id=rid))
+        self._recycle_input(flight)
+        if flight.receiver is not None:
+            self._pools[flight.receiver_role].post(Release(request_id=rid, instance=flight.receiver, ok=None))
+            if pushing:
+                # Normally the sender's Pushed releases it; the quarantine bounds the wait
+                # should that report never come.
+                flight.doomed = True
+                self._quarantine.append((time.monotonic() + self._push_quarantine_s, flight))
+                return
+            self._release_receiver(flight)
+        del self._flights[rid]
+
+    def _fail(self, flight: Flight, reason: Reason, message: str, *, pushing: bool = False,
+              outcome: bool | None = None) -> None:
+        """End ``flight`` here and now, and tell the tracker why."""
+        self._end(flight, pushing=pushing, outcome=outcome)
+        self._tracker.post(Failed(request_id=flight.request_id, reason=reason, message=message))
+
+    def _release_receiver(self, flight: Flight) -> None:
+        if flight.slot is not None:
+            self._slots.recycle(flight.slot)
+        if flight.slot is None or flight.abort_receiver:
+            self._order(flight.receiver_role, flight.receiver, Abort(request_id=flight.request_id))
+
+    def _recycle_input(self, flight: Flight) -> None:
+        if flight.input_slot is not None:
+            self._slots.recycle(flight.input_slot)
+            flight.input_slot = None
+
+    def _free_late(self, link: Link, rid: str, flight: Flight | None) -> None:
+        """A late report says ``link`` holds memory for ``rid``: have it freed there, unless the
+        request is live on that worker (a repeated report), where the memory is in use.
+
+        A doomed flight's sender may be aborted again (an abort never frees a block that is
+        being pushed), but not its receiver: that would free an allocation a write may still
+        land in. The receiver is aborted when its memory is released.
+        """
+        self.late += 1
+        involved = flight is not None and link.instance in (flight.instance, flight.receiver)
+        if not involved or (flight.doomed and link.instance == flight.instance):
+            self._order(link.role, link.instance, Abort(request_id=rid))
+        elif flight.doomed:
+            flight.abort_receiver = True
+
+    # ------------------------------------------------------------------ orders
+
+    def _push(self, flight: Flight) -> None:
+        receiver, sender = self._links[flight.receiver], self._links[flight.instance]
+        # Two workers of one kernel: the sender may copy into the receiver's shared pool.
+        same_host = receiver.local is not None and sender.local is not None and receiver.local.host == sender.local.host
+        self._order(flight.role, flight.instance, Push(request_id=flight.request_id, session=receiver.session,
+                                                       address=flight.address, nbytes=flight.nbytes,
+                                                       local=receiver.local if same_host else None))
+
+    def _order(self, role: Role, instance: str | None, order: WorkOrder) -> None:
+        assert instance is not None
+        self._pools[role].post(Send(instance=instance, order=order))
