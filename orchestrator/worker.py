@@ -3,9 +3,9 @@
 Three paths that never wait on each other:
 
 * compute: the stage's synchronous torch code, in ``compute_threads`` worker threads;
-* transfer: Mooncake writes, in one push thread of their own (a write blocks, sleeping,
-  until the peer acks, and one writer per engine is what Mooncake handles best), or a
-  plain copy when the receiver shares this host (transfer/shm.py);
+* transfer: Mooncake writes, in one push thread of their own, or a plain copy when the
+  receiver shares this host (orchestrator/worker_memory.py, which owns what the worker
+  holds for requests);
 * control: allocations, aborts and all socket traffic, on the event loop.
 
 So an ``Alloc`` or ``Push`` is answered while a long denoising loop runs. A stage that
@@ -35,9 +35,10 @@ from orchestrator.stages import RunControl, Stage, StageError, StageStopped, bui
 from orchestrator.stages.base import StepFn
 from orchestrator.watchdog import StageWatchdog
 from orchestrator.work_socket import bind_work_socket, close_work_socket, remove_socket_file
+from orchestrator.worker_memory import RequestMemory
 from transfer import frames
-from transfer.engine import Engine, MooncakeEngine, TransferError, TransferInDoubt
-from transfer.pool import Block, MemoryPool, PoolError
+from transfer.engine import Engine, MooncakeEngine
+from transfer.pool import MemoryPool, PoolError
 from transfer.protocol import (
     DAEMON_TO_WORKER,
     DECODE_ERRORS,
@@ -45,38 +46,30 @@ from transfer.protocol import (
     WORK_ORDER,
     Abort,
     Alloc,
-    Allocated,
-    AllocRejected,
     Done,
     Heartbeat,
     Leaving,
     Probe,
     Probed,
     Push,
-    Pushed,
     Ready,
     Register,
     Registered,
     RegisterRefused,
     Role,
-    Staged,
     Step,
-    Via,
     Work,
     WorkOrder,
     encode,
 )
 from transfer.reports import ReportOutbox
-from transfer.shm import LocalCopyError, LocalWriter, SharedRegion, shared_region
+from transfer.shm import LocalWriter, SharedRegion, shared_region
 from transfer.sockets import PlainPump
 
 log = structlog.get_logger()
 
 REGISTER_RETRY_S = 2.0
 LEAVING_LINGER_MS = 250  # a stopping worker waits at most this long for Leaving to go out (ms)
-# Same-host copies up to this size run on the event loop (about 0.1 ms at memcpy speed):
-# cheaper than the two thread hops a push thread costs.
-INLINE_COPY_BYTES = 1 << 20
 
 
 class WorkerRefused(RuntimeError):
@@ -109,23 +102,17 @@ class WorkerRuntime:
         self._engine = engine
         self._stage: Stage | None = None
         self._pool: MemoryPool | None = None
-        # Same-host copies (transfer.same_host_copy): the pool in shared memory, advertised,
-        # and the writer into peers' pools.
+        # Same-host copies (transfer.same_host_copy): the pool in shared memory, advertised.
         self._region: SharedRegion | None = None
-        self._writers: tuple[LocalWriter, LocalWriter] | None = None  # the loop's, the push thread's
+        self._memory: RequestMemory | None = None  # once the pool and the engine exist
         self._outbox = ReportOutbox()
         self._key = b""
         self._compute = anyio.CapacityLimiter(self._wcfg.compute_threads)
-        self._transfer = anyio.CapacityLimiter(1)
         self._scopes: dict[str, anyio.CancelScope] = {}  # compute and alloc tasks, by request
         self._runs: dict[str, RunControl] = {}  # stage runs, by request: stopped, they end at their next step
         self._log = log.bind(role=role, worker=self.name)
         self._work_address: str | None = None  # once bound
         self._watchdog = StageWatchdog(self._wcfg.stage_timeout_s, log=self._log, exit=self._exit_hung)
-        self._staged: dict[str, Block] = {}
-        self._allocs: dict[str, Block] = {}
-        self._pushing: set[str] = set()
-        self._in_doubt_until = -math.inf  # see _may_say_leaving
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -137,16 +124,18 @@ class WorkerRuntime:
         self._watchdog.start()
         receives = self.role != "encoder"
         slot_sizes = [self._wcfg.prealloc_slot_bytes] * self._wcfg.prealloc_slots if receives else []
+        writers = None
         if self._cfg.transfer.same_host_copy:
             self._region = shared_region(self._wcfg.pool_bytes)
             # Without a region of its own it is not told of peers' regions either (the daemon
             # pairs shared memory only when both ends have it).
-            self._writers = (LocalWriter(), LocalWriter()) if self._region else None
-        self._pool = pool = MemoryPool(self._wcfg.pool_bytes, slot_sizes=slot_sizes,
-                                       memory=self._region.tensor if self._region else None)
+            writers = (LocalWriter(), LocalWriter()) if self._region else None
+        pool = MemoryPool(self._wcfg.pool_bytes, slot_sizes=slot_sizes,
+                          memory=self._region.tensor if self._region else None)
         if self._engine is None:
             self._engine = MooncakeEngine(self._cfg.transfer)
         self._engine.register(pool.base, pool.size)
+        self._use_pool(pool, writers)
         ctx = zmq.asyncio.Context()
         work = zmq.Socket(ctx, zmq.PULL)
         work.setsockopt(zmq.LINGER, 0)
@@ -171,6 +160,13 @@ class WorkerRuntime:
             ctx.term()
             self._engine.close()
 
+    def _use_pool(self, pool: MemoryPool, writers: tuple[LocalWriter, LocalWriter] | None = None) -> None:
+        """Hold requests' memory in ``pool``, registered with the engine."""
+        assert self._engine is not None
+        self._pool = pool
+        self._memory = RequestMemory(pool, self._engine, writers, alloc_timeout_s=self._wcfg.alloc_timeout_s,
+                                     push_quarantine_s=self._cfg.daemon.push_quarantine_s, report=self._report)
+
     def _exit_hung(self, status: int) -> None:
         """The watchdog's exit: at once (a normal exit would wait for the hung stage thread,
         and skip nothing but the cleanup below), leaving no socket file behind."""
@@ -180,7 +176,7 @@ class WorkerRuntime:
     def _may_say_leaving(self) -> bool:
         """Leaving tells the daemon no write of ours can still land: false for a while after
         a push we stopped waiting for (the daemon then waits out its quarantine instead)."""
-        return time.monotonic() >= self._in_doubt_until
+        return self._memory is None or time.monotonic() >= self._memory.in_doubt_until
 
     def _say_leaving(self, dealer: zmq.asyncio.Socket) -> int:
         """Send ``Leaving`` without waiting (this may run while cancelled); return how long
@@ -197,6 +193,8 @@ class WorkerRuntime:
         assert self._engine is not None
         self._key = registered.key
         self._log = log.bind(role=self.role, worker=self.name, instance=registered.instance)
+        assert self._memory is not None
+        self._memory.log = self._log
         self._log.info("worker.registered", work_address=work_address, session=self._engine.session)
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._heartbeat, registered.heartbeat_s)
@@ -219,11 +217,8 @@ class WorkerRuntime:
     async def _forget_everything(self, *, settled: bool) -> None:
         """Free what the forgotten registration held, then wait until rejoining is safe.
         ``settled``: the daemon, stopping, said nothing can still be written here."""
-        assert self._pool is not None
-        for block in [*self._staged.values(), *self._allocs.values()]:
-            self._pool.free(block)
-        self._staged.clear()
-        self._allocs.clear()
+        assert self._pool is not None and self._memory is not None
+        self._memory.free_everything()
         self._outbox = ReportOutbox()  # reports about requests nobody knows any more
         # A sender told to push here before the daemon forgot us may still be writing: the
         # daemon must not hand this memory out again before such a write is over.
@@ -298,6 +293,8 @@ class WorkerRuntime:
             self._on_order(order, tg)
 
     def _on_order(self, order: WorkOrder, tg: anyio.abc.TaskGroup) -> None:
+        memory = self._memory
+        assert memory is not None
         if isinstance(order, Probe):
             self._log.info("worker.orders_arrive")
             self._report(Probed(instance=order.instance))
@@ -315,20 +312,21 @@ class WorkerRuntime:
                               order)
             case Alloc():
                 tg.start_soon(self._guarded, order.request_id, self._cancel_scope(order.request_id),
-                              self._alloc, order)
+                              memory.alloc, order)
             case Push():
-                tg.start_soon(self._push, order)  # never cancelled: the daemon awaits Pushed
+                tg.start_soon(memory.push, order)  # never cancelled: the daemon awaits Pushed
             case Abort(request_id=rid):
                 self._abort(rid)
 
     def _busy_with(self, order: WorkOrder) -> bool:
         """Whether ``order``'s request already has work or memory here that it would clash
         with (a Ready consumes the allocation its Alloc made; nothing else may overlap)."""
-        rid = order.request_id
+        rid, memory = order.request_id, self._memory
+        assert memory is not None
         if isinstance(order, Push):
-            return rid in self._pushing
-        held = rid in self._scopes or rid in self._runs or rid in self._staged or rid in self._pushing
-        return held if isinstance(order, Ready) else held or rid in self._allocs
+            return memory.pushing(rid)
+        held = rid in self._scopes or rid in self._runs or memory.holds_output(rid)
+        return held if isinstance(order, Ready) else held or memory.holds_input(rid)
 
     def _cancel_scope(self, rid: str) -> anyio.CancelScope:
         # Made and recorded before the task starts, so an Abort right behind the order
@@ -348,20 +346,14 @@ class WorkerRuntime:
                     del self._scopes[rid]
 
     def _abort(self, rid: str) -> None:
-        assert self._pool is not None
+        assert self._memory is not None
         scope = self._scopes.pop(rid, None)
         if scope is not None:
             scope.cancel()
         control = self._runs.pop(rid, None)
         if control is not None:
             control.stop()  # the stage's thread cannot be cancelled, only asked to stop
-        block = self._allocs.pop(rid, None)
-        if block is not None:
-            self._pool.free(block)
-        if rid not in self._pushing:  # a push in progress frees its block when it ends
-            block = self._staged.pop(rid, None)
-            if block is not None:
-                self._pool.free(block)
+        self._memory.free(rid)
 
     def _report(self, msg: Any, buffers: list[Any] | None = None) -> None:
         self._outbox.put(encode(msg), buffers or ())
@@ -395,7 +387,8 @@ class WorkerRuntime:
         started = time.perf_counter()
         compute_ms = 0.0
         try:
-            inputs = self._take_inputs(order) if isinstance(order, Ready) else {}
+            assert self._memory is not None
+            inputs = self._memory.take_inputs(order) if isinstance(order, Ready) else {}
             started = time.perf_counter()
             outputs = await self._compute_on_thread(rid, order, inputs, control)
             compute_ms = (time.perf_counter() - started) * 1000
@@ -410,7 +403,7 @@ class WorkerRuntime:
                 specs, buffers = frames.to_frames(outputs)
                 self._report(Done(request_id=rid, ok=True, compute_ms=compute_ms, outputs=specs), buffers)
             else:
-                await self._stage_output(rid, outputs, compute_ms)
+                await self._memory.stage_output(rid, outputs, compute_ms)
         except StageStopped:
             # The daemon ended the request and freed its slot: it expects no report.
             self._log.info("worker.stage_stopped", request_id=rid, ran_ms=round((time.perf_counter() - started) * 1000))
@@ -442,107 +435,6 @@ class WorkerRuntime:
         # outlasts even the request's end.
         with self._watchdog.watching(control, rid):
             return await anyio.to_thread.run_sync(run, limiter=self._compute)
-
-    def _take_inputs(self, ready: Ready) -> dict[str, torch.Tensor]:
-        """Copy the input out of its receive memory (its slot, or the block its Alloc made),
-        then give an allocation back at once."""
-        assert self._pool is not None
-        block = self._allocs.pop(ready.request_id, None)
-        try:
-            if block is not None:
-                address, size = self._pool.address(block), block.size
-            elif ready.slot_id is not None and 0 <= ready.slot_id < len(self._pool.slots):
-                slot = self._pool.slots[ready.slot_id]
-                address, size = slot.address, slot.size
-            else:
-                raise ValueError(f"Ready names no memory of this request's (slot {ready.slot_id}, no allocation)")
-            if ready.address != address:
-                raise ValueError(f"Ready points at {ready.address:#x}, this request's input is at {address:#x}")
-            return frames.unpack(self._pool.view_at(address, size), ready.manifest)
-        finally:
-            if block is not None:
-                self._pool.free(block)
-
-    async def _stage_output(self, rid: str, outputs: dict[str, torch.Tensor], compute_ms: float) -> None:
-        assert self._pool is not None
-        specs, nbytes = frames.layout(outputs)
-        block = await self._pool.alloc(nbytes, timeout_s=self._wcfg.alloc_timeout_s)
-        try:
-            frames.pack(self._pool.view(block), outputs, specs)
-        except BaseException:
-            self._pool.free(block)
-            raise
-        # Recorded before Staged leaves, so the Push it leads to always finds the block.
-        self._staged[rid] = block
-        self._report(Staged(request_id=rid, nbytes=nbytes, manifest=specs, compute_ms=compute_ms))
-
-    # ------------------------------------------------------------------ transfer path
-
-    async def _alloc(self, order: Alloc) -> None:
-        assert self._pool is not None
-        try:
-            block = await self._pool.alloc(order.nbytes, timeout_s=self._wcfg.alloc_timeout_s)
-        except PoolError as exc:
-            self._report(AllocRejected(request_id=order.request_id, message=str(exc)))
-            return
-        self._allocs[order.request_id] = block
-        self._report(Allocated(request_id=order.request_id, address=self._pool.address(block)))
-
-    async def _push(self, order: Push) -> None:
-        assert self._pool is not None and self._engine is not None
-        rid = order.request_id
-        block = self._staged.get(rid)
-        if block is None or order.nbytes > block.size:
-            self._report(Pushed(request_id=rid, ok=False, transfer_ms=0.0,
-                                error=f"nothing staged for {rid!r} of {order.nbytes} bytes"))
-            return
-        self._pushing.add(rid)
-        started = time.perf_counter()
-        error = ""
-        in_doubt = False
-        via: Via = "mooncake"
-        try:
-            via = await self._deliver(order, self._pool.address(block))
-        except TransferError as exc:
-            error, in_doubt = str(exc), isinstance(exc, TransferInDoubt)
-            if in_doubt:
-                self._in_doubt_until = time.monotonic() + self._cfg.daemon.push_quarantine_s
-        except Exception as exc:  # the daemon must hear Pushed, whatever happened
-            self._log.exception("worker.push_crashed", request_id=rid)
-            error = f"{type(exc).__name__}: {exc}"
-        finally:
-            self._pushing.discard(rid)
-            del self._staged[rid]
-            # Freed even in doubt: a late read of it can only land in receiver memory that
-            # the daemon holds back until push_quarantine_s has passed.
-            self._pool.free(block)
-        self._report(Pushed(request_id=rid, ok=not error, transfer_ms=(time.perf_counter() - started) * 1000,
-                            error=error, via=via, in_doubt=in_doubt))
-
-    async def _deliver(self, order: Push, src_addr: int) -> Via:
-        """Copy into a same-host receiver's shared pool, else transfer with the engine.
-
-        A small copy runs right here on the loop: it costs less than the hop to the push
-        thread and back (0.4-6 ms on a busy 2-core host). Larger copies and every transfer
-        run on the push thread. Each side has its own writer: their mappings are not shared
-        between threads.
-        """
-        assert self._engine is not None
-        if order.local is not None and self._writers is not None:
-            loop_writer, thread_writer = self._writers
-            try:
-                if order.nbytes <= INLINE_COPY_BYTES:
-                    loop_writer.write(order.local, src_addr, order.address, order.nbytes)
-                else:
-                    await anyio.to_thread.run_sync(thread_writer.write, order.local, src_addr, order.address,
-                                                   order.nbytes, limiter=self._transfer)
-                return "memcpy"
-            except LocalCopyError as exc:
-                self._log.warning("worker.local_copy_failed", request_id=order.request_id, error=str(exc))
-        await anyio.to_thread.run_sync(self._engine.write, order.session, src_addr, order.address, order.nbytes,
-                                       limiter=self._transfer)
-        return "mooncake"
-
 
 async def run_worker(role: Role, cfg: Config, name: str | None = None) -> None:
     """Run a worker until SIGTERM/SIGINT; exits cleanly, freeing its registration."""

@@ -14,7 +14,7 @@ from transfer.protocol import GenParams
 
 async def test_same_host_hand_offs_are_copies_into_shared_memory(start_cluster: StartCluster) -> None:
     # Embeddings of 1.2 MiB are copied on the sender's push thread, the small latents on its
-    # event loop (orchestrator/worker.py, INLINE_COPY_BYTES): both ways are covered.
+    # event loop (orchestrator/worker_memory.py, INLINE_COPY_BYTES): both ways are covered.
     cluster = start_cluster(transfer={"same_host_copy": True}, **{"model.null": {"embed_shape": [1, 77, 4096]}})
     null = cluster.config.model.null
     requests = [GenParams(prompt=f"shared {i}", seed=i, width=64 if i % 2 else 256, height=48 if i % 2 else 128,

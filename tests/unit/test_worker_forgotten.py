@@ -18,11 +18,12 @@ CFG = Config(daemon=DaemonConfig(push_quarantine_s=QUARANTINE_S),
 
 def holding(role: Role) -> WorkerRuntime:
     """A runtime (no sockets, no engine) holding two staged blocks and an allocation."""
-    worker = WorkerRuntime(role, CFG, name="forgotten-test")
-    worker._pool = pool = MemoryPool(1 << 16)
+    worker = WorkerRuntime(role, CFG, name="forgotten-test", engine=object())  # type: ignore[arg-type]
+    worker._use_pool(pool := MemoryPool(1 << 16))
+    assert worker._memory is not None
     for rid in ("r1", "r2"):
-        worker._staged[rid] = pool.try_alloc(1000)
-    worker._allocs["r3"] = pool.try_alloc(1000)
+        worker._memory._staged[rid] = pool.try_alloc(1000)
+    worker._memory._allocs["r3"] = pool.try_alloc(1000)
     return worker
 
 
@@ -39,6 +40,7 @@ async def test_it_frees_everything_and_only_an_unsettled_receiver_waits_out_the_
     await worker._forget_everything(settled=settled)
     waited = time.monotonic() - started
     assert worker._pool is not None and worker._pool.allocated_blocks == 0
-    assert not worker._staged and not worker._allocs
+    assert worker._memory is not None
+    assert not any(worker._memory.holds_output(rid) or worker._memory.holds_input(rid) for rid in ("r1", "r2", "r3"))
     assert worker._outbox is not stale_outbox  # the unsent report is dropped with it
     assert (waited >= QUARANTINE_S) == waits

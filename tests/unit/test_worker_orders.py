@@ -59,7 +59,7 @@ async def worker(role: str = "denoiser", engine: SlowEngine | None = None) -> As
     """A runtime with a pool (two 1 KiB slots, as a receiver registers them) and a null
     stage, and a task group its orders run in."""
     w = WorkerRuntime(role, CFG, name="orders-test", engine=engine or SlowEngine())  # type: ignore[arg-type]
-    w._pool = MemoryPool(1 << 16, slot_sizes=[SLOT, SLOT] if role != "encoder" else [])
+    w._use_pool(MemoryPool(1 << 16, slot_sizes=[SLOT, SLOT] if role != "encoder" else []))
     w._stage = build_stage(role, CFG.model, torch_threads=1)  # type: ignore[arg-type]
     async with anyio.create_task_group() as tg:
         w.tg = tg
@@ -81,7 +81,7 @@ async def test_a_repeated_push_is_ignored_and_the_first_reports_once() -> None:
     """Before, the repeat wrote from the block the first one freed, then killed the worker."""
     engine = SlowEngine(seconds=0.2)
     async with worker("encoder", engine) as w:
-        w._staged["r1"] = w._pool.try_alloc(512)
+        w._memory._staged["r1"] = w._pool.try_alloc(512)
         push = Push(request_id="r1", session="peer:1", address=0x1000, nbytes=512)
         w.send(push)
         await anyio.sleep(0.05)
@@ -150,12 +150,12 @@ async def test_a_push_in_doubt_keeps_the_worker_from_saying_leaving_until_the_qu
     push it stopped waiting for."""
     async with worker("encoder", SlowEngine(error=TransferInDoubt("timed out"))) as w:
         assert w._may_say_leaving()
-        w._staged["r1"] = w._pool.try_alloc(512)
+        w._memory._staged["r1"] = w._pool.try_alloc(512)
         w.send(Push(request_id="r1", session="peer:1", address=0x1000, nbytes=512))
         (pushed,) = await reports(w)
     assert isinstance(pushed, Pushed) and pushed.in_doubt
     assert not w._may_say_leaving()
-    w._in_doubt_until = time.monotonic()
+    w._memory.in_doubt_until = time.monotonic()
     assert w._may_say_leaving()
 
 

@@ -30,11 +30,12 @@ async def test_a_timed_out_push_is_reported_in_doubt_and_a_failed_one_is_not(
     error: TransferError, in_doubt: bool
 ) -> None:
     worker = WorkerRuntime("encoder", Config(), name="push-test", engine=FailingEngine(error))  # type: ignore[arg-type]
-    worker._pool = pool = MemoryPool(1 << 16)
-    worker._staged["r1"] = pool.try_alloc(512)
-    await worker._push(Push(request_id="r1", session="peer:1", address=0x1000, nbytes=512))
+    worker._use_pool(pool := MemoryPool(1 << 16))
+    assert worker._memory is not None
+    worker._memory._staged["r1"] = pool.try_alloc(512)
+    await worker._memory.push(Push(request_id="r1", session="peer:1", address=0x1000, nbytes=512))
     (message,) = await worker._outbox.take()
     pushed = WORKER_MESSAGE.decode(message[0])
     assert isinstance(pushed, Pushed) and not pushed.ok and pushed.error == str(error)
     assert pushed.in_doubt == in_doubt
-    assert pool.allocated_blocks == 0 and not worker._staged  # the block is freed either way
+    assert pool.allocated_blocks == 0 and not worker._memory.holds_output("r1")  # the block is freed either way

@@ -1,0 +1,177 @@
+"""RequestMemory: what one worker holds for requests in its registered pool, and the
+writes out of it (the worker's transfer path).
+
+Three holdings, by request id: a stage's staged output (until pushed or aborted), the
+block an ``Alloc`` made for an input on the slow path (until its ``Ready`` reads it, or
+aborted), and a push in progress, whose staged block is freed only when the write ends:
+memory a write is reading from is never handed out again underneath it.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+import structlog
+import torch
+
+from transfer import frames
+from transfer.engine import Engine, TransferError, TransferInDoubt
+from transfer.pool import Block, MemoryPool, PoolError
+from transfer.protocol import Alloc, Allocated, AllocRejected, Push, Pushed, Ready, Staged, Via
+from transfer.shm import LocalCopyError, LocalWriter
+
+# Same-host copies up to this size run on the event loop (about 0.1 ms at memcpy speed):
+# cheaper than the two thread hops a push thread costs.
+INLINE_COPY_BYTES = 1 << 20
+
+
+class RequestMemory:
+    def __init__(self, pool: MemoryPool, engine: Engine, writers: tuple[LocalWriter, LocalWriter] | None, *,
+                 alloc_timeout_s: float, push_quarantine_s: float, report: Callable[..., None]) -> None:
+        self._pool = pool
+        self._engine = engine
+        self._writers = writers  # same-host copies: the loop's writer, the push thread's
+        self._alloc_timeout_s = alloc_timeout_s
+        self._push_quarantine_s = push_quarantine_s
+        self._report = report
+        # Mooncake writes run one at a time on a push thread of their own: a write blocks,
+        # sleeping, until the peer acks, and one writer per engine is what it handles best.
+        self._transfer = anyio.CapacityLimiter(1)
+        self._staged: dict[str, Block] = {}
+        self._allocs: dict[str, Block] = {}
+        self._pushing: set[str] = set()
+        # Until then a write we stopped waiting for may still be reading our memory or
+        # landing in a peer's: the worker must not tell the daemon nothing of it can land.
+        self.in_doubt_until = -math.inf
+        self.log: Any = structlog.get_logger()  # the runtime's, bound to its registration
+
+    # ------------------------------------------------------------------ what is held
+
+    def pushing(self, rid: str) -> bool:
+        return rid in self._pushing
+
+    def holds_output(self, rid: str) -> bool:
+        return rid in self._staged or rid in self._pushing
+
+    def holds_input(self, rid: str) -> bool:
+        return rid in self._allocs
+
+    def free(self, rid: str) -> None:
+        """The request was aborted: free what it holds here, except a block being pushed
+        (its push frees it when the write ends)."""
+        block = self._allocs.pop(rid, None)
+        if block is not None:
+            self._pool.free(block)
+        if rid not in self._pushing:
+            block = self._staged.pop(rid, None)
+            if block is not None:
+                self._pool.free(block)
+
+    def free_everything(self) -> None:
+        """The daemon forgot this worker: nothing it ordered is wanted any more. (No push is
+        in progress: the runtime waited for every write to end.)"""
+        for block in [*self._staged.values(), *self._allocs.values()]:
+            self._pool.free(block)
+        self._staged.clear()
+        self._allocs.clear()
+
+    # ------------------------------------------------------------------ a stage's input and output
+
+    def take_inputs(self, ready: Ready) -> dict[str, torch.Tensor]:
+        """Copy the input out of its receive memory (its slot, or the block its Alloc made),
+        then give an allocation back at once."""
+        block = self._allocs.pop(ready.request_id, None)
+        try:
+            if block is not None:
+                address, size = self._pool.address(block), block.size
+            elif ready.slot_id is not None and 0 <= ready.slot_id < len(self._pool.slots):
+                slot = self._pool.slots[ready.slot_id]
+                address, size = slot.address, slot.size
+            else:
+                raise ValueError(f"Ready names no memory of this request's (slot {ready.slot_id}, no allocation)")
+            if ready.address != address:
+                raise ValueError(f"Ready points at {ready.address:#x}, this request's input is at {address:#x}")
+            return frames.unpack(self._pool.view_at(address, size), ready.manifest)
+        finally:
+            if block is not None:
+                self._pool.free(block)
+
+    async def stage_output(self, rid: str, outputs: dict[str, torch.Tensor], compute_ms: float) -> None:
+        specs, nbytes = frames.layout(outputs)
+        block = await self._pool.alloc(nbytes, timeout_s=self._alloc_timeout_s)
+        try:
+            frames.pack(self._pool.view(block), outputs, specs)
+        except BaseException:
+            self._pool.free(block)
+            raise
+        # Recorded before Staged leaves, so the Push it leads to always finds the block.
+        self._staged[rid] = block
+        self._report(Staged(request_id=rid, nbytes=nbytes, manifest=specs, compute_ms=compute_ms))
+
+    # ------------------------------------------------------------------ hand-off orders
+
+    async def alloc(self, order: Alloc) -> None:
+        try:
+            block = await self._pool.alloc(order.nbytes, timeout_s=self._alloc_timeout_s)
+        except PoolError as exc:
+            self._report(AllocRejected(request_id=order.request_id, message=str(exc)))
+            return
+        self._allocs[order.request_id] = block
+        self._report(Allocated(request_id=order.request_id, address=self._pool.address(block)))
+
+    async def push(self, order: Push) -> None:
+        rid = order.request_id
+        block = self._staged.get(rid)
+        if block is None or order.nbytes > block.size:
+            self._report(Pushed(request_id=rid, ok=False, transfer_ms=0.0,
+                                error=f"nothing staged for {rid!r} of {order.nbytes} bytes"))
+            return
+        self._pushing.add(rid)
+        started = time.perf_counter()
+        error = ""
+        in_doubt = False
+        via: Via = "mooncake"
+        try:
+            via = await self._deliver(order, self._pool.address(block))
+        except TransferError as exc:
+            error, in_doubt = str(exc), isinstance(exc, TransferInDoubt)
+            if in_doubt:
+                self.in_doubt_until = time.monotonic() + self._push_quarantine_s
+        except Exception as exc:  # the daemon must hear Pushed, whatever happened
+            self.log.exception("worker.push_crashed", request_id=rid)
+            error = f"{type(exc).__name__}: {exc}"
+        finally:
+            self._pushing.discard(rid)
+            del self._staged[rid]
+            # Freed even in doubt: a late read of it can only land in receiver memory that
+            # the daemon holds back until push_quarantine_s has passed.
+            self._pool.free(block)
+        self._report(Pushed(request_id=rid, ok=not error, transfer_ms=(time.perf_counter() - started) * 1000,
+                            error=error, via=via, in_doubt=in_doubt))
+
+    async def _deliver(self, order: Push, src_addr: int) -> Via:
+        """Copy into a same-host receiver's shared pool, else transfer with the engine.
+
+        A small copy runs right here on the loop: it costs less than the hop to the push
+        thread and back (0.4-6 ms on a busy 2-core host). Larger copies and every transfer
+        run on the push thread. Each side has its own writer: their mappings are not shared
+        between threads.
+        """
+        if order.local is not None and self._writers is not None:
+            loop_writer, thread_writer = self._writers
+            try:
+                if order.nbytes <= INLINE_COPY_BYTES:
+                    loop_writer.write(order.local, src_addr, order.address, order.nbytes)
+                else:
+                    await anyio.to_thread.run_sync(thread_writer.write, order.local, src_addr, order.address,
+                                                   order.nbytes, limiter=self._transfer)
+                return "memcpy"
+            except LocalCopyError as exc:
+                self.log.warning("worker.local_copy_failed", request_id=order.request_id, error=str(exc))
+        await anyio.to_thread.run_sync(self._engine.write, order.session, src_addr, order.address, order.nbytes,
+                                       limiter=self._transfer)
+        return "mooncake"
