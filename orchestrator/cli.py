@@ -79,7 +79,7 @@ def _instant_workers(args: argparse.Namespace) -> int:
 
 
 def _print_progress(progress: Progress) -> None:
-    from orchestrator.report import progress_line
+    from orchestrator.tables import progress_line
 
     print(progress_line(progress), file=sys.stderr)
 
@@ -145,7 +145,7 @@ def _daemon_at(endpoint: str) -> str:
     return _check_endpoint(endpoint, answered_within_s=DAEMON_CONNECT_S)
 
 def _stats(args: argparse.Namespace) -> int:
-    from orchestrator.report import stats_table
+    from orchestrator.tables import stats_table
 
     stats = _control(args).stats()
     print(json.dumps(msgspec.to_builtins(stats), indent=2) if args.json else stats_table(stats))
@@ -153,7 +153,7 @@ def _stats(args: argparse.Namespace) -> int:
 
 
 def _workers(args: argparse.Namespace) -> int:
-    from orchestrator.report import workers_table
+    from orchestrator.tables import workers_table
 
     workers = _control(args).workers()
     print(json.dumps(msgspec.to_builtins(workers), indent=2) if args.json else workers_table(workers.instances))

@@ -74,7 +74,7 @@ class Generation:
 Reply = Generation | Rejected | Cancelled | Progress  # what the client socket brings, decoded
 
 
-def _submit_frames(params: GenParams, request_id: str, timeout_s: float | None, priority: int,
+def _submit_body(params: GenParams, request_id: str, timeout_s: float | None, priority: int,
                    progress: bool = False) -> bytes:
     """The encoded ``Submit``, checked as the daemon will check it: a bad field raises
     ``Rejection(invalid)`` here, at once. (A field far out of bounds, a prompt of megabytes,
@@ -133,7 +133,7 @@ class Client:
 
     def submit(self, params: GenParams, *, request_id: str = "", timeout_s: float | None = None,
                priority: int = 0) -> Generation:
-        reply = self._request([_submit_frames(params, request_id, timeout_s, priority)], _wait_s(timeout_s))
+        reply = self._request([_submit_body(params, request_id, timeout_s, priority)], _wait_s(timeout_s))
         if isinstance(reply, Rejected):
             raise Rejection(reply)
         assert isinstance(reply, Generation)
@@ -282,7 +282,7 @@ class AsyncClient:
         cancelled at the daemon), or ``ValueError`` for an id in use on this client."""
         # The client picks the id so it can match the answer among many in flight.
         rid = request_id or uuid.uuid4().hex
-        body = _submit_frames(params, rid, timeout_s, priority, progress=on_progress is not None)
+        body = _submit_body(params, rid, timeout_s, priority, progress=on_progress is not None)
         reply = await self._request(rid, body, _wait_s(timeout_s), on_progress)
         if isinstance(reply, Rejected):
             raise Rejection(reply)

@@ -21,8 +21,8 @@ import torch
 from orchestrator.client import AsyncClient, Generation
 from orchestrator.cluster import ClusterError, LocalCluster
 from orchestrator.config import Config, load_config
-from orchestrator.report import progress_line, stats_table
 from orchestrator.stages.images import decode_png
+from orchestrator.tables import progress_line, stats_table
 from transfer.protocol import GenParams, Progress
 
 ROOT = Path(__file__).resolve().parent.parent

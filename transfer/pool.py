@@ -93,10 +93,8 @@ class MemoryPool:
         self.size = size
 
         self.slots: list[SlotInfo] = []
-        self._slot_offsets: list[int] = []
         end = 0
         for slot_id, slot_size in enumerate(slot_sizes):
-            self._slot_offsets.append(end)
             self.slots.append(SlotInfo(slot_id=slot_id, address=self.base + end, size=slot_size))
             end += _align_up(slot_size, alignment)
         if end > size:
@@ -121,10 +119,9 @@ class MemoryPool:
 
     async def alloc(self, nbytes: int, *, timeout_s: float) -> Block:
         """Reserve, waiting in FIFO order up to ``timeout_s`` for frees to make room."""
-        need = self._need(nbytes)
-        if not self._waiters and (block := self._take(need)) is not None:
+        if (block := self.try_alloc(nbytes)) is not None:
             return block
-        waiter = _Waiter(need)
+        waiter = _Waiter(self._need(nbytes))
         self._waiters.append(waiter)
         try:
             with anyio.move_on_after(timeout_s):
@@ -202,12 +199,6 @@ class MemoryPool:
 
     def view(self, block: Block) -> torch.Tensor:
         return self.buffer[block.offset : block.offset + block.size]
-
-    def slot_view(self, slot_id: int) -> torch.Tensor:
-        if not 0 <= slot_id < len(self.slots):
-            raise IndexError(f"no slot {slot_id}; pool has {len(self.slots)}")
-        offset = self._slot_offsets[slot_id]
-        return self.buffer[offset : offset + self.slots[slot_id].size]
 
     def address(self, block: Block) -> int:
         return self.base + block.offset

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from orchestrator.client import AsyncClient, Client, Rejection
-from orchestrator.report import stats_table
 from orchestrator.stages.null import expected_outputs
+from orchestrator.tables import stats_table
 from orchestrator.watchdog import EXIT_STAGE_HUNG
 from tests.e2e.conftest import StartCluster, all_free, wait_for
 from transfer.protocol import GenParams, Reason, Stats

@@ -155,7 +155,7 @@ def test_write_lands_byte_for_byte_in_a_slot(pair: Pair) -> None:
         pair.out.view(block)[:SLOT_BYTES] = data
         slot = pair.inbox.slots[0]
         pair.sender.write(pair.receiver.session, pair.out.address(block), slot.address, SLOT_BYTES)
-        assert torch.equal(pair.inbox.slot_view(0), data)
+        assert torch.equal(pair.inbox.view_at(slot.address, slot.size), data)
     finally:
         pair.out.free(block)
 
@@ -183,7 +183,7 @@ def test_write_lands_in_a_pool_that_lives_in_shared_memory(pair: Pair) -> None:
     try:
         pair.out.buffer[:SLOT_BYTES] = torch.arange(SLOT_BYTES, dtype=torch.int64).remainder(251).to(torch.uint8)
         pair.sender.write(receiver.session, pair.out.base, shared.slots[0].address, SLOT_BYTES)
-        assert torch.equal(shared.slot_view(0), pair.out.buffer[:SLOT_BYTES])
+        assert torch.equal(shared.view_at(shared.slots[0].address, SLOT_BYTES), pair.out.buffer[:SLOT_BYTES])
     finally:
         receiver.close()
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from orchestrator.report import workers_table
+from orchestrator.tables import workers_table
 from transfer.protocol import InstanceStats
 
 
