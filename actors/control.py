@@ -147,6 +147,7 @@ class ControlActor:
             failed_by_reason=tracker.failed_by_reason,
             late_reports=negotiator.late_reports,
             retried=frontend.retried,
+            replies_dropped=frontend.replies_dropped,
             mailboxes=mailboxes,
             mail_handled={owner: answer.mailbox.handled for owner, answer in answers.items()},
         )

@@ -54,6 +54,7 @@ class FrontendStats(msgspec.Struct, frozen=True):
     in_flight: int
     draining: bool
     retried: int
+    replies_dropped: int
     mailbox: MailboxCounts
 
 
@@ -95,6 +96,7 @@ class FrontendActor:
         self._door = DoorLimits()
         self._draining = False
         self._retried = 0
+        self._dropped = 0  # replies ZMQ would not take: the client was gone, or not reading
         self._unsent: list[list] = []  # replies waiting for the flush
         self._log = log.bind(actor="frontend")
 
@@ -102,7 +104,7 @@ class FrontendActor:
         # Replies already handed to ZMQ get a bounded moment to leave on shutdown.
         with bound_router(self._ctx, self._cfg.client_endpoint, send_hwm=self._cfg.client_send_hwm,
                           max_message_bytes=self._cfg.client_max_message_bytes,
-                          close_linger_ms=FLUSH_ON_CLOSE_MS, plain=True) as (sock, bound):
+                          close_linger_ms=FLUSH_ON_CLOSE_MS, plain=True, mandatory=True) as (sock, bound):
             self._sock = sock
             self._pump = PlainPump(sock, self._on_frames, copy=True, hold=self._inbox.board.hold)
             await serve_mailbox(self._inbox, self._handle, pump=self._pump.run, task_status=task_status, started=bound)
@@ -202,7 +204,7 @@ class FrontendActor:
             case LimitsChanged(role=role, instance=instance, limits=limits):
                 self._door.joined(role, instance, limits)
             case QueryStats(reply=reply):
-                reply_once(reply, FrontendStats(len(self._clients), self._draining, self._retried,
+                reply_once(reply, FrontendStats(len(self._clients), self._draining, self._retried, self._dropped,
                                                 self._inbox.counts()))
 
     def _send(self, identity: bytes, message: ClientReply, frames: tuple | list = ()) -> None:
@@ -215,7 +217,14 @@ class FrontendActor:
         assert self._sock is not None and self._pump is not None
         unsent, self._unsent = self._unsent, []
         for parts in unsent:
-            # A ROUTER never blocks on send: a client that left or stopped reading past its
-            # high-water mark has the reply dropped, and nobody else waits for it.
-            send_frames(self._sock, parts, NOBLOCK, copy=False)
+            # Never blocks: a reply to a client that left, or that stopped reading with
+            # client_send_hwm replies already queued for it, is dropped (ROUTER_MANDATORY
+            # makes ZMQ say so). The queue per client is what bounds the memory a client
+            # that never reads can make the daemon hold: that many of its largest replies.
+            try:
+                send_frames(self._sock, parts, NOBLOCK, copy=False)
+            except zmq.ZMQError as exc:
+                self._dropped += 1
+                self._log.warning("client.reply_dropped", why=exc.strerror,
+                                  client_gone=exc.errno == zmq.EHOSTUNREACH)
         self._pump.after_send()

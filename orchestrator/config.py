@@ -79,10 +79,15 @@ class DaemonConfig(Section):
     mailbox_headroom: PositiveInt = 1024
     # Messages queued to one worker before it counts as stuck (ZMQ SNDHWM).
     worker_send_hwm: PositiveInt = 1000
-    client_send_hwm: PositiveInt = 10000
-    # A peer sending a larger frame is disconnected unread (ZMQ_MAXMSGSIZE). Requests are
-    # small; a worker's frames carry the decoder's output (a video can be hundreds of MiB).
-    client_max_message_bytes: PositiveInt = 4 * MiB
+    # Replies queued to one client connection that is not reading; past it they are dropped
+    # (Stats.replies_dropped). It bounds what such a client makes the daemon hold: this
+    # many of its largest replies. A client that reads at all never meets it: its own
+    # receive queue (ZMQ's RCVHWM, 1000 by default) takes replies first.
+    client_send_hwm: PositiveInt = 32
+    # A peer sending a larger frame is disconnected unread (ZMQ_MAXMSGSIZE). A Submit is at
+    # most about 130 KiB (two prompts of 16,384 characters); a worker's frames carry the
+    # decoder's output (a video can be hundreds of MiB).
+    client_max_message_bytes: PositiveInt = 256 * 1024
     worker_max_message_bytes: PositiveInt = 1024 * MiB
 
     def __post_init__(self) -> None:

@@ -61,6 +61,9 @@ def _daemon_metrics(stats: Stats) -> Iterator[Metric]:
                     "reason", stats.failed_by_reason)
     yield CounterMetricFamily("triptych_requests_retried", "Requests started again after a lost worker or a failed hand-off",
                               value=stats.retried)
+    yield CounterMetricFamily("triptych_replies_dropped",
+                              "Replies not sent: the client had left or was not reading its replies",
+                              value=stats.replies_dropped)
     yield _labelled(GaugeMetricFamily, "triptych_requests_in_flight", "Requests in flight, by state", "state",
                     stats.requests_by_state)
     yield _labelled(GaugeMetricFamily, "triptych_queue_depth", "Jobs waiting for a free slot, by role", "role",

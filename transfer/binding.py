@@ -49,17 +49,24 @@ def bind_exclusive(sock: zmq.Socket, endpoint: str) -> str:
 
 @contextmanager
 def bound_router(ctx: zmq.Context, endpoint: str, *, send_hwm: int, max_message_bytes: int,
-                 close_linger_ms: int = 0, plain: bool = False) -> Iterator[tuple[zmq.Socket, str]]:
+                 close_linger_ms: int = 0, plain: bool = False, mandatory: bool = False
+                 ) -> Iterator[tuple[zmq.Socket, str]]:
     """A ROUTER bound exclusively to ``endpoint``, closed on exit; yields it and its address.
 
     A peer that sends a frame over ``max_message_bytes`` is disconnected by ZMQ before the
-    frame is buffered whole, so no peer can make the daemon hold gigabytes. ``plain`` makes
-    a plain socket even under an asyncio context, for a ``PlainPump``.
+    frame is buffered whole. The limit is per frame: ZMQ has none on a message's frame
+    count, and it gathers a whole message before handing any of it over, so a peer sending
+    many frames can still make this process hold them all (docs/operations.md, Security).
+    ``plain`` makes a plain socket even under an asyncio context, for a ``PlainPump``;
+    ``mandatory`` makes a send that ZMQ would silently drop (peer gone, or past its
+    high-water mark) raise instead.
     """
     sock = zmq.Socket(ctx, zmq.ROUTER) if plain else ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, send_hwm)
     sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+    if mandatory:
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
     try:
         yield sock, bind_exclusive(sock, endpoint)
     finally:

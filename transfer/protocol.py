@@ -226,6 +226,9 @@ class Stats(Wire):
     # Requests started again because their worker was lost or their hand-off failed
     # (daemon.retries); the failed attempt also counts in failed_by_reason.
     retried: int = 0
+    # Replies that could not be sent: the client had left, or was not reading with
+    # daemon.client_send_hwm replies already queued for it.
+    replies_dropped: int = 0
 
 
 class Workers(Wire):

@@ -325,3 +325,14 @@ async def test_the_door_checks_every_registered_workers_limits(ctx: zmq.asyncio.
             await f.ask(Submit(protocol=PROTOCOL_VERSION, params=wide, request_id="w"))
             admit = await f.tracker.receive()
             assert isinstance(admit, Admit) and admit.params == wide
+
+
+async def test_a_reply_to_a_client_that_left_is_dropped_and_counted(ctx: zmq.asyncio.Context, tmp_path: Path) -> None:
+    with anyio.fail_after(5):
+        async with running_frontend(ctx, tmp_path) as f:
+            key = await f.admitted("gone")
+            f.client.close(linger=0)
+            await anyio.sleep(0.3)  # the ROUTER hears the connection close
+            f.inbox.post(Deliver(request_id=key, message=Result(request_id=key, outputs=[], stages=[], total_ms=1.0)))
+            stats = await f.stats()
+            assert (stats.replies_dropped, stats.in_flight) == (1, 0)

@@ -245,3 +245,30 @@ def test_a_worker_of_another_model_is_refused_and_the_cluster_serves_on(start_cl
     with Client(endpoint(cluster)) as client:
         client.submit(params(0), timeout_s=10)
     assert len(cluster.control.stats().instances) == 3
+
+
+def test_a_client_that_never_reads_holds_at_most_client_send_hwm_replies(start_cluster: StartCluster) -> None:
+    """Its replies past the queue are dropped and counted, not held: what it can make the
+    daemon keep is client_send_hwm of its replies, whatever it asks for."""
+    cluster = start_cluster(layout={"encoder": 1, "denoiser": 1, "decoder": 1}, daemon={"client_send_hwm": 2})
+    ctx = zmq.Context()
+    deaf = ctx.socket(zmq.DEALER)
+    deaf.setsockopt(zmq.RCVHWM, 1)
+    deaf.setsockopt(zmq.LINGER, 0)
+    try:
+        deaf.connect(endpoint(cluster))
+        for i in range(30):  # 768 KiB raw images: a few fill the socket buffers
+            submit = Submit(protocol=PROTOCOL_VERSION, request_id=f"deaf-{i}", timeout_s=30,
+                            params=GenParams(prompt="p", seed=i, width=512, height=512, output="raw"))
+            deaf.send_multipart([b"", encode(submit)])
+        stats = wait_for(cluster, lambda s: s.completed == 30, timeout_s=60)
+        assert 0 < stats.replies_dropped <= 30 - 2
+        received = 0
+        while deaf.poll(500):
+            deaf.recv_multipart()
+            received += 1
+        assert received + stats.replies_dropped == 30
+    finally:
+        deaf.close()
+        ctx.term()
+    assert all_free(cluster.control.stats())
