@@ -142,10 +142,10 @@ class TransferNegotiator:
         if len(frames) < 2:
             return  # a routing frame with no body
         routing_id = frames[0].bytes
-        first = self._decode(frames[1])
+        link = self._links.get(routing_id)
+        first = self._decode(frames[1], answer=None if link is not None or self._stopping else routing_id)
         if first is None:
             return
-        link = self._links.get(routing_id)
         if link is None:
             if self._stopping:
                 return  # a worker rejoining the daemon that just said farewell: it retries, and its successor answers
@@ -174,11 +174,17 @@ class TransferNegotiator:
             if msg is not None:
                 self._on_report(link, msg, [])
 
-    def _decode(self, frame: zmq.Frame) -> WorkerMessage | None:
+    def _decode(self, frame: zmq.Frame, *, answer: bytes | None = None) -> WorkerMessage | None:
+        """The message in ``frame``, or None if it is unreadable. An unregistered peer
+        (``answer``: its routing id) is told why, as its registration is what failed: a
+        worker whose config the wire refuses (a field out of bounds) must not wait out its
+        connect_timeout_s believing no daemon is there."""
         try:
             return WORKER_MESSAGE.decode(frame.buffer)
         except DECODE_ERRORS as exc:
-            self._log.warning("worker.bad_message", error=str(exc))
+            self._log.warning("worker.bad_message", error=str(exc), registered=answer is None)
+            if answer is not None:
+                self._reply(answer, RegisterRefused(message=f"unreadable registration: {exc}"))
             return None
 
     def _reply(self, routing_id: bytes, msg: Registered | RegisterRefused) -> None:

@@ -104,7 +104,8 @@ class DaemonConfig(Section):
 class WorkerConfig(Section):
     """One role's worker processes."""
 
-    capacity: PositiveInt = 2  # requests a worker holds at once (running or staged)
+    # Requests a worker holds at once (running or staged); Register carries at most 1024.
+    capacity: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 2
     # Stage runs at once in one worker (its threads share the device): more than 1 only for
     # a stage that leaves its device idle part of a run. Requests past it, up to capacity,
     # wait in the worker for a thread.

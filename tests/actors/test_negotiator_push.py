@@ -379,3 +379,12 @@ async def test_a_worker_of_another_model_is_refused(ctx: zmq.asyncio.Context, tm
         async with running_negotiator(ctx, tmp_path) as n, fake_worker(ctx, n, "encoder"):
             reply = await refused(ctx, n, model_digest="0123456789abcdef")
             assert "is not the model the registered workers serve" in reply.message and not reply.rejoin
+
+
+async def test_a_registration_the_wire_refuses_is_answered_naming_the_field(ctx: zmq.asyncio.Context,
+                                                                            tmp_path: Path) -> None:
+    """Not silence: the worker would wait out its connect_timeout_s, then blame the daemon."""
+    with anyio.fail_after(5):
+        async with running_negotiator(ctx, tmp_path) as n:
+            reply = await refused(ctx, n, capacity=2000)
+            assert reply.message.startswith("unreadable registration:") and "$.capacity" in reply.message

@@ -75,6 +75,7 @@ def test_unknown_key_names_its_path(tmp_path: Path, text: str, where: str) -> No
     ("text", "path"),
     [
         ("[workers.denoiser]\ncapacity = 0\n", "$.workers.denoiser.capacity"),
+        ("[workers.denoiser]\ncapacity = 2000\n", "$.workers.denoiser.capacity"),  # Register carries at most 1024
         ('[daemon]\ndispatch = "fastest"\n', "$.daemon.dispatch"),
         ("[daemon]\nheartbeat_s = -1.0\n", "$.daemon.heartbeat_s"),
         ("[model.null]\nencoder_ms = -1.0\n", "$.model.null.encoder_ms"),
