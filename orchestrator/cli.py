@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
 import sys
+import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -84,11 +86,11 @@ def _print_progress(progress: Progress) -> None:
     print(progress_line(progress), file=sys.stderr)
 
 
-def _generate(endpoint: str, params: GenParams, args: argparse.Namespace) -> Generation:
+def _generate(endpoint: str, params: GenParams, args: argparse.Namespace, rid: str) -> Generation:
     """One request; with ``--progress`` on a DEALER, printing each ``Progress`` to stderr."""
     from orchestrator.client import AsyncClient, Client
 
-    options = {"request_id": args.request_id, "timeout_s": args.timeout, "priority": args.priority}
+    options = {"request_id": rid, "timeout_s": args.timeout, "priority": args.priority}
     if not args.progress:
         with Client(endpoint) as client:
             return client.submit(params, **options)
@@ -109,16 +111,19 @@ def _submit(args: argparse.Namespace) -> int:
                        num_images=args.num_images, output=args.output)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    endpoint = _daemon_at(args.endpoint or cfg.daemon.client_endpoint)
+    rid = args.request_id or uuid.uuid4().hex  # chosen here, so that Ctrl-C can cancel it
     try:
-        generation = _generate(_daemon_at(args.endpoint or cfg.daemon.client_endpoint), params, args)
+        generation = _generate(endpoint, params, args, rid)
     except Rejection as exc:
         print(f"rejected ({exc.reason}): {exc.rejected.message}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        _cancel_interrupted(endpoint, rid)
+        return 130
     for name, tensor in generation.outputs.items():
-        # Prefixed with the request id, so another submit into the same --out overwrites
-        # nothing; a slash in the id must not lead the file out of --out.
         suffix = "" if name.endswith(".png") else ".bin"
-        path = out / f"{generation.result.request_id.replace('/', '_')}-{name}{suffix}"
+        path = out / f"{_file_stem(rid)}-{name}{suffix}"
         path.write_bytes(tensor.numpy().tobytes())
         print(path if suffix == "" else f"{path}  {str(tensor.dtype).removeprefix('torch.')} {tuple(tensor.shape)}")
     for stage in generation.result.stages:
@@ -126,6 +131,28 @@ def _submit(args: argparse.Namespace) -> int:
               f"{stage.compute_ms:8.2f} ms  transfer {stage.transfer_ms:7.2f} ms  {stage.transfer_bytes} B"
               f"{f' by {stage.via}' if stage.via else ''}")
     return 0
+
+
+def _file_stem(rid: str) -> str:
+    """The request id as the start of its output files' names, so another submit into the
+    same --out overwrites nothing: no slash (it would lead out of --out), and short enough
+    for any file system (an id may be 128 characters of 4 UTF-8 bytes each)."""
+    stem = rid.replace("/", "_")
+    if len(stem.encode()) <= 100:
+        return stem
+    return f"{stem[:24]}~{hashlib.blake2b(rid.encode(), digest_size=6).hexdigest()}"
+
+
+def _cancel_interrupted(endpoint: str, rid: str) -> None:
+    """Ctrl-C during a submit: the request is cancelled, not left to run for nobody."""
+    from orchestrator.client import Client, Rejection
+
+    try:
+        with Client(endpoint) as client:
+            found = client.cancel(rid, timeout_s=3.0)
+        print(f"interrupted: request {rid} {'cancelled' if found else 'is no longer running'}", file=sys.stderr)
+    except (TimeoutError, zmq.ZMQError, Rejection) as exc:
+        print(f"interrupted: request {rid} may still run: cancelling it failed: {exc}", file=sys.stderr)
 
 
 def _control_endpoint(args: argparse.Namespace) -> str:
@@ -279,8 +306,17 @@ def main(argv: list[str] | None = None) -> int:
         return {"demo": demo.main, "bench": bench.main, "bench-handoff": handoff_bench.main}[args.command](rest)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    from orchestrator.client import Rejection
+
     try:
         return args.func(args)
+    except KeyboardInterrupt:
+        return 130
+    except Rejection as exc:
+        # The daemon refused the request: at a wrong endpoint (the client socket for the
+        # control one), or too busy to answer it.
+        print(f"triptych {args.command}: rejected ({exc.reason}): {exc.rejected.message}", file=sys.stderr)
+        return 2
     except BrokenPipeError:
         # Whoever read the output left early (`| head`): nothing went wrong here. Stdout
         # goes to /dev/null so the interpreter's last flush does not complain either.

@@ -83,11 +83,12 @@ def _submit_body(params: GenParams, request_id: str, timeout_s: float | None, pr
     The request carries the deadline the client waits for (``DEFAULT_TIMEOUT_S`` when the
     caller names none), so the daemon never works on past the caller's patience.
     """
-    body = encode(Submit(protocol=PROTOCOL_VERSION, params=params, request_id=request_id,
-                         timeout_s=_or_default(timeout_s), priority=priority, progress=progress))
     try:
+        # Encoding fails first for an int msgpack cannot carry (a seed past 2**64).
+        body = encode(Submit(protocol=PROTOCOL_VERSION, params=params, request_id=request_id,
+                             timeout_s=_or_default(timeout_s), priority=priority, progress=progress))
         CLIENT_REQUEST.decode(body)
-    except msgspec.ValidationError as exc:
+    except (msgspec.ValidationError, OverflowError) as exc:
         raise Rejection(Rejected(request_id=request_id, reason=Reason.INVALID, message=f"not sent: {exc}")) from None
     return body
 
@@ -115,6 +116,19 @@ def _or_default(timeout_s: float | None) -> float:
 
 def _wait_s(timeout_s: float | None) -> float:
     return _or_default(timeout_s) + GRACE_S
+
+
+def _checked_s(timeout_s: float) -> float:
+    """``timeout_s`` if it is a deadline (finite, positive), else ``ValueError``: a wait
+    of -1 or infinity would never end, and one of 0 would never wait."""
+    if not (math.isfinite(timeout_s) and timeout_s > 0):
+        raise ValueError(f"timeout_s must be a positive number of seconds, not {timeout_s!r}")
+    return timeout_s
+
+
+def _poll_ms(timeout_s: float) -> int:
+    """``timeout_s`` as ZMQ poll milliseconds: at least 1 (0 would not wait at all)."""
+    return max(1, math.ceil(_checked_s(timeout_s) * 1000))
 
 
 class Client:
@@ -151,8 +165,9 @@ class Client:
         return self._request(parts, timeout_s)
 
     def _request(self, parts: list[bytes], timeout_s: float) -> Reply:
+        wait_ms = _poll_ms(timeout_s)
         self._sock.send_multipart(parts)
-        if not self._sock.poll(int(timeout_s * 1000)):
+        if not self._sock.poll(wait_ms):
             # A REQ socket that missed its reply cannot send again: start a fresh one.
             self._sock.close(linger=0)
             self._sock = self._connect()
@@ -292,6 +307,7 @@ class AsyncClient:
     async def cancel(self, request_id: str, *, timeout_s: float = 10.0) -> bool:
         # The Cancelled ack and the request's own Rejected share the id; acks go by a
         # separate DEALER so the two answers cannot be confused.
+        _checked_s(timeout_s)
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(self.endpoint)
@@ -313,7 +329,7 @@ class Control:
 
     def __init__(self, endpoint: str, *, timeout_s: float = 10.0, ctx: zmq.Context | None = None) -> None:
         self.endpoint = endpoint
-        self._timeout_ms = int(timeout_s * 1000)
+        self._timeout_ms = _poll_ms(timeout_s)
         self._ctx = ctx or zmq.Context.instance()
 
     def _ask(self, request: ControlRequest) -> ControlReply:

@@ -3,6 +3,7 @@ stops listening (its on_progress raised) cancels the request at the daemon."""
 
 from __future__ import annotations
 
+import math
 from functools import partial
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from orchestrator.client import DEFAULT_TIMEOUT_S, AsyncClient, Client, Generation, Rejection
+from orchestrator.client import DEFAULT_TIMEOUT_S, AsyncClient, Client, Control, Generation, Rejection
 from transfer.protocol import (
     CLIENT_REQUEST,
     Cancel,
@@ -102,6 +103,16 @@ async def test_a_submit_the_daemon_would_refuse_is_refused_at_once_and_never_sen
             async with AsyncClient(endpoint) as client:  # 0 is a bad deadline, not "none given"
                 with pytest.raises(Rejection, match=r"not sent: Expected `float` > 0.0 - at `\$.timeout_s`"):
                     await client.submit(GenParams(prompt="p"), timeout_s=0)
+                with pytest.raises(Rejection, match=r"not sent: can't serialize ints"):  # past msgpack's 64 bits
+                    await client.submit(GenParams(prompt="p", seed=2**70), timeout_s=30)
+                for never_ending in (-1.0, math.inf, 0.0):
+                    with pytest.raises(ValueError, match="timeout_s must be a positive number of seconds"):
+                        await client.cancel("r", timeout_s=never_ending)
+            for never_ending in (-1.0, math.inf, math.nan):
+                with Client(endpoint) as blocking, pytest.raises(ValueError, match="positive number of seconds"):
+                    blocking.cancel("r", timeout_s=never_ending)
+                with pytest.raises(ValueError, match="positive number of seconds"):
+                    Control(endpoint, timeout_s=never_ending)
         assert refused.value.reason == Reason.INVALID and "$.params.prompt" in refused.value.rejected.message
         assert refused_too.value.reason == Reason.INVALID and "$.params.steps" in refused_too.value.rejected.message
         assert refused.value.rejected.message.startswith("not sent")

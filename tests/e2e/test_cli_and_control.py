@@ -46,11 +46,16 @@ def test_submit_writes_the_png_and_stats_report_it(start_cluster: StartCluster, 
     assert again.returncode == 0, again.stderr
     assert sorted(p.name for p in out.iterdir()) == [".._cli-2-image_0.png", "cli-1-image_0.png"]  # none overwritten
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    # The longest id there is (128 characters of 4 bytes each) still names a file.
+    longest = triptych("submit", "--prompt", "a harbour", "--request-id", "🦊" * 128, "--out", str(out),
+                       config=cluster.config_path)
+    assert longest.returncode == 0, longest.stderr
+    assert len(list(out.iterdir())) == 3
 
     stats = json.loads(triptych("stats", "--json", config=cluster.config_path).stdout)
-    assert stats["completed"] == 2 and len(stats["instances"]) == 3
+    assert stats["completed"] == 3 and len(stats["instances"]) == 3
     table = triptych("stats", config=cluster.config_path).stdout
-    assert "completed=2" in table and "denoiser" in table
+    assert "completed=3" in table and "denoiser" in table
 
 
 def test_submit_reports_a_rejection_and_exits_nonzero(start_cluster: StartCluster, tmp_path) -> None:
@@ -58,6 +63,28 @@ def test_submit_reports_a_rejection_and_exits_nonzero(start_cluster: StartCluste
     done = triptych("submit", "--prompt", "x", "--width", "30", "--out", str(tmp_path), config=cluster.config_path)
     assert done.returncode == 2
     assert "rejected (invalid)" in done.stderr and "multiple of 8" in done.stderr
+    huge = triptych("submit", "--prompt", "x", "--seed", str(2**70), "--out", str(tmp_path), config=cluster.config_path)
+    assert huge.returncode == 2 and "rejected (invalid): not sent" in huge.stderr
+    # Control commands pointed at the client socket: the daemon's refusal, in one line.
+    lost = triptych("stats", "--endpoint", cluster.config.daemon.client_endpoint, config=cluster.config_path)
+    assert lost.returncode == 2 and lost.stderr.startswith("triptych stats: rejected (invalid)")
+    assert "Traceback" not in lost.stderr
+
+
+@pytest.mark.parametrize("progress", [False, True], ids=["req", "dealer"])
+def test_ctrl_c_on_submit_cancels_the_request(start_cluster: StartCluster, tmp_path, progress: bool) -> None:
+    cluster = start_cluster(layout=SMALL, **{"model.null": {"denoiser_ms": 20000.0}})
+    submit = subprocess.Popen(
+        [sys.executable, "-m", "orchestrator", "submit", "--prompt", "x", "--out", str(tmp_path),
+         "--config", str(cluster.config_path), *(["--progress"] if progress else [])],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for(cluster, lambda s: s.requests_by_state.get("denoising") == 1, timeout_s=20)
+    submit.send_signal(signal.SIGINT)
+    _, stderr = submit.communicate(timeout=20)
+    assert submit.returncode == 130, stderr
+    assert "Traceback" not in stderr and "interrupted: request" in stderr
+    stats = wait_for(cluster, all_free)
+    assert stats.failed_by_reason == {"cancelled": 1}
 
 
 async def test_workers_and_drain_commands_list_the_instances_then_finish_work_and_exit(
