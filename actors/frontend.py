@@ -67,6 +67,7 @@ class Asked:
     params: GenParams
     priority: int
     progress: bool
+    submitted_at: float  # monotonic
     deadline: float  # monotonic: a retry gets what is left of it, never more
     retries_left: int
 
@@ -151,7 +152,8 @@ class FrontendActor:
             self._send(identity, Rejected(request_id=rid, reason=problem[0], message=problem[1]))
             return
         timeout_s = min(msg.timeout_s or self._cfg.request_timeout_s, self._cfg.max_request_timeout_s)
-        self._admit(Asked(identity, rid, msg.params, msg.priority, msg.progress, time.monotonic() + timeout_s,
+        now = time.monotonic()
+        self._admit(Asked(identity, rid, msg.params, msg.priority, msg.progress, now, now + timeout_s,
                           self._cfg.retries), timeout_s)
 
     def _admit(self, asked: Asked, timeout_s: float) -> None:
@@ -159,7 +161,7 @@ class FrontendActor:
         self._clients[key] = asked
         self._in_flight[asked.request_id] = key
         self._tracker.post(Admit(request_id=key, params=asked.params, timeout_s=timeout_s, priority=asked.priority,
-                                 progress=asked.progress))
+                                 progress=asked.progress, submitted_at=asked.submitted_at))
 
     def _retry(self, asked: Asked, failure: ClientReply) -> bool:
         """Start a request again whose worker was lost or whose hand-off failed, if it may;
@@ -178,6 +180,10 @@ class FrontendActor:
             return False
         asked.retries_left -= 1
         self._retried += 1
+        if asked.progress:
+            self._send(asked.identity, Progress(request_id=asked.request_id, state="retrying",
+                                                elapsed_ms=(time.monotonic() - asked.submitted_at) * 1000,
+                                                why=failure.message))
         self._admit(asked, left_s)
         self._log.warning("request.retried", request_id=asked.request_id, why=failure.message,
                           retries_left=asked.retries_left, left_s=round(left_s, 3))

@@ -84,6 +84,9 @@ class Admit(Mail):
     timeout_s: float
     priority: int = 0
     progress: bool = False
+    # When the client's submit arrived (monotonic), for a retry the first attempt's: its
+    # Progress and its Result's total_ms count from there. None: now.
+    submitted_at: float | None = None
 
 
 class HandedOff(Mail):

@@ -85,10 +85,11 @@ class TrackerActor:
 
     def _handle(self, mail: TrackerMail) -> None:
         match mail:
-            case Admit(request_id=rid, params=params, timeout_s=timeout_s, priority=priority, progress=progress):
+            case Admit(request_id=rid, params=params, timeout_s=timeout_s, priority=priority, progress=progress,
+                       submitted_at=submitted_at):
                 now = time.monotonic()
                 deadline = now + timeout_s
-                entry = self._table[rid] = Entry(RequestState.ENCODING, deadline, now, now, progress)
+                entry = self._table[rid] = Entry(RequestState.ENCODING, deadline, submitted_at or now, now, progress)
                 heapq.heappush(self._deadlines, (deadline, rid))
                 self._compact_deadlines()
                 self._admission.post(Enqueue(job=Job(request_id=rid, role="encoder", params=params, priority=priority,

@@ -8,7 +8,8 @@ from transfer.protocol import InstanceStats, Progress, Stats
 def progress_line(progress: Progress) -> str:
     steps = f" step {progress.step}/{progress.steps}" if progress.steps else ""
     waiting = f" (waiting, number {progress.position} in line)" if progress.position else ""
-    return f"  {progress.elapsed_ms:9.1f} ms  {progress.state}{steps}{waiting}"
+    why = f": {progress.why}" if progress.why else ""
+    return f"  {progress.elapsed_ms:9.1f} ms  {progress.state}{steps}{waiting}{why}"
 
 
 def stats_table(stats: Stats) -> str:

@@ -158,12 +158,15 @@ class Progress(Wire):
     ``Result`` or ``Rejected`` is."""
 
     request_id: str
-    state: str  # "encoding", "denoising" or "decoding"
-    elapsed_ms: float  # since the daemon admitted the request
+    # "encoding", "denoising" or "decoding"; "retrying" when an attempt failed in a way a
+    # new one on other workers can mend (daemon.retries), which starts at "encoding" again.
+    state: str
+    elapsed_ms: float  # since the daemon took the submit (a retry's: since the first attempt's)
     step: NonNegative = 0  # denoising steps done so far (0 outside denoising)
     steps: NonNegative = 0  # of how many (0: not known yet)
     # Its place in the stage's queue when it had to wait for a slot (1: next); 0: not waiting.
     position: NonNegative = 0
+    why: str = ""  # for "retrying": how the failed attempt ended
 
 
 ClientRequest = Submit | Cancel

@@ -212,6 +212,7 @@ async def test_a_request_whose_worker_was_lost_starts_again_once_under_a_new_key
             assert isinstance(again, Admit) and again.request_id == "r#1"
             assert (again.params, again.priority) == (PARAMS, 7)
             assert 0 < again.timeout_s <= first.timeout_s  # what is left of the deadline, never more
+            assert again.submitted_at == first.submitted_at  # its times count from the client's submit
             stats = await f.stats()
             assert (stats.in_flight, stats.retried) == (1, 1)
 
@@ -336,3 +337,16 @@ async def test_a_reply_to_a_client_that_left_is_dropped_and_counted(ctx: zmq.asy
             f.inbox.post(Deliver(request_id=key, message=Result(request_id=key, outputs=[], stages=[], total_ms=1.0)))
             stats = await f.stats()
             assert (stats.replies_dropped, stats.in_flight) == (1, 0)
+
+
+async def test_a_client_watching_progress_hears_of_a_retry_and_why(ctx: zmq.asyncio.Context, tmp_path: Path) -> None:
+    with anyio.fail_after(5):
+        async with running_frontend(ctx, tmp_path) as f:
+            await f.ask(Submit(protocol=PROTOCOL_VERSION, params=PARAMS, request_id="r", progress=True))
+            first = await f.tracker.receive()
+            f.inbox.post(lost(first.request_id))
+            retrying, _ = await f.reply()
+            assert isinstance(retrying, Progress) and retrying.request_id == "r"
+            assert (retrying.state, retrying.why) == ("retrying", "gone") and retrying.elapsed_ms >= 0
+            again = await f.tracker.receive()
+            assert again.progress and again.submitted_at == first.submitted_at

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
@@ -345,3 +346,14 @@ async def test_a_request_that_did_not_ask_hears_only_its_answer() -> None:
             assert isinstance((await t.frontend.receive()).message, Result)
             await t.stats()
             t.assert_silent()
+
+
+async def test_a_retrys_times_count_from_the_clients_submit() -> None:
+    """A retry is a new admission; its progress and its total_ms still count from the
+    submit (Admit.submitted_at), not from the latest attempt."""
+    with anyio.fail_after(5):
+        async with running_tracker() as t:
+            t.inbox.post(Admit(request_id="r1#1", params=PARAMS, timeout_s=60.0, progress=True,
+                               submitted_at=time.monotonic() - 2.0))
+            news = (await t.frontend.receive()).message
+            assert isinstance(news, Progress) and news.elapsed_ms >= 2000

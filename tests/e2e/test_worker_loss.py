@@ -18,7 +18,7 @@ from orchestrator.stages.null import expected_outputs
 from orchestrator.tables import stats_table
 from orchestrator.watchdog import EXIT_STAGE_HUNG
 from tests.e2e.conftest import StartCluster, all_free, wait_for
-from transfer.protocol import GenParams, Reason, Stats
+from transfer.protocol import GenParams, Progress, Reason, Stats
 
 
 def denoising_instance(stats: Stats) -> str | None:
@@ -31,6 +31,7 @@ async def test_a_request_whose_denoiser_dies_is_retried_on_the_other_one(start_c
     cluster = start_cluster(**{"model.null": {"denoiser_ms": 1500.0}})
     params = GenParams(prompt="survivor", seed=7, output="raw")
     killed: list[str] = []
+    heard: list[Progress] = []
 
     async def kill_its_denoiser() -> None:
         stats = await anyio.to_thread.run_sync(lambda: wait_for(cluster, lambda s: denoising_instance(s) is not None))
@@ -42,8 +43,15 @@ async def test_a_request_whose_denoiser_dies_is_retried_on_the_other_one(start_c
     with anyio.fail_after(60):
         async with AsyncClient(cluster.config.daemon.client_endpoint) as client, anyio.create_task_group() as tg:
             tg.start_soon(kill_its_denoiser)
-            generation = await client.submit(params, timeout_s=30)
+            generation = await client.submit(params, timeout_s=30, on_progress=heard.append)
     assert torch.equal(generation.outputs["images"], expected_outputs(params, cluster.config.model.null)["images"])
+    # Its client watched it fail over: why, then the stages again, times counting from its submit.
+    states = [p.state for p in heard]
+    retry = states.index("retrying")
+    assert "missed heartbeats" in heard[retry].why
+    assert states[retry + 1] == "encoding" and states[-1] == "decoding"
+    elapsed = [p.elapsed_ms for p in heard]
+    assert elapsed == sorted(elapsed) and generation.result.total_ms >= elapsed[-1]
     served_by = {stats.instance for stats in generation.result.stages if stats.role == "denoiser"}
     stats = wait_for(cluster, all_free)
     survivor = [i for i in stats.instances if i.role == "denoiser"]
