@@ -13,7 +13,7 @@ from orchestrator.client import AsyncClient, Client, Rejection
 from orchestrator.cluster import LocalCluster
 from orchestrator.stages.null import expected_outputs
 from tests.e2e.conftest import StartCluster, all_free, config_variant, wait_for
-from transfer.protocol import PROTOCOL_VERSION, GenParams, GetStats, Reason, Rejected, Submit, encode
+from transfer.protocol import PROTOCOL_VERSION, GenParams, GetStats, Progress, Reason, Rejected, Submit, encode
 
 HOPS = ("encoder->denoiser", "denoiser->decoder")
 
@@ -272,3 +272,27 @@ def test_a_client_that_never_reads_holds_at_most_client_send_hwm_replies(start_c
         deaf.close()
         ctx.term()
     assert all_free(cluster.control.stats())
+
+
+async def test_a_denoiser_with_two_compute_threads_runs_two_requests_at_once(start_cluster: StartCluster) -> None:
+    """workers.<role>.compute_threads: both requests step before either finishes (with one
+    thread the second would not start until the first ended)."""
+    cluster = start_cluster(layout={"encoder": 1, "denoiser": 1, "decoder": 1},
+                            **{"workers.denoiser": {"capacity": 2, "compute_threads": 2},
+                               "model.null": {"denoiser_ms": 2000.0}})
+    events: list[tuple[str, str]] = []
+
+    async def one(client: AsyncClient, rid: str) -> None:
+        def heard(progress: Progress) -> None:
+            if progress.steps:
+                events.append((rid, "stepping"))
+
+        await client.submit(params(0), request_id=rid, timeout_s=30, on_progress=heard)
+        events.append((rid, "done"))
+
+    with anyio.fail_after(30):
+        async with AsyncClient(endpoint(cluster)) as client, anyio.create_task_group() as tg:
+            for rid in ("a", "b"):
+                tg.start_soon(one, client, rid)
+    first_done = events.index(next(e for e in events if e[1] == "done"))
+    assert {rid for rid, what in events[:first_done] if what == "stepping"} == {"a", "b"}
