@@ -148,7 +148,7 @@ def _peak_rss_mib(pid: int) -> float:
 
 
 def test_an_oversized_message_is_refused_unread(cluster: LocalCluster) -> None:
-    """64 MiB to the client socket (limit 4 MiB): ZMQ drops the sender, the daemon never holds it."""
+    """64 MiB to the client socket (limit 256 KiB): ZMQ drops the sender, the daemon never holds it."""
     assert cluster.daemon is not None
     before = _peak_rss_mib(cluster.daemon.pid)
     sock = zmq.Context.instance().socket(zmq.DEALER)
