@@ -103,7 +103,7 @@ def _generate(endpoint: str, params: GenParams, args: argparse.Namespace, rid: s
 
 
 def _submit(args: argparse.Namespace) -> int:
-    from orchestrator.client import Rejection
+    from orchestrator.rejection import Rejection
 
     cfg = load_config(args.config)
     params = GenParams(prompt=args.prompt, negative_prompt=args.negative_prompt, width=args.width,
@@ -145,7 +145,8 @@ def _file_stem(rid: str) -> str:
 
 def _cancel_interrupted(endpoint: str, rid: str) -> None:
     """Ctrl-C during a submit: the request is cancelled, not left to run for nobody."""
-    from orchestrator.client import Client, Rejection
+    from orchestrator.client import Client
+    from orchestrator.rejection import Rejection
 
     try:
         with Client(endpoint) as client:
@@ -306,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
         return {"demo": demo.main, "bench": bench.main, "bench-handoff": handoff_bench.main}[args.command](rest)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
-    from orchestrator.client import Rejection
+    from orchestrator.rejection import Rejection
 
     try:
         return args.func(args)

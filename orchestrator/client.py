@@ -21,6 +21,7 @@ import torch
 import zmq
 import zmq.asyncio
 
+from orchestrator.rejection import Rejection
 from transfer import frames
 from transfer.protocol import (
     CLIENT_REPLY,
@@ -52,15 +53,6 @@ log = structlog.get_logger()
 # How long past the request's own deadline a client waits for the daemon's answer.
 GRACE_S = 5.0
 DEFAULT_TIMEOUT_S = 120.0
-
-
-class Rejection(Exception):
-    """The daemon answered ``Rejected``."""
-
-    def __init__(self, rejected: Rejected) -> None:
-        super().__init__(f"{rejected.reason}: {rejected.message}")
-        self.rejected = rejected
-        self.reason = rejected.reason
 
 
 @dataclass(frozen=True, slots=True)

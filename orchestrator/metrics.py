@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 from prometheus_client import start_http_server
 from prometheus_client.core import CollectorRegistry, CounterMetricFamily, GaugeMetricFamily, Metric
 
-from orchestrator.client import Rejection
+from orchestrator.rejection import Rejection
 from transfer.protocol import Stats
 
 INSTANCE_LABELS = ["instance", "role", "name"]
