@@ -23,6 +23,10 @@ class DoorLimits:
         self._checked: tuple[StageLimits, ...] = ()  # distinct: one check per distinct config
 
     def joined(self, role: Role, instance: str, limits: StageLimits) -> None:
+        if not any(self._live.values()):
+            # The first worker after none at all may bring another model (the daemon takes
+            # one while no worker is registered): the departed ones' limits say nothing now.
+            self._departed.clear()
         self._live.setdefault(role, {})[instance] = limits
         self._departed.pop(role, None)
         self._recount()

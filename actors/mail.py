@@ -82,11 +82,11 @@ class Admit(Mail):
     request_id: str
     params: GenParams
     timeout_s: float
+    # When the client's submit arrived (monotonic), for a retry the first attempt's: its
+    # Progress and its Result's total_ms count from there.
+    submitted_at: float
     priority: int = 0
     progress: bool = False
-    # When the client's submit arrived (monotonic), for a retry the first attempt's: its
-    # Progress and its Result's total_ms count from there. None: now.
-    submitted_at: float | None = None
 
 
 class HandedOff(Mail):

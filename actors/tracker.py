@@ -89,7 +89,7 @@ class TrackerActor:
                        submitted_at=submitted_at):
                 now = time.monotonic()
                 deadline = now + timeout_s
-                entry = self._table[rid] = Entry(RequestState.ENCODING, deadline, submitted_at or now, now, progress)
+                entry = self._table[rid] = Entry(RequestState.ENCODING, deadline, submitted_at, now, progress)
                 heapq.heappush(self._deadlines, (deadline, rid))
                 self._compact_deadlines()
                 self._admission.post(Enqueue(job=Job(request_id=rid, role="encoder", params=params, priority=priority,

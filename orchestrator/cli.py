@@ -119,7 +119,10 @@ def _submit(args: argparse.Namespace) -> int:
         print(f"rejected ({exc.reason}): {exc.rejected.message}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        _cancel_interrupted(endpoint, rid)
+        if args.progress:  # AsyncClient cancels what it abandons: that Cancel has gone out
+            print(f"interrupted: request {rid} cancelled", file=sys.stderr)
+        else:
+            _cancel_interrupted(endpoint, rid)
         return 130
     for name, tensor in generation.outputs.items():
         suffix = "" if name.endswith(".png") else ".bin"

@@ -16,8 +16,10 @@ def build_stage(role: Role, model: ModelConfig, *, torch_threads: int) -> Stage:
     if model.kind == "null":
         from orchestrator.stages import null
 
-        stage_class = {"encoder": null.NullEncoder, "denoiser": null.NullDenoiser, "decoder": null.NullDecoder}[role]
-        stage = stage_class(model.null, model.faults)
+        if role == "denoiser":
+            stage = null.NullDenoiser(model.null, model.faults)  # the one that injects faults
+        else:
+            stage = {"encoder": null.NullEncoder, "decoder": null.NullDecoder}[role](model.null)
     else:
         # Imported here so null-stage workers and the daemon never pay for diffusers' import.
         from orchestrator.stages.diffusion import build_diffusion_stage

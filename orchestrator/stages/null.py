@@ -56,9 +56,8 @@ def expected_outputs(params: GenParams, cfg: NullStageConfig) -> Tensors:
 
 
 class _NullStage(Stage):
-    def __init__(self, cfg: NullStageConfig, faults: FaultsConfig | None = None) -> None:
+    def __init__(self, cfg: NullStageConfig) -> None:
         self._cfg = cfg
-        self._faults = faults or FaultsConfig()
 
     def model_limits(self) -> StageLimits:
         return LIMITS
@@ -84,6 +83,10 @@ class NullEncoder(_NullStage):
 
 class NullDenoiser(_NullStage):
     role = "denoiser"
+
+    def __init__(self, cfg: NullStageConfig, faults: FaultsConfig | None = None) -> None:
+        super().__init__(cfg)
+        self._faults = faults or FaultsConfig()
 
     def run(self, params: GenParams, inputs: Tensors, *, control: RunControl = UNATTENDED) -> Tensors:
         self.check(params)

@@ -75,7 +75,7 @@ async def running_tracker() -> AsyncIterator[Tracker]:
 
 
 async def admit(t: Tracker, rid: str = "r1", timeout_s: float = 60.0) -> None:
-    t.inbox.post(Admit(request_id=rid, params=PARAMS, timeout_s=timeout_s))
+    t.inbox.post(Admit(request_id=rid, params=PARAMS, timeout_s=timeout_s, submitted_at=time.monotonic()))
     assert await t.admission.receive() == Enqueue(job=Job(request_id=rid, role="encoder", params=PARAMS))
 
 
@@ -119,7 +119,7 @@ async def assert_forgotten(t: Tracker, rid: str) -> None:
 async def test_admit_queues_the_request_for_an_encoder() -> None:
     with anyio.fail_after(5):
         async with running_tracker() as t:
-            t.inbox.post(Admit(request_id="r1", params=PARAMS, timeout_s=60.0))
+            t.inbox.post(Admit(request_id="r1", params=PARAMS, timeout_s=60.0, submitted_at=time.monotonic()))
             assert await t.admission.receive() == Enqueue(job=Job(request_id="r1", role="encoder", params=PARAMS))
 
 
@@ -300,7 +300,7 @@ async def test_drain_waits_for_the_table_to_empty() -> None:
 async def test_the_encoder_job_carries_the_requests_priority() -> None:
     with anyio.fail_after(5):
         async with running_tracker() as t:
-            t.inbox.post(Admit(request_id="r1", params=PARAMS, timeout_s=60.0, priority=-3))
+            t.inbox.post(Admit(request_id="r1", params=PARAMS, timeout_s=60.0, priority=-3, submitted_at=time.monotonic()))
             assert await t.admission.receive() == Enqueue(job=Job(request_id="r1", role="encoder", params=PARAMS,
                                                                   priority=-3))
 
@@ -311,7 +311,7 @@ async def test_the_encoder_job_carries_the_requests_priority() -> None:
 async def test_a_request_that_asked_for_progress_hears_of_every_stage_and_step() -> None:
     with anyio.fail_after(5):
         async with running_tracker() as t:
-            t.inbox.post(Admit(request_id="r1", params=PARAMS, timeout_s=60.0, progress=True))
+            t.inbox.post(Admit(request_id="r1", params=PARAMS, timeout_s=60.0, progress=True, submitted_at=time.monotonic()))
             job = (await t.admission.receive()).job
             assert job.progress  # carried to every stage's order
 

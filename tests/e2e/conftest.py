@@ -22,27 +22,26 @@ def cluster_config(tmp: Path, **sections: dict) -> tuple[Path, Config]:
     daemon = msgspec.structs.replace(cfg.daemon, client_endpoint=f"ipc://{tmp}/client",
                                      control_endpoint=f"ipc://{tmp}/control", worker_endpoint=f"ipc://{tmp}/workers")
     cfg = msgspec.structs.replace(cfg, daemon=daemon)
-    raw = msgspec.to_builtins(cfg)
-    for section, values in sections.items():
-        node = raw
-        for key in section.split("."):
-            node = node[key]
-        node.update(values)
     path = tmp / "cluster.toml"
-    path.write_bytes(msgspec.toml.encode(raw))
+    _write_with(path, msgspec.to_builtins(cfg), sections)
     return path, load_config(path)
 
 
 def config_variant(cluster: LocalCluster, path: Path, section: str, values: dict) -> Path:
     """The cluster's config file with ``values`` set in ``section`` (dotted), written to
     ``path``: a worker started with it joins the same daemon with other settings."""
-    raw = msgspec.toml.decode(cluster.config_path.read_bytes())
-    node = raw
-    for key in section.split("."):
-        node = node.setdefault(key, {})
-    node.update(values)
-    path.write_bytes(msgspec.toml.encode(raw))
+    _write_with(path, msgspec.toml.decode(cluster.config_path.read_bytes()), {section: values})
     return path
+
+
+def _write_with(path: Path, raw: dict, sections: dict[str, dict]) -> None:
+    """``raw`` (a config as plain dicts) with each dotted section's ``values`` set, as TOML."""
+    for section, values in sections.items():
+        node = raw
+        for key in section.split("."):
+            node = node.setdefault(key, {})
+        node.update(values)
+    path.write_bytes(msgspec.toml.encode(raw))
 
 
 StartCluster = Callable[..., LocalCluster]

@@ -39,3 +39,15 @@ def test_a_role_whose_last_worker_left_keeps_its_limits_until_another_registers(
     assert door.violation(ASK_48) is None
     door.left("denoiser", "unknown-instance")  # no harm
     assert door.violation(ASK_48) is None
+
+
+def test_the_first_worker_after_none_at_all_forgets_the_departed_limits() -> None:
+    """It may bring another model (the daemon takes one while no worker is registered):
+    the old model's limits must not bind the new one's requests."""
+    door = DoorLimits()
+    door.joined("denoiser", "denoiser-1", NARROW)
+    door.joined("decoder", "decoder-1", NARROW)
+    door.left("denoiser", "denoiser-1")
+    door.left("decoder", "decoder-1")
+    door.joined("encoder", "encoder-2", WIDE)
+    assert door.violation(ASK_48) is None

@@ -46,6 +46,13 @@ def _quiet_libraries() -> None:
         library.utils.logging.disable_progress_bar()
 
 
+def _architecture(config: dict[str, Any]) -> dict[str, Any]:
+    """A config without what saving it stamps in: the library versions, and the directory
+    it was loaded from (``_name_or_path``, written when a loaded model is saved again)."""
+    return {key: value for key, value in config.items()
+            if not key.startswith("_") and key != "transformers_version"}
+
+
 class FamilyAdapter:
     """One family's knowledge: components per role, loading, encode, denoise, decode."""
 
@@ -114,7 +121,8 @@ class FamilyAdapter:
         the path: one model may sit in different directories on different hosts. Weights
         are not read (a role holds only its own), so two checkpoints of one architecture,
         a model and its fine-tune, give the same digest."""
-        configs = {name: self.config(name) for name in ("text_encoder", self.denoiser_model, "vae", "scheduler")}
+        configs = {name: _architecture(self.config(name))
+                   for name in ("text_encoder", self.denoiser_model, "vae", "scheduler")}
         return digest_of([self.name, configs, None if self.cfg.path else self.cfg.seed])
 
     def uses_cfg(self, params: GenParams) -> bool:
