@@ -40,12 +40,13 @@ def _serve(args: argparse.Namespace) -> int:
 def _worker(args: argparse.Namespace) -> int:
     from orchestrator.limits import UnsatisfiableLimits
     from orchestrator.log import configure_logging
+    from orchestrator.stages.base import ModelUnloadable
     from orchestrator.worker import DaemonUnreachable, WorkerRefused, run_worker
 
     cfg = load_config(args.config)
     configure_logging(cfg.log.level, json=cfg.log.json, worker=args.role)
-    return _run_logged(run_worker, args.role, cfg, args.name,
-                       ordinary=(WorkerRefused, DaemonUnreachable, EndpointUnusable, UnsatisfiableLimits))
+    return _run_logged(run_worker, args.role, cfg, args.name, ordinary=(
+        WorkerRefused, DaemonUnreachable, EndpointUnusable, UnsatisfiableLimits, ModelUnloadable))
 
 
 def _run_logged(main, *args: object, ordinary: tuple[type[Exception], ...]) -> int:

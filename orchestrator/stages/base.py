@@ -42,6 +42,11 @@ class StageError(Exception):
         self.reason = reason
 
 
+class ModelUnloadable(Exception):
+    """The configured model cannot be loaded for this role: a missing directory or part, the
+    wrong family for it, a device this machine lacks. A setup mistake, said in one line."""
+
+
 class StageStopped(Exception):
     """The run's request ended while it ran; nobody waits for its output."""
 

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import io
 import os
+import re
+import shutil
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here may download
 
@@ -19,7 +22,7 @@ from diffusers import AutoencoderKL, DiffusionPipeline, UNet2DConditionModel
 from PIL import Image
 
 from orchestrator.config import DiffusersConfig
-from orchestrator.stages.base import RunControl, Stage, StageError, StageStopped, Tensors
+from orchestrator.stages.base import ModelUnloadable, RunControl, Stage, StageError, StageStopped, Tensors
 from orchestrator.stages.diffusion import adapter_for, build_diffusion_stage, tiny
 from orchestrator.stages.diffusion.reference import monolithic
 from transfer.frames import layout, pack, unpack
@@ -257,3 +260,36 @@ def test_the_model_digest_is_one_per_model_whatever_the_role_or_directory(family
     vae_config.write_text(vae_config.read_text().replace('"latent_channels": 4', '"latent_channels": 8'))
     assert adapter_for(DiffusersConfig(family=family, path=str(other))).digest() not in digests
     assert len({adapter_for(DiffusersConfig(family=family, seed=seed)).digest() for seed in (0, 1)}) == 2
+
+
+@pytest.fixture(scope="module")
+def saved_sd15(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("saved") / "sd15"
+    tiny.build_pipeline("sd15", seed=4).save_pretrained(directory)
+    return directory
+
+
+@pytest.mark.parametrize(("role", "change", "says"), [
+    ("decoder", {"path": "no/such/dir"}, "model path 'no/such/dir' is not a directory (a relative path is taken from"),
+    ("denoiser", {"family": "pixart"}, "holds a StableDiffusionPipeline, but family = 'pixart' loads a PixArtAlpha"),
+    ("decoder", {"rm": "vae"}, "lacks vae/config.json: every role needs every component's config"),
+    ("decoder", {"rm": "text_encoder"}, "lacks text_encoder/config.json"),
+    ("encoder", {"rm": "tokenizer"}, "lacks tokenizer/, which the encoder loads"),
+    ("encoder", {"rm": "model_index.json"}, "has no model_index.json: not a diffusers-layout directory"),
+    ("encoder", {"device": "banana"}, "device 'banana' is not a torch device"),
+    ("encoder", {"device": "cuda:7"}, "device 'cuda:7', but this machine's torch sees"),
+])
+def test_a_model_that_cannot_load_is_named_in_one_line(saved_sd15: Path, tmp_path: Path, role: Role,
+                                                        change: dict[str, str], says: str) -> None:
+    """Said before diffusers is asked, which would say something about a config.json of an
+    unnamed part, or advise fetching from the Hub."""
+    directory = tmp_path / "copy"
+    shutil.copytree(saved_sd15, directory)
+    removed = directory / change.pop("rm", "nothing")
+    if removed.is_dir():
+        shutil.rmtree(removed)
+    elif removed.exists():
+        removed.unlink()
+    cfg = DiffusersConfig(**{"family": "sd15", "path": str(directory), **change})
+    with pytest.raises(ModelUnloadable, match=re.escape(says)):
+        build_diffusion_stage(role, cfg)

@@ -235,6 +235,8 @@ def test_the_operators_caps_lower_a_stages_limits_and_its_own_check_applies_them
     assert err.value.reason is Reason.INVALID and "width 64 is outside [8, 32]" in str(err.value)
     # A cap above the model's limit leaves the model's.
     assert capped(LIMITS, LimitsConfig(max_size=1 << 20)).max_size == LIMITS.max_size
+    # A cap between two sizes the model takes names the lower one: 100 admits 96 at most.
+    assert capped(LIMITS, LimitsConfig(max_size=100)).max_size == 96
 
 
 @pytest.mark.parametrize(("caps", "problem"), [

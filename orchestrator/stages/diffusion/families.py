@@ -28,7 +28,7 @@ from diffusers.schedulers.scheduling_utils import SchedulerMixin
 from diffusers.utils.torch_utils import randn_tensor
 
 from orchestrator.config import DiffusersConfig
-from orchestrator.stages.base import StageError, StepFn, Tensors, digest_of
+from orchestrator.stages.base import ModelUnloadable, StageError, StepFn, Tensors, digest_of
 from orchestrator.stages.diffusion import tiny
 from transfer.protocol import GenParams, Role, StageLimits
 
@@ -68,7 +68,10 @@ class FamilyAdapter:
     def __init__(self, cfg: DiffusersConfig) -> None:
         self.cfg = cfg
         self.dtype = DTYPES[cfg.dtype]
-        self.device = torch.device(cfg.device)
+        try:
+            self.device = torch.device(cfg.device)
+        except RuntimeError:
+            raise ModelUnloadable(f"device {cfg.device!r} is not a torch device (cpu, cuda, cuda:1, ...)") from None
         self._configs: dict[str, dict[str, Any]] = {}
 
     # ------------------------------------------------------------------ configs, limits
@@ -131,8 +134,39 @@ class FamilyAdapter:
 
     # ------------------------------------------------------------------ loading
 
+    def check_source(self, role: Role) -> None:
+        """Raise ``ModelUnloadable`` naming the first thing ``role`` would fail to load. What
+        diffusers says instead (a traceback about a config.json of an unnamed component, or
+        advice to fetch from the Hub) does not tell an operator which setting is wrong."""
+        if self.device.type == "cuda":
+            gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            if (self.device.index or 0) >= gpus:
+                raise ModelUnloadable(f"device {self.cfg.device!r}, but this machine's torch sees {gpus} CUDA devices")
+        if not self.cfg.path:
+            return  # the embedded tiny model: nothing to find
+        root = Path(self.cfg.path)
+        if not root.is_dir():
+            raise ModelUnloadable(f"model path {str(root)!r} is not a directory (a relative path is taken from the "
+                                  f"worker's working directory, {Path.cwd()})")
+        index = root / "model_index.json"
+        if not index.is_file():
+            raise ModelUnloadable(f"{root} has no model_index.json: not a diffusers-layout directory")
+        held = json.loads(index.read_text()).get("_class_name")
+        if held != self.pipeline_cls.__name__:
+            raise ModelUnloadable(f"{root} holds a {held}, but family = {self.name!r} loads a "
+                                  f"{self.pipeline_cls.__name__}")
+        # Every role reads every component's config (limits, latent sizes, the model digest).
+        for name in ("text_encoder", self.denoiser_model, "vae", "scheduler"):
+            config = root / name / ("scheduler_config.json" if name == "scheduler" else "config.json")
+            if not config.is_file():
+                raise ModelUnloadable(f"{root} lacks {name}/{config.name}: every role needs every component's config")
+        for name in self.components[role]:
+            if not (root / name).is_dir():
+                raise ModelUnloadable(f"{root} lacks {name}/, which the {role} loads")
+
     def load(self, role: Role) -> DiffusionPipeline:
         """A partial pipeline holding only ``role``'s components, on the configured device."""
+        self.check_source(role)
         _quiet_libraries()
         wanted = self.components[role]
         names = [p for p in inspect.signature(self.pipeline_cls.__init__).parameters if p != "self"]
