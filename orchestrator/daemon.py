@@ -80,8 +80,12 @@ async def serve(cfg: Config, *, task_status: anyio.abc.TaskStatus[dict[str, str]
             endpoints["client"] = await tg.start(FrontendActor(fe, ctx=ctx, cfg=d, tracker=tr).run)
             tg.start_soon(_tick, tr, TRACKER_TICK_S)
             tg.start_soon(_tick, ng, d.heartbeat_s / 2)
-            tg.start_soon(_drain_on_request, tg.cancel_scope, drain_requested, fe, tr, ng, d.drain_timeout_s)
-            tg.start_soon(_watch_signals, tg.cancel_scope, drain_requested)
+            # A second signal cuts the drain short: what is still in flight is answered and the
+            # workers are told, as when the drain runs out of time.
+            drain_wait = anyio.CancelScope()
+            tg.start_soon(_drain_on_request, tg.cancel_scope, drain_requested, drain_wait, fe, tr, ng,
+                          d.drain_timeout_s)
+            tg.start_soon(_watch_signals, drain_requested, drain_wait)
             log.info("daemon.ready", **endpoints)
             task_status.started(endpoints)
     finally:
@@ -89,12 +93,12 @@ async def serve(cfg: Config, *, task_status: anyio.abc.TaskStatus[dict[str, str]
     log.info("daemon.stopped")
 
 
-async def _watch_signals(scope: anyio.CancelScope, drain_requested: anyio.Event) -> None:
+async def _watch_signals(drain_requested: anyio.Event, drain_wait: anyio.CancelScope) -> None:
     with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async for signum in signals:
             log.info("daemon.signal", signal=signal.Signals(signum).name)
             if drain_requested.is_set():
-                scope.cancel()  # second signal: stop now
+                drain_wait.cancel()  # second signal: stop waiting for the work in flight
                 return
             drain_requested.set()
 
@@ -102,15 +106,16 @@ async def _watch_signals(scope: anyio.CancelScope, drain_requested: anyio.Event)
 async def _drain_on_request(
     scope: anyio.CancelScope,
     drain_requested: anyio.Event,
+    drain_wait: anyio.CancelScope,
     frontend: Mailbox[Any],
     tracker: Mailbox[Any],
     negotiator: Mailbox[Any],
     timeout_s: float,
 ) -> None:
     """On the first signal or ``Drain``: refuse new work, let in-flight work finish, tell
-    the workers, stop."""
+    the workers, stop. A second signal (``drain_wait`` cancelled) ends the wait at once."""
     await drain_requested.wait()
-    with anyio.move_on_after(timeout_s) as waited:
+    with anyio.move_on_after(timeout_s) as waited, drain_wait:
         frontend.post(SetDraining())
         drained = anyio.Event()
         tracker.post(StartDrain(drained=drained))
@@ -118,11 +123,13 @@ async def _drain_on_request(
         # Once the frontend answers a query, the last results posted before the drain
         # completed have been handed to its socket.
         await ask_stats(frontend)
-    if waited.cancelled_caught:
-        log.warning("daemon.drain_timeout", timeout_s=timeout_s)
+    if waited.cancelled_caught or drain_wait.cancelled_caught:
+        cut_short = drain_wait.cancelled_caught
+        log.warning("daemon.drain_cut_short" if cut_short else "daemon.drain_timeout", timeout_s=timeout_s)
+        why = "it was told to stop at once (a second signal)" if cut_short else (
+            f"its drain ran out of time (drain_timeout_s = {timeout_s:g})")
         # Every request still in flight gets its final answer before the sockets close.
-        tracker.post(EndAll(message=f"the daemon stopped before this request finished: its drain "
-                                    f"ran out of time (drain_timeout_s = {timeout_s:g})"))
+        tracker.post(EndAll(message=f"the daemon stopped before this request finished: {why}"))
         with anyio.move_on_after(END_ALL_FLUSH_S):
             await ask_stats(frontend)
     else:

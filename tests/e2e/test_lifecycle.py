@@ -158,9 +158,14 @@ async def test_sigterm_drains_in_flight_work_and_refuses_new(start_cluster: Star
     assert '"event":"daemon.drained"' in cluster.log_of("daemon")
 
 
-async def test_a_drain_that_runs_out_of_time_still_answers_every_request(start_cluster: StartCluster) -> None:
+@pytest.mark.parametrize(("signals", "drain_timeout_s", "says", "event"), [
+    (1, 1.0, "drain ran out of time", "daemon.drain_timeout"),
+    (2, 60.0, "told to stop at once (a second signal)", "daemon.drain_cut_short"),
+], ids=["drain timeout", "second signal"])
+async def test_a_drain_that_runs_out_of_time_or_is_cut_short_still_answers_every_request(
+        start_cluster: StartCluster, signals: int, drain_timeout_s: float, says: str, event: str) -> None:
     cluster = start_cluster(layout={"encoder": 1, "denoiser": 1, "decoder": 1},
-                            **{"model.null": {"denoiser_ms": 5000.0}, "daemon": {"drain_timeout_s": 1.0}})
+                            **{"model.null": {"denoiser_ms": 5000.0}, "daemon": {"drain_timeout_s": drain_timeout_s}})
     with anyio.fail_after(30):
         async with AsyncClient(cluster.config.daemon.client_endpoint) as client:
             async with anyio.create_task_group() as tg:
@@ -176,14 +181,17 @@ async def test_a_drain_that_runs_out_of_time_still_answers_every_request(start_c
                 await anyio.to_thread.run_sync(wait_for, cluster, lambda s: s.requests_by_state.get("denoising") == 1)
                 assert cluster.daemon is not None
                 started = time.monotonic()
-                cluster.daemon.send_signal(signal.SIGTERM)
+                for _ in range(signals):
+                    cluster.daemon.send_signal(signal.SIGTERM)
+                    await anyio.sleep(0.3)
             waited = time.monotonic() - started
         code = await anyio.to_thread.run_sync(partial(cluster.daemon.wait, timeout=10))
     (rejection,) = outcome
-    assert rejection.reason == Reason.DRAINING and "drain ran out of time" in rejection.rejected.message
-    assert waited < 4, "answered when the drain gave up (1 s), not at the request's deadline"
+    assert rejection.reason == Reason.DRAINING and says in rejection.rejected.message
+    assert waited < 4, "answered when the drain gave up (1 s or the second signal), not at the request's deadline"
     assert code == 0
-    assert '"event":"daemon.drain_timeout"' in cluster.log_of("daemon")
+    assert f'"event":"{event}"' in cluster.log_of("daemon")
+    assert '"event":"negotiator.farewell"' in cluster.log_of("daemon")  # the workers were told
 
 
 async def _append(results: list, awaitable) -> None:
