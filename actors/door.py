@@ -10,7 +10,7 @@ recently registered one happens to take.
 from __future__ import annotations
 
 from orchestrator.limits import limits_violation
-from transfer.protocol import GenParams, Role, StageLimits
+from transfer.protocol import ROLES, GenParams, Role, StageLimits
 
 
 class DoorLimits:
@@ -37,6 +37,10 @@ class DoorLimits:
         if limits is not None and not live:
             self._departed[role] = limits
         self._recount()
+
+    def unserved(self) -> list[Role]:
+        """The roles no registered worker serves now."""
+        return [role for role in ROLES if not self._live.get(role)]
 
     def violation(self, params: GenParams) -> str | None:
         """The first way ``params`` break a registered worker's limits, or None."""

@@ -202,7 +202,7 @@ class FrontendActor:
                 if asked is not None:
                     del self._in_flight[asked.request_id]
                     if not self._retry(asked, message):
-                        self._send(asked.identity, msgspec.structs.replace(message, request_id=asked.request_id), frames)
+                        self._send(asked.identity, self._explained(message, asked.request_id), frames)
             case SetDraining():
                 self._draining = True
             case LimitsChanged(role=role, instance=instance, limits=None):
@@ -212,6 +212,15 @@ class FrontendActor:
             case QueryStats(reply=reply):
                 reply_once(reply, FrontendStats(len(self._clients), self._draining, self._retried, self._dropped,
                                                 self._inbox.counts()))
+
+    def _explained(self, message: ClientReply, rid: str) -> ClientReply:
+        """``message`` under the client's id; a timeout also says which roles no worker
+        serves, the likely reason it waited (a pipeline missing a stage waits, rather than
+        refuses, so that a restarting worker costs no request)."""
+        if isinstance(message, Rejected) and message.reason == Reason.TIMED_OUT and (missing := self._door.unserved()):
+            return msgspec.structs.replace(message, request_id=rid, message=(
+                f"{message.message}; no {' or '.join(missing)} worker is registered"))
+        return msgspec.structs.replace(message, request_id=rid)
 
     def _send(self, identity: bytes, message: ClientReply, frames: tuple | list = ()) -> None:
         """Queue a reply: replies leave together once the daemon is quiet."""

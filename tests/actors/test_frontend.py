@@ -29,6 +29,7 @@ from tests.actors.streams import open_stream
 from transfer.protocol import (
     CLIENT_REPLY,
     PROTOCOL_VERSION,
+    ROLES,
     Cancel,
     Cancelled,
     ClientReply,
@@ -83,6 +84,8 @@ async def running_frontend(ctx: zmq.asyncio.Context, tmp_path: Path, **settings:
         inbox = board.mailbox("frontend", 32)
         tracker_box, tracker_rx = open_stream(stack, board, "tracker")
         actor = FrontendActor(inbox, ctx=ctx, cfg=cfg, tracker=tracker_box)
+        for role in ROLES:  # a worker of each role is registered, with the default limits
+            inbox.post(LimitsChanged(role=role, instance=f"{role}-0", limits=StageLimits()))
         async with anyio.create_task_group() as tg:
             endpoint = await tg.start(actor.run)
             client = ctx.socket(zmq.DEALER)
@@ -350,3 +353,15 @@ async def test_a_client_watching_progress_hears_of_a_retry_and_why(ctx: zmq.asyn
             assert (retrying.state, retrying.why) == ("retrying", "gone") and retrying.elapsed_ms >= 0
             again = await f.tracker.receive()
             assert again.progress and again.submitted_at == first.submitted_at
+
+
+async def test_a_timeout_says_which_roles_no_worker_serves(ctx: zmq.asyncio.Context, tmp_path: Path) -> None:
+    with anyio.fail_after(5):
+        async with running_frontend(ctx, tmp_path) as f:
+            f.inbox.post(LimitsChanged(role="denoiser", instance="denoiser-0", limits=None))
+            key = await f.admitted("r")
+            f.inbox.post(Deliver(request_id=key, message=Rejected(request_id=key, reason=Reason.TIMED_OUT,
+                                                                  message="deadline passed while waiting")))
+            reply, _ = await f.reply()
+            assert reply == Rejected(request_id="r", reason=Reason.TIMED_OUT,
+                                     message="deadline passed while waiting; no denoiser worker is registered")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 
 import anyio
@@ -307,3 +308,17 @@ def test_the_daemon_never_loads_torch(cluster: LocalCluster) -> None:
     assert cluster.daemon is not None
     maps = Path(f"/proc/{cluster.daemon.pid}/maps").read_text()
     assert "libtorch" not in maps and "libc10" not in maps
+
+
+def test_a_request_that_times_out_for_want_of_a_stage_says_so(start_cluster: StartCluster) -> None:
+    """It waits rather than being refused (a restarting worker costs no request), and its
+    timeout names the role nobody serves."""
+    cluster = start_cluster(layout={"encoder": 1, "denoiser": 1, "decoder": 1})
+    denoiser = cluster.workers["denoiser0"]
+    denoiser.send_signal(signal.SIGTERM)
+    assert denoiser.wait(timeout=20) == 0
+    wait_for(cluster, lambda s: len(s.instances) == 2)
+    with Client(endpoint(cluster)) as client, pytest.raises(Rejection) as caught:
+        client.submit(params(0), timeout_s=1.5)
+    assert caught.value.reason == Reason.TIMED_OUT
+    assert caught.value.rejected.message.endswith("; no denoiser worker is registered")

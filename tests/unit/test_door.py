@@ -51,3 +51,13 @@ def test_the_first_worker_after_none_at_all_forgets_the_departed_limits() -> Non
     door.left("decoder", "decoder-1")
     door.joined("encoder", "encoder-2", WIDE)
     assert door.violation(ASK_48) is None
+
+
+def test_the_roles_no_worker_serves_are_known() -> None:
+    door = DoorLimits()
+    assert door.unserved() == ["encoder", "denoiser", "decoder"]
+    door.joined("encoder", "encoder-1", WIDE)
+    door.joined("decoder", "decoder-1", WIDE)
+    assert door.unserved() == ["denoiser"]
+    door.left("decoder", "decoder-1")
+    assert door.unserved() == ["denoiser", "decoder"]
