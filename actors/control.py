@@ -131,6 +131,7 @@ class ControlActor:
                         failed=slots.failed,
                         alive=prealloc is not None,
                         suspect=slots.suspect,
+                        limits=negotiator.limits.get(slots.instance),
                     )
                 )
         mailboxes = {owner: answer.mailbox.peak for owner, answer in answers.items()}

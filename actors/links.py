@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import hmac
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import zmq
 
-from transfer.protocol import PROTOCOL_VERSION, LocalMemory, Register, Role
+from transfer.protocol import PROTOCOL_VERSION, LocalMemory, Register, Role, StageLimits
 
 
 @dataclass(slots=True)
@@ -26,7 +26,7 @@ class Link:
     joined_at: float
     last_seen: float
     local: LocalMemory | None = None  # its pool as shared memory, for senders on its host
-    model: str = ""  # its model's name, for messages
+    limits: StageLimits = field(default_factory=StageLimits)  # what its model takes (the door's, and `triptych workers`)
     model_digest: str = ""  # every link's is the same (``model_problem``)
     reached: bool = False  # its Probed came back: orders sent to its work_address arrive
     # It gets no new work until heard from (a push into it failed, or it went quiet), and
@@ -69,7 +69,7 @@ def model_problem(msg: Register, links: Iterable[Link]) -> str | None:
     if serving is None or serving.model_digest == msg.model_digest:
         return None
     return (f"this worker's model {msg.limits.model!r} (digest {msg.model_digest or 'none'}) is not the model "
-            f"the registered workers serve, {serving.model!r} (digest {serving.model_digest or 'none'}): every "
+            f"the registered workers serve, {serving.limits.model!r} (digest {serving.model_digest or 'none'}): every "
             "worker of a daemon must load the same model (family, configs, tiny seed); to change models, "
             "stop every worker first")
 

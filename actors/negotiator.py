@@ -69,6 +69,7 @@ from transfer.protocol import (
     Registered,
     RegisterRefused,
     Role,
+    StageLimits,
     Staged,
     Step,
     WorkerMessage,
@@ -92,6 +93,7 @@ class PreallocCounts(msgspec.Struct, frozen=True):
 
 class NegotiatorStats(msgspec.Struct, frozen=True):
     prealloc: dict[str, PreallocCounts]
+    limits: dict[str, StageLimits]
     handoffs_in_flight: int
     fast_path: dict[str, int]
     slow_path: dict[str, int]
@@ -214,7 +216,7 @@ class TransferNegotiator:
         instance = f"{msg.role}-{next(self._ids)}"
         now = time.monotonic()
         link = Link(routing_id, instance, msg.role, msg.name, msg.session, msg.pool_base, msg.pool_size,
-                    msg.work_address, joined_at=now, last_seen=now, local=msg.local, model=msg.limits.model,
+                    msg.work_address, joined_at=now, last_seen=now, local=msg.local, limits=msg.limits,
                     model_digest=msg.model_digest)
         self._links[routing_id] = link
         self._by_instance[instance] = link
@@ -226,7 +228,8 @@ class TransferNegotiator:
         self._frontend.post(LimitsChanged(role=msg.role, instance=instance, limits=msg.limits))
         self._reply(routing_id, Registered(instance=instance, key=key, heartbeat_s=self._cfg.heartbeat_s))
         self._log.info("worker.registered", instance=instance, name=msg.name, role=msg.role,
-                       session=msg.session, slots=[s.size for s in msg.slots], capacity=msg.capacity)
+                       session=msg.session, slots=[s.size for s in msg.slots], capacity=msg.capacity,
+                       limits=msgspec.to_builtins(msg.limits))
 
     # ------------------------------------------------------------------ reports
 
@@ -275,7 +278,8 @@ class TransferNegotiator:
             case QueryStats(reply=reply):
                 h = self._handoffs
                 prealloc = {instance: PreallocCounts(*h.prealloc_counts(instance)) for instance in self._by_instance}
-                reply_once(reply, NegotiatorStats(prealloc, h.in_flight(), dict(h.fast), dict(h.slow), h.late,
+                limits = {instance: link.limits for instance, link in self._by_instance.items()}
+                reply_once(reply, NegotiatorStats(prealloc, limits, h.in_flight(), dict(h.fast), dict(h.slow), h.late,
                                                   self._inbox.counts()))
             case _:
                 raise AssertionError(f"unexpected mail {mail!r}")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from transfer.protocol import InstanceStats, Progress, Stats
+from transfer.protocol import InstanceStats, Progress, StageLimits, Stats
 
 
 def progress_line(progress: Progress) -> str:
@@ -26,16 +26,34 @@ def stats_table(stats: Stats) -> str:
     return "\n".join(lines)
 
 
+def limits_table(limits: list[tuple[str, StageLimits]]) -> str:
+    """What each instance's model takes: the daemon admits only what all of them take."""
+    iw = max([len("instance"), *(len(instance) for instance, _ in limits)])
+    mw = max([len("model"), *(len(lim.model) for _, lim in limits)])
+    lines = ["limits (a request must fit every worker's)",
+             f"{'instance':<{iw}} {'model':<{mw}} {'width/height':<18} {'steps':>6} {'images':>6} {'frames':>6} "
+             f"{'pixels':>10}"]
+    for instance, lim in limits:
+        sizes = f"{lim.min_size}..{lim.max_size}" + (f" step {lim.size_multiple}" if lim.size_multiple > 1 else "")
+        lines.append(f"{instance:<{iw}} {lim.model:<{mw}} {sizes:<18} {lim.max_steps:>6} {lim.max_images:>6} "
+                     f"{lim.max_frames:>6} {lim.max_pixels:>10}")
+    return "\n".join(lines)
+
+
 def workers_table(instances: list[InstanceStats]) -> str:
     # Columns as wide as their longest entry: default names (role@host:pid:suffix) are long.
     iw = max([len("instance"), *(len(i.instance) for i in instances)])
     nw = max([len("name"), *(len(i.name) for i in instances)])
     lines = [f"{'instance':<{iw}} {'role':<9} {'name':<{nw}} {'slots':>7} {'prealloc':>9} {'served':>7} {'failed':>7}  "
              "address"]
-    for i in sorted(instances, key=lambda i: i.instance):
+    ordered = sorted(instances, key=lambda i: i.instance)
+    for i in ordered:
         lines.append(
             f"{i.instance:<{iw}} {i.role:<9} {i.name:<{nw}} {i.slots_free:>3}/{i.slots_total:<3} "
             f"{i.prealloc_free:>4}/{i.prealloc_total:<4} {i.served:>7} {i.failed:>7}  {i.address}"
             + ("  (suspect: no new work)" if i.suspect else "")
         )
+    limited = [(i.instance, i.limits) for i in ordered if i.limits is not None]
+    if limited:
+        lines += ["", limits_table(limited)]
     return "\n".join(lines)

@@ -206,6 +206,9 @@ class InstanceStats(Plain):
     # No new work: not yet reached by its Probe, or silent 2 heartbeats, or a push into it
     # failed, and not heard from since.
     suspect: bool = False
+    # What its model takes, as it registered them: the frontend admits only what every
+    # registered worker takes, so the tightest of these is what clients may ask for.
+    limits: StageLimits | None = None
 
 
 class Stats(Wire):

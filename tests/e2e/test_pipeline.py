@@ -225,6 +225,10 @@ def test_the_door_admits_what_every_registered_worker_takes(start_cluster: Start
         cluster.wait_registered(4, timeout_s=60)
         cluster.start_worker("denoiser", 2)  # registers last, with the model's own limits
         cluster.wait_registered(5, timeout_s=60)
+        # Each instance's limits are in the control socket's list, as it registered them.
+        max_sizes = {i.name: i.limits.max_size for i in cluster.control.workers().instances
+                     if i.role == "denoiser" and i.limits}
+        assert max_sizes["denoiser1"] == 32 and max_sizes["denoiser0"] == max_sizes["denoiser2"] > 32
         with pytest.raises(Rejection) as caught:
             client.submit(wide, timeout_s=10)
         assert caught.value.reason == Reason.INVALID and "width 40 is outside [8, 32]" in caught.value.rejected.message

@@ -44,7 +44,7 @@ def test_a_link_holds_only_ranges_inside_its_pool() -> None:
 
 def serving(name: str, digest: str) -> Link:
     return Link(b"id", "encoder-1", "encoder", name, "s", BASE, SIZE, "ipc://e", joined_at=0.0, last_seen=0.0,
-                model="tiny-sd15", model_digest=digest)
+                limits=StageLimits(model="tiny-sd15"), model_digest=digest)
 
 
 def test_a_worker_joins_only_workers_of_its_own_model() -> None:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import msgspec
+
 from orchestrator.tables import workers_table
-from transfer.protocol import InstanceStats
+from transfer.protocol import InstanceStats, StageLimits
 
 
 def instance(n: int, name: str, suspect: bool = False) -> InstanceStats:
@@ -18,3 +20,14 @@ def test_columns_stay_aligned_with_long_default_names() -> None:
     assert [row.index(" 1/2 ") + 1 for row in rows] == [header.index("slots")] * 2  # under its header
     assert [row.split()[0] for row in rows] == ["denoiser-12", "denoiser-3"]
     assert rows[1].endswith("(suspect: no new work)")
+
+
+def test_the_limits_each_worker_registered_follow_the_instances() -> None:
+    tight = msgspec.structs.replace(instance(2, "d2"), limits=StageLimits(model="tiny-sd15", size_multiple=8,
+                                                                         min_size=64, max_size=512, max_steps=50))
+    table = workers_table([instance(1, "d1"), tight])
+    assert table.splitlines()[-3:] == [
+        "limits (a request must fit every worker's)",
+        "instance   model     width/height        steps images frames     pixels",
+        "denoiser-2 tiny-sd15 64..512 step 8         50     16      1   16777216",
+    ]  # none known for denoiser-1 (it left while the stats were gathered): no row
