@@ -4,7 +4,8 @@ Three families share one encoding (msgpack, tag field ``kind``):
 
 * client <-> daemon: ``Submit``/``Cancel`` in, ``Result``/``Rejected``/``Cancelled`` out, and
   ``Progress`` before the answer when the submit asked for it;
-* control: ``GetStats``/``ListWorkers``/``Drain`` in, ``Stats``/``Workers``/``Draining`` out;
+* control: ``GetStats``/``ListWorkers``/``Drain`` in, ``Stats``/``Workers``/``Draining`` (or
+  ``Rejected``) out;
 * worker <-> daemon: registration, heartbeats, work and the tensor hand-off.
 
 Tensors never go through msgpack. A message that carries tensors is the encoded header
@@ -12,7 +13,8 @@ followed by one raw ZMQ frame per tensor, in the order of its ``TensorSpec`` lis
 
 Schema evolution: new fields are appended with defaults; wire structs do not forbid
 unknown fields, so an older peer skips what it does not know. The protocol version is
-checked once per peer (``Submit.protocol``, ``Register.protocol``), not per message.
+checked on the messages that open an exchange (``Submit``, ``Cancel``, ``Register``), not on
+every message.
 """
 
 from __future__ import annotations
@@ -391,7 +393,8 @@ class Allocated(Wire):
 
 
 class AllocRejected(Wire):
-    """Receiver -> daemon: cannot make room (larger than the pool, or none freed in time)."""
+    """Receiver -> daemon: cannot make room (larger than its general region, the pool less its
+    receive slots, or none freed in time)."""
 
     request_id: str
     message: str
