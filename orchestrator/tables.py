@@ -46,14 +46,16 @@ def workers_table(instances: list[InstanceStats]) -> str:
     nw = max([len("name"), *(len(i.name) for i in instances)])
     lines = [f"{'instance':<{iw}} {'role':<9} {'name':<{nw}} {'slots':>7} {'prealloc':>9} {'served':>7} {'failed':>7}  "
              "address"]
-    ordered = sorted(instances, key=lambda i: i.instance)
-    for i in ordered:
+    for i in sorted(instances, key=lambda i: i.instance):
         lines.append(
             f"{i.instance:<{iw}} {i.role:<9} {i.name:<{nw}} {i.slots_free:>3}/{i.slots_total:<3} "
             f"{i.prealloc_free:>4}/{i.prealloc_total:<4} {i.served:>7} {i.failed:>7}  {i.address}"
             + ("  (suspect: no new work)" if i.suspect else "")
         )
-    limited = [(i.instance, i.limits) for i in ordered if i.limits is not None]
-    if limited:
-        lines += ["", limits_table(limited)]
     return "\n".join(lines)
+
+
+def workers_tables(instances: list[InstanceStats]) -> str:
+    """What `triptych workers` prints: the instances, then the limits each registered."""
+    limited = [(i.instance, i.limits) for i in sorted(instances, key=lambda i: i.instance) if i.limits is not None]
+    return workers_table(instances) + (f"\n\n{limits_table(limited)}" if limited else "")

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import re
+import socket
 import tempfile
 import uuid
 from pathlib import Path
@@ -16,13 +19,19 @@ from transfer.binding import bind
 # read: a frame over this limit disconnects its sender unread.
 ORDER_MAX_MESSAGE_BYTES = 1 << 20
 
+# An ipc work socket's file: triptych-work-<pid of its worker>-<uuid>.
+IPC_FILE = re.compile(r"^triptych-work-(\d+)-[0-9a-f]{32}$")
+
 
 def bind_work_socket(sock: zmq.Socket, wcfg: WorkerConfig) -> str:
     """Bind a worker's work socket as configured; returns the address the daemon should dial."""
     sock.setsockopt(zmq.MAXMSGSIZE, ORDER_MAX_MESSAGE_BYTES)
     if wcfg.work_socket == "ipc":
-        # Unique per process; close_work_socket removes the file.
-        address = f"ipc://{tempfile.gettempdir()}/triptych-work-{uuid.uuid4().hex}"
+        # Unique per process; close_work_socket removes the file, and a later worker the file
+        # of one that was killed.
+        directory = Path(tempfile.gettempdir())
+        remove_dead_socket_files(directory)
+        address = f"ipc://{directory}/triptych-work-{os.getpid()}-{uuid.uuid4().hex}"
         bind(sock, address)
         return address
     bind(sock, f"tcp://{wcfg.bind_host}:0")
@@ -42,3 +51,37 @@ def remove_socket_file(address: str | None) -> None:
     """Remove an ``ipc://`` work socket's file (nothing for tcp, or None)."""
     if address is not None and address.startswith("ipc://"):
         Path(address.removeprefix("ipc://")).unlink(missing_ok=True)
+
+
+def remove_dead_socket_files(directory: Path) -> None:
+    """Remove the ipc work socket files in ``directory`` left by workers that were killed
+    (SIGKILL, a crash): a file whose worker's pid is gone and on which nothing listens.
+    Both are asked, as either alone can mislead: a pid is another process's in another pid
+    namespace sharing the directory, and a worker binding at this instant is not yet listening.
+    """
+    for path in directory.glob("triptych-work-*"):
+        named = IPC_FILE.match(path.name)
+        if named is None or _process_exists(int(named[1])) or _listening(path):
+            continue
+        path.unlink(missing_ok=True)
+
+
+def _process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's
+    return True
+
+
+def _listening(path: Path) -> bool:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        try:
+            probe.connect(str(path))
+        except ConnectionRefusedError:
+            return False
+        except OSError:
+            return True  # not ours to judge (a path too long, no permission): left alone
+    return True

@@ -67,7 +67,7 @@ def test_a_dead_receiver_fails_no_request_and_takes_no_more_work(start_cluster: 
     ``heartbeat_misses`` (set high here so the two cannot be confused)."""
     # Suspected for 3 s (two heartbeats), where a plain eviction would take 60 s of silence.
     cluster = start_cluster(daemon={"heartbeat_s": 1.5, "heartbeat_misses": 40})
-    [dead] = [i.instance for i in cluster.control.stats().instances if i.name == "denoiser1"]
+    [(dead, address)] = [(i.instance, i.address) for i in cluster.control.stats().instances if i.name == "denoiser1"]
     victim = cluster.workers["denoiser1"]
     os.kill(victim.pid, signal.SIGKILL)
     victim.wait()
@@ -87,6 +87,12 @@ def test_a_dead_receiver_fails_no_request_and_takes_no_more_work(start_cluster: 
     assert "denoiser1" not in {i.name for i in stats.instances}
     assert (stats.failed_by_reason, stats.retried) == ({"transfer_failed": 1}, 1)
     assert "went silent after a push into it failed" in cluster.log_of("daemon")
+    # Its ipc socket file outlived it; the next worker started on this host removes it.
+    socket_file = Path(address.removeprefix("ipc://"))
+    assert socket_file.exists()
+    cluster.start_worker("denoiser", 2)
+    wait_for(cluster, lambda s: "denoiser2" in {i.name for i in s.instances}, timeout_s=60)
+    assert not socket_file.exists()
 
 
 def test_a_hung_stage_takes_its_worker_down_and_nothing_else(start_cluster: StartCluster) -> None:

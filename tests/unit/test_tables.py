@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
-from orchestrator.tables import workers_table
+from orchestrator.tables import workers_table, workers_tables
 from transfer.protocol import InstanceStats, StageLimits
 
 
@@ -25,7 +25,7 @@ def test_columns_stay_aligned_with_long_default_names() -> None:
 def test_the_limits_each_worker_registered_follow_the_instances() -> None:
     tight = msgspec.structs.replace(instance(2, "d2"), limits=StageLimits(model="tiny-sd15", size_multiple=8,
                                                                          min_size=64, max_size=512, max_steps=50))
-    table = workers_table([instance(1, "d1"), tight])
+    table = workers_tables([instance(1, "d1"), tight])
     assert table.splitlines()[-3:] == [
         "limits (a request must fit every worker's)",
         "instance   model     width/height        steps images frames     pixels",

@@ -3,6 +3,11 @@ more orders is taken apart."""
 
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
+import tempfile
+import uuid
 from pathlib import Path
 
 import anyio
@@ -107,3 +112,39 @@ def test_an_address_the_work_socket_cannot_bind_is_named() -> None:
     finally:
         pull.close(linger=0)
         ctx.destroy(linger=0)
+
+
+def test_a_killed_workers_socket_file_is_removed_by_the_next_worker(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only a file whose worker's pid is gone and on which nothing listens: never a live
+    worker's, and never one that is not a work socket's."""
+    with tempfile.TemporaryDirectory(dir="/tmp") as short:  # under the 108 bytes of a socket path
+        directory = Path(short)
+        gone = subprocess.Popen(["true"])
+        gone.wait()
+
+        def socket_file(pid: int | str, *, listening: bool = False) -> tuple[Path, socket.socket]:
+            path = directory / f"triptych-work-{pid}-{uuid.uuid4().hex}"
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.bind(str(path))
+            if listening:
+                sock.listen()
+            else:
+                sock.close()  # as a SIGKILL leaves it: the file, no listener
+            return path, sock
+
+        killed, _ = socket_file(gone.pid)
+        alive, _ = socket_file(os.getpid())  # a worker still running (between bind and listen)
+        other_namespace, listener = socket_file(gone.pid, listening=True)  # its pid is not ours to see
+        stranger, _ = socket_file("x")
+        monkeypatch.setattr(tempfile, "tempdir", short)
+        ctx = zmq.Context()
+        pull = ctx.socket(zmq.PULL)
+        try:
+            address = bind_work_socket(pull, WorkerConfig(work_socket="ipc"))
+        finally:
+            listener.close()
+            pull.close(linger=0)
+            ctx.destroy(linger=0)
+        assert not killed.exists()
+        assert alive.exists() and other_namespace.exists() and stranger.exists()
+        assert address.startswith(f"ipc://{short}/triptych-work-{os.getpid()}-")
