@@ -23,6 +23,7 @@ import zmq
 import zmq.asyncio
 
 from actors.base import reply_once, serve_mailbox
+from actors.client_outbox import ClientOutbox
 from actors.door import DoorLimits
 from actors.mail import Admit, CancelRequest, Deliver, FrontendMail, LimitsChanged, QueryStats, SetDraining, TrackerMail
 from actors.mailbox import Mailbox, MailboxCounts
@@ -42,12 +43,16 @@ from transfer.protocol import (
     Submit,
     encode,
 )
-from transfer.sockets import NOBLOCK, PlainPump, send_frames
+from transfer.sockets import PlainPump
 
 log = structlog.get_logger()
 
 # Failures that a fresh attempt on other workers can mend (daemon.retries).
 RETRIED = frozenset({Reason.WORKER_LOST, Reason.TRANSFER_FAILED})
+# Held replies are sent again after this long, doubling up to the last while ZMQ takes none
+# (a client that reads makes room within a millisecond; one that does not is tried rarely).
+RESEND_FIRST_S = 0.001
+RESEND_LAST_S = 0.1
 
 
 class FrontendStats(msgspec.Struct, frozen=True):
@@ -87,8 +92,9 @@ class FrontendActor:
         self._ctx = ctx
         self._cfg = cfg
         self._tracker = tracker
-        self._sock: zmq.Socket | None = None
         self._pump: PlainPump | None = None
+        self._outbox: ClientOutbox | None = None
+        self._holding = anyio.Event()  # set when the outbox starts holding replies
         # Each admission gets its own internal key, never reused, so news about an ended
         # request can never be mistaken for a later one that reuses the client's id.
         self._keys = itertools.count()
@@ -97,7 +103,6 @@ class FrontendActor:
         self._door = DoorLimits()
         self._draining = False
         self._retried = 0
-        self._dropped = 0  # replies ZMQ would not take: the client was gone, or not reading
         self._unsent: list[list] = []  # replies waiting for the flush
         self._log = log.bind(actor="frontend")
 
@@ -106,9 +111,35 @@ class FrontendActor:
         with bound_router(self._ctx, self._cfg.client_endpoint, send_hwm=self._cfg.client_send_hwm,
                           max_message_bytes=self._cfg.client_max_message_bytes,
                           close_linger_ms=FLUSH_ON_CLOSE_MS, plain=True, mandatory=True) as (sock, bound):
-            self._sock = sock
             self._pump = PlainPump(sock, self._on_frames, copy=True, hold=self._inbox.board.hold)
-            await serve_mailbox(self._inbox, self._handle, pump=self._pump.run, task_status=task_status, started=bound)
+            self._outbox = ClientOutbox(sock, held_bytes=self._cfg.client_held_bytes, log=self._log)
+            try:
+                await serve_mailbox(self._inbox, self._handle, pump=self._serve_socket, task_status=task_status,
+                                    started=bound)
+            finally:
+                with anyio.CancelScope(shield=True), anyio.move_on_after(FLUSH_ON_CLOSE_MS / 1000):
+                    await self._send_held()  # the last answers of a drain, to clients that read
+
+    async def _serve_socket(self) -> None:
+        assert self._pump is not None
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._pump.run)
+            tg.start_soon(self._resend_held)
+
+    async def _resend_held(self) -> None:
+        while True:
+            await self._holding.wait()
+            await self._send_held()
+            self._holding = anyio.Event()
+
+    async def _send_held(self) -> None:
+        assert self._outbox is not None and self._pump is not None
+        delay = RESEND_FIRST_S
+        while self._outbox.holding:
+            await anyio.sleep(delay)
+            moved = self._outbox.resend()
+            self._pump.after_send()
+            delay = RESEND_FIRST_S if moved else min(2 * delay, RESEND_LAST_S)
 
     # ------------------------------------------------------------------ inbound
 
@@ -210,8 +241,9 @@ class FrontendActor:
             case LimitsChanged(role=role, instance=instance, limits=limits):
                 self._door.joined(role, instance, limits)
             case QueryStats(reply=reply):
-                reply_once(reply, FrontendStats(len(self._clients), self._draining, self._retried, self._dropped,
-                                                self._inbox.counts()))
+                assert self._outbox is not None
+                reply_once(reply, FrontendStats(len(self._clients), self._draining, self._retried,
+                                                self._outbox.dropped, self._inbox.counts()))
 
     def _explained(self, message: ClientReply, rid: str) -> ClientReply:
         """``message`` under the client's id; a timeout also says which roles no worker
@@ -229,17 +261,10 @@ class FrontendActor:
         self._unsent.append([identity, b"", encode(message), *frames])
 
     def _flush(self) -> None:
-        assert self._sock is not None and self._pump is not None
+        assert self._outbox is not None and self._pump is not None
         unsent, self._unsent = self._unsent, []
         for parts in unsent:
-            # Never blocks: a reply to a client that left, or that stopped reading with
-            # client_send_hwm replies already queued for it, is dropped (ROUTER_MANDATORY
-            # makes ZMQ say so). The queue per client is what bounds the memory a client
-            # that never reads can make the daemon hold: that many of its largest replies.
-            try:
-                send_frames(self._sock, parts, NOBLOCK, copy=False)
-            except zmq.ZMQError as exc:
-                self._dropped += 1
-                self._log.warning("client.reply_dropped", why=exc.strerror,
-                                  client_gone=exc.errno == zmq.EHOSTUNREACH)
+            self._outbox.send(parts)  # never blocks: held, or dropped (client_outbox.py)
+        if self._outbox.holding:
+            self._holding.set()
         self._pump.after_send()

@@ -79,11 +79,14 @@ class DaemonConfig(Section):
     mailbox_headroom: PositiveInt = 1024
     # Messages queued to one worker before it counts as stuck (ZMQ SNDHWM).
     worker_send_hwm: PositiveInt = 1000
-    # Replies queued to one client connection that is not reading; past it they are dropped
-    # (Stats.replies_dropped). It bounds what such a client makes the daemon hold: this
-    # many of its largest replies. A client that reads at all never meets it: its own
-    # receive queue (ZMQ's RCVHWM, 1000 by default) takes replies first.
+    # Replies ZMQ queues for one client connection (ZMQ_SNDHWM); what it cannot take yet is
+    # held (client_held_bytes). Together they bound what a client that never reads makes
+    # the daemon hold: this many of its replies plus client_held_bytes.
     client_send_hwm: PositiveInt = 32
+    # Beyond ZMQ's queue, replies one client connection has not taken yet are held by the
+    # daemon, up to this many bytes (and always one): a burst of replies to a client that
+    # reads gets through whole; past it, a client that does not read loses them.
+    client_held_bytes: PositiveInt = 64 * MiB
     # A peer sending a larger frame is disconnected unread (ZMQ_MAXMSGSIZE). A Submit is at
     # most about 130 KiB (two prompts of 16,384 characters); a worker's frames carry the
     # decoder's output (a video can be hundreds of MiB).

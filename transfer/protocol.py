@@ -235,7 +235,7 @@ class Stats(Wire):
     # (daemon.retries); the failed attempt also counts in failed_by_reason.
     retried: int = 0
     # Replies that could not be sent: the client had left, or was not reading with
-    # daemon.client_send_hwm replies already queued for it.
+    # daemon.client_send_hwm replies queued in ZMQ and client_held_bytes held by the daemon.
     replies_dropped: int = 0
 
 

@@ -365,3 +365,20 @@ async def test_a_timeout_says_which_roles_no_worker_serves(ctx: zmq.asyncio.Cont
             reply, _ = await f.reply()
             assert reply == Rejected(request_id="r", reason=Reason.TIMED_OUT,
                                      message="deadline passed while waiting; no denoiser worker is registered")
+
+
+async def test_a_burst_of_replies_to_a_reading_client_arrives_whole_and_in_order(
+    ctx: zmq.asyncio.Context, tmp_path: Path
+) -> None:
+    """Hundreds of submits refused in one turn: far more replies than ZMQ queues for one
+    connection (client_send_hwm) before its I/O thread moves them. The rest are held and
+    sent as room appears; none is dropped."""
+    with anyio.fail_after(10):
+        async with running_frontend(ctx, tmp_path, max_in_flight=1, client_send_hwm=2) as f:
+            await f.admitted("first")
+            for i in range(300):
+                await f.ask(Submit(protocol=PROTOCOL_VERSION, params=PARAMS, request_id=f"r{i}"))
+            replies = [(await f.reply())[0] for _ in range(300)]
+            assert [(r.request_id, r.reason) for r in replies if isinstance(r, Rejected)] == [
+                (f"r{i}", Reason.OVERLOADED) for i in range(300)]
+            assert (await f.stats()).replies_dropped == 0

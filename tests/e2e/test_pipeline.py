@@ -252,10 +252,12 @@ def test_a_worker_of_another_model_is_refused_and_the_cluster_serves_on(start_cl
     assert len(cluster.control.stats().instances) == 3
 
 
-def test_a_client_that_never_reads_holds_at_most_client_send_hwm_replies(start_cluster: StartCluster) -> None:
-    """Its replies past the queue are dropped and counted, not held: what it can make the
-    daemon keep is client_send_hwm of its replies, whatever it asks for."""
-    cluster = start_cluster(layout={"encoder": 1, "denoiser": 1, "decoder": 1}, daemon={"client_send_hwm": 2})
+def test_a_client_that_never_reads_makes_the_daemon_hold_only_so_much(start_cluster: StartCluster) -> None:
+    """Its replies past ZMQ's queue (client_send_hwm) and the daemon's (client_held_bytes,
+    here one reply) are dropped and counted: that is all it can make the daemon keep,
+    whatever it asks for."""
+    cluster = start_cluster(layout={"encoder": 1, "denoiser": 1, "decoder": 1},
+                            daemon={"client_send_hwm": 2, "client_held_bytes": 1})
     ctx = zmq.Context()
     deaf = ctx.socket(zmq.DEALER)
     deaf.setsockopt(zmq.RCVHWM, 1)
@@ -267,7 +269,7 @@ def test_a_client_that_never_reads_holds_at_most_client_send_hwm_replies(start_c
                             params=GenParams(prompt="p", seed=i, width=512, height=512, output="raw"))
             deaf.send_multipart([b"", encode(submit)])
         stats = wait_for(cluster, lambda s: s.completed == 30, timeout_s=60)
-        assert 0 < stats.replies_dropped <= 30 - 2
+        assert 0 < stats.replies_dropped <= 30 - 3
         received = 0
         while deaf.poll(500):
             deaf.recv_multipart()
@@ -277,6 +279,28 @@ def test_a_client_that_never_reads_holds_at_most_client_send_hwm_replies(start_c
         deaf.close()
         ctx.term()
     assert all_free(cluster.control.stats())
+
+
+async def test_a_burst_of_refusals_reaches_a_client_that_reads(start_cluster: StartCluster) -> None:
+    """300 submits at once past max_in_flight: 299 replies leave in one turn, ten times
+    what ZMQ queues for one connection, and every one arrives."""
+    cluster = start_cluster(layout={"encoder": 1, "denoiser": 1, "decoder": 1},
+                            daemon={"max_in_flight": 1}, **{"model.null": {"denoiser_ms": 2000.0}})
+    outcomes: list[str] = []
+
+    async def submit(client: AsyncClient, i: int) -> None:
+        try:
+            await client.submit(GenParams(prompt="burst", seed=i, output="raw"), timeout_s=20)
+            outcomes.append("result")
+        except Rejection as refused:
+            outcomes.append(refused.reason)
+
+    with anyio.fail_after(30):
+        async with AsyncClient(endpoint(cluster)) as client, anyio.create_task_group() as tg:
+            for i in range(300):
+                tg.start_soon(submit, client, i)
+    assert sorted(outcomes) == [Reason.OVERLOADED] * 299 + ["result"]
+    assert cluster.control.stats().replies_dropped == 0
 
 
 async def test_a_denoiser_with_two_compute_threads_runs_two_requests_at_once(start_cluster: StartCluster) -> None:
