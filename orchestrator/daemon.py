@@ -48,6 +48,21 @@ async def _tick(outbox: Mailbox[Any], period_s: float) -> None:
 
 async def serve(cfg: Config, *, task_status: anyio.abc.TaskStatus[dict[str, str]] = anyio.TASK_STATUS_IGNORED) -> None:
     """Run until drained (signal or ``Drain``) or cancelled. Reports bound endpoints when ready."""
+    drain_requested = anyio.Event()
+    # A second signal cuts the drain short: what is still in flight is answered and the
+    # workers are told, as when the drain runs out of time.
+    drain_wait = anyio.CancelScope()
+    async with anyio.create_task_group() as signals:
+        # Signals are watched until the actors have stopped, their sockets' last answers
+        # sent: a second signal during that (bounded) teardown is one more "stop at once",
+        # not the end of the process before its answers leave.
+        signals.start_soon(_watch_signals, drain_requested, drain_wait)
+        await _serve(cfg, drain_requested, drain_wait, task_status=task_status)
+        signals.cancel_scope.cancel()
+
+
+async def _serve(cfg: Config, drain_requested: anyio.Event, drain_wait: anyio.CancelScope, *,
+                 task_status: anyio.abc.TaskStatus[dict[str, str]]) -> None:
     d = cfg.daemon
     settings = msgspec.to_builtins(cfg)
     settings["daemon"]["token"] = "<redacted>"  # logs travel further than the config file
@@ -58,7 +73,6 @@ async def serve(cfg: Config, *, task_status: anyio.abc.TaskStatus[dict[str, str]
     # (a late report's abort), which no admission bounds.
     size = d.mailbox_headroom + 8 * d.max_in_flight + PUMP_BATCH * REPORTS_PER_MESSAGE
     ctx = zmq.asyncio.Context()
-    drain_requested = anyio.Event()
     board = Switchboard()
     fe, tr, ad, ng = (board.mailbox(name, size) for name in ("frontend", "tracker", "admission", "negotiator"))
     pools = {role: board.mailbox(f"pool.{role}", size) for role in ROLES}
@@ -80,12 +94,8 @@ async def serve(cfg: Config, *, task_status: anyio.abc.TaskStatus[dict[str, str]
             endpoints["client"] = await tg.start(FrontendActor(fe, ctx=ctx, cfg=d, tracker=tr).run)
             tg.start_soon(_tick, tr, TRACKER_TICK_S)
             tg.start_soon(_tick, ng, d.heartbeat_s / 2)
-            # A second signal cuts the drain short: what is still in flight is answered and the
-            # workers are told, as when the drain runs out of time.
-            drain_wait = anyio.CancelScope()
             tg.start_soon(_drain_on_request, tg.cancel_scope, drain_requested, drain_wait, fe, tr, ng,
                           d.drain_timeout_s)
-            tg.start_soon(_watch_signals, drain_requested, drain_wait)
             log.info("daemon.ready", **endpoints)
             task_status.started(endpoints)
     finally:

@@ -17,6 +17,7 @@ import pytest
 import zmq
 
 from orchestrator.client import AsyncClient, Client, Rejection
+from orchestrator.cluster import LocalCluster
 from tests.e2e.conftest import StartCluster, all_free, cluster_config, wait_for
 from transfer.protocol import (
     DAEMON_TO_WORKER,
@@ -26,6 +27,7 @@ from transfer.protocol import (
     Register,
     RegisterRefused,
     Staged,
+    Submit,
     encode,
 )
 
@@ -197,6 +199,41 @@ async def test_a_drain_that_runs_out_of_time_or_is_cut_short_still_answers_every
     assert code == 0
     assert f'"event":"{event}"' in cluster.log_of("daemon")
     assert '"event":"negotiator.farewell"' in cluster.log_of("daemon")  # the workers were told
+
+
+def test_a_second_signal_while_the_daemon_sends_its_last_answers_is_not_its_death(start_cluster: StartCluster) -> None:
+    """The drain is over, but the daemon is still handing a client that has not read them
+    its last replies (up to a second): a second SIGTERM then cuts that short, as during
+    the drain, and the daemon still exits 0 (it used to die of the signal, status -15)."""
+    cluster = start_cluster(layout={"encoder": 1, "denoiser": 1, "decoder": 1},
+                            daemon={"client_send_hwm": 2})
+    ctx = zmq.Context()
+    deaf = ctx.socket(zmq.DEALER)
+    deaf.setsockopt(zmq.RCVHWM, 1)
+    deaf.setsockopt(zmq.LINGER, 0)
+    try:
+        deaf.connect(cluster.config.daemon.client_endpoint)
+        for i in range(30):  # 768 KiB raw images: replies past ZMQ's queue wait in the daemon
+            submit = Submit(protocol=PROTOCOL_VERSION, request_id=f"deaf-{i}", timeout_s=30,
+                            params=GenParams(prompt="p", seed=i, width=512, height=512, output="raw"))
+            deaf.send_multipart([b"", encode(submit)])
+        wait_for(cluster, lambda s: s.completed == 30, timeout_s=60)
+        assert cluster.daemon is not None
+        cluster.daemon.send_signal(signal.SIGTERM)
+        wait_for_log(cluster, '"event":"daemon.drained"')
+        cluster.daemon.send_signal(signal.SIGTERM)
+        assert cluster.daemon.wait(timeout=10) == 0
+        assert cluster.log_of("daemon").count('"event":"daemon.signal"') == 2
+    finally:
+        deaf.close()
+        ctx.term()
+
+
+def wait_for_log(cluster: LocalCluster, line: str, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while line not in cluster.log_of("daemon"):
+        assert time.monotonic() < deadline, f"{line} not logged within {timeout_s}s"
+        time.sleep(0.01)
 
 
 async def _append(results: list, awaitable) -> None:
