@@ -5,11 +5,13 @@ and ROUTER_MANDATORY makes a send past that fail (EAGAIN) instead of vanishing. 
 replies to one connection (hundreds of submits refused or finished at once) meets the
 limit even when the client reads: ZMQ's I/O thread has not yet moved the first replies to
 the kernel. So a reply ZMQ cannot take is held here, behind it every later reply to that
-connection (they keep their order: progress before the final answer), and sent again as
-room appears. What one connection has held is bounded, ``client_held_bytes`` but at least
-one reply, so a client that never reads costs the daemon that much and no more; past it
-its replies are dropped, logged and counted. A reply to a connection that is gone is
-dropped at once.
+connection (they keep their order: progress before the final answer), and tried again
+after 1 ms, then at doubling intervals up to 100 ms while that connection takes none.
+
+What one connection has held is bounded: a reply is dropped (logged, counted) once
+``client_held_bytes`` are held for its connection already, so a client that never reads
+pins that much plus one reply, and a client that reads loses none, however large its
+replies. A reply to a connection that is gone is dropped at once, with all held for it.
 """
 
 from __future__ import annotations
@@ -25,6 +27,9 @@ from transfer.sockets import NOBLOCK, send_frames
 
 Reply = list[Any]  # [identity, b"", header, *frames]: bytes or zmq.Frame parts
 
+RESEND_FIRST_S = 0.001  # a client that reads makes room within about this
+RESEND_LAST_S = 0.1  # one that does not is tried this rarely
+
 
 def _nbytes(parts: Reply) -> int:
     return sum(len(part) for part in parts)
@@ -32,10 +37,12 @@ def _nbytes(parts: Reply) -> int:
 
 @dataclass(slots=True)
 class _Held:
-    """One connection's replies that ZMQ had no room for, oldest first."""
+    """One connection's replies that ZMQ had no room for, oldest first, and when to try again."""
 
+    due: float
     replies: deque[Reply] = field(default_factory=deque)
     nbytes: int = 0
+    delay: float = RESEND_FIRST_S
 
 
 class ClientOutbox:
@@ -50,53 +57,69 @@ class ClientOutbox:
     def holding(self) -> bool:
         return bool(self._held)
 
-    def send(self, parts: Reply) -> None:
-        """Send a reply now, or hold it if ZMQ has no room yet (never blocks)."""
+    def send(self, parts: Reply, now: float) -> bool:
+        """Send a reply now, or hold it if ZMQ has no room yet (never blocks). True if its
+        connection starts holding replies, and so needs a resend scheduled."""
         held = self._held.get(parts[0])
         if held is not None:
             self._hold(held, parts)  # behind what waits already
-            return
+            return False
         try:
             send_frames(self._sock, parts, NOBLOCK, copy=False)
         except zmq.ZMQError as exc:
             if exc.errno != zmq.EAGAIN:
-                self._drop(1, exc)
-                return
-            self._held[parts[0]] = held = _Held()
+                self._drop(1, exc.strerror, gone=exc.errno == zmq.EHOSTUNREACH)
+                return False
+            self._held[parts[0]] = held = _Held(due=now + RESEND_FIRST_S)
             self._hold(held, parts)
+            return True
+        return False
 
-    def resend(self) -> bool:
-        """Send what is held, each connection's in order, as far as ZMQ takes it; True if
-        any reply left (or was dropped: its connection had gone)."""
-        moved = False
+    def resend(self, now: float) -> float | None:
+        """Send what is held for each connection whose time has come, in order, as far as
+        ZMQ takes it. Returns when the next connection is due (None: nothing is held)."""
         for identity, held in list(self._held.items()):
-            while held.replies:
-                parts = held.replies[0]
-                try:
-                    send_frames(self._sock, parts, NOBLOCK, copy=False)
-                except zmq.ZMQError as exc:
-                    if exc.errno != zmq.EAGAIN:
-                        self._drop(len(held.replies), exc)
-                        held.replies.clear()
-                        moved = True
-                    break
-                held.replies.popleft()
-                held.nbytes -= _nbytes(parts)
-                moved = True
+            if held.due > now:
+                continue
+            sent = self._send_from(held)
             if not held.replies:
                 del self._held[identity]
-        return moved
+                continue
+            held.delay = RESEND_FIRST_S if sent else min(2 * held.delay, RESEND_LAST_S)
+            held.due = now + held.delay
+        return min((held.due for held in self._held.values()), default=None)
+
+    def abandon(self) -> None:
+        """Drop everything still held (the daemon is stopping), counted and logged."""
+        for held in self._held.values():
+            self._drop(len(held.replies), "the daemon stopped before its client took them", gone=False)
+        self._held.clear()
+
+    def _send_from(self, held: _Held) -> bool:
+        """Send ``held``'s replies until ZMQ has no room; True if any left. A connection that
+        is gone has all of them dropped."""
+        sent = False
+        while held.replies:
+            parts = held.replies[0]
+            try:
+                send_frames(self._sock, parts, NOBLOCK, copy=False)
+            except zmq.ZMQError as exc:
+                if exc.errno != zmq.EAGAIN:
+                    self._drop(len(held.replies), exc.strerror, gone=exc.errno == zmq.EHOSTUNREACH)
+                    held.replies.clear()
+                return sent
+            held.replies.popleft()
+            held.nbytes -= _nbytes(parts)
+            sent = True
+        return sent
 
     def _hold(self, held: _Held, parts: Reply) -> None:
-        size = _nbytes(parts)
-        if held.replies and held.nbytes + size > self._held_bytes:
-            self._drop(1, None)
+        if held.nbytes >= self._held_bytes:
+            self._drop(1, "client_held_bytes of its replies already waiting", gone=False)
             return
         held.replies.append(parts)
-        held.nbytes += size
+        held.nbytes += _nbytes(parts)
 
-    def _drop(self, count: int, exc: zmq.ZMQError | None) -> None:
+    def _drop(self, count: int, why: str, *, gone: bool) -> None:
         self.dropped += count
-        gone = exc is not None and exc.errno == zmq.EHOSTUNREACH
-        why = "client_held_bytes of its replies already waiting" if exc is None else exc.strerror
         self._log.warning("client.reply_dropped", why=why, replies=count, client_gone=gone)

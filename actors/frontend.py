@@ -49,10 +49,6 @@ log = structlog.get_logger()
 
 # Failures that a fresh attempt on other workers can mend (daemon.retries).
 RETRIED = frozenset({Reason.WORKER_LOST, Reason.TRANSFER_FAILED})
-# Held replies are sent again after this long, doubling up to the last while ZMQ takes none
-# (a client that reads makes room within a millisecond; one that does not is tried rarely).
-RESEND_FIRST_S = 0.001
-RESEND_LAST_S = 0.1
 
 
 class FrontendStats(msgspec.Struct, frozen=True):
@@ -94,7 +90,7 @@ class FrontendActor:
         self._tracker = tracker
         self._pump: PlainPump | None = None
         self._outbox: ClientOutbox | None = None
-        self._holding = anyio.Event()  # set when the outbox starts holding replies
+        self._newly_held = anyio.Event()  # set when a connection starts holding replies
         # Each admission gets its own internal key, never reused, so news about an ended
         # request can never be mistaken for a later one that reuses the client's id.
         self._keys = itertools.count()
@@ -117,8 +113,10 @@ class FrontendActor:
                 await serve_mailbox(self._inbox, self._handle, pump=self._serve_socket, task_status=task_status,
                                     started=bound)
             finally:
+                # The last answers of a drain, to clients that read: a bounded moment more.
                 with anyio.CancelScope(shield=True), anyio.move_on_after(FLUSH_ON_CLOSE_MS / 1000):
-                    await self._send_held()  # the last answers of a drain, to clients that read
+                    await self._resend_held(until_empty=True)
+                self._outbox.abandon()
 
     async def _serve_socket(self) -> None:
         assert self._pump is not None
@@ -126,20 +124,18 @@ class FrontendActor:
             tg.start_soon(self._pump.run)
             tg.start_soon(self._resend_held)
 
-    async def _resend_held(self) -> None:
-        while True:
-            await self._holding.wait()
-            await self._send_held()
-            self._holding = anyio.Event()
-
-    async def _send_held(self) -> None:
+    async def _resend_held(self, *, until_empty: bool = False) -> None:
+        """Send held replies as each connection's turn comes; sleep until the next is due,
+        or a connection starts holding (``_flush``), or for good while nothing is held."""
         assert self._outbox is not None and self._pump is not None
-        delay = RESEND_FIRST_S
-        while self._outbox.holding:
-            await anyio.sleep(delay)
-            moved = self._outbox.resend()
+        while True:
+            due = self._outbox.resend(time.monotonic())
             self._pump.after_send()
-            delay = RESEND_FIRST_S if moved else min(2 * delay, RESEND_LAST_S)
+            if due is None and until_empty:
+                return
+            with anyio.move_on_after(None if due is None else due - time.monotonic()):
+                await self._newly_held.wait()
+            self._newly_held = anyio.Event()
 
     # ------------------------------------------------------------------ inbound
 
@@ -263,8 +259,9 @@ class FrontendActor:
     def _flush(self) -> None:
         assert self._outbox is not None and self._pump is not None
         unsent, self._unsent = self._unsent, []
+        now = time.monotonic()
         for parts in unsent:
-            self._outbox.send(parts)  # never blocks: held, or dropped (client_outbox.py)
-        if self._outbox.holding:
-            self._holding.set()
+            # Never blocks: sent, held, or dropped (client_outbox.py).
+            if self._outbox.send(parts, now):
+                self._newly_held.set()
         self._pump.after_send()

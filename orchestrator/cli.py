@@ -185,10 +185,10 @@ def _stats(args: argparse.Namespace) -> int:
 
 
 def _workers(args: argparse.Namespace) -> int:
-    from orchestrator.tables import workers_tables
+    from orchestrator.tables import workers_report
 
     workers = _control(args).workers()
-    print(json.dumps(msgspec.to_builtins(workers), indent=2) if args.json else workers_tables(workers.instances))
+    print(json.dumps(msgspec.to_builtins(workers), indent=2) if args.json else workers_report(workers.instances))
     return 0
 
 

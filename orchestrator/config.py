@@ -80,12 +80,12 @@ class DaemonConfig(Section):
     # Messages queued to one worker before it counts as stuck (ZMQ SNDHWM).
     worker_send_hwm: PositiveInt = 1000
     # Replies ZMQ queues for one client connection (ZMQ_SNDHWM); what it cannot take yet is
-    # held (client_held_bytes). Together they bound what a client that never reads makes
-    # the daemon hold: this many of its replies plus client_held_bytes.
+    # held (client_held_bytes). Together they bound what a client connection that never
+    # reads makes the daemon hold: this many of its replies, client_held_bytes, one more.
     client_send_hwm: PositiveInt = 32
     # Beyond ZMQ's queue, replies one client connection has not taken yet are held by the
-    # daemon, up to this many bytes (and always one): a burst of replies to a client that
-    # reads gets through whole; past it, a client that does not read loses them.
+    # daemon; once this many bytes are held for it, its next replies are dropped. A burst
+    # of replies to a client that reads gets through whole, however large they are.
     client_held_bytes: PositiveInt = 64 * MiB
     # A peer sending a larger frame is disconnected unread (ZMQ_MAXMSGSIZE). A Submit is at
     # most about 130 KiB (two prompts of 16,384 characters); a worker's frames carry the
@@ -139,7 +139,7 @@ class WorkerConfig(Section):
 class WorkersConfig(Section):
     encoder: WorkerConfig = WorkerConfig(capacity=4)
     denoiser: WorkerConfig = WorkerConfig(capacity=2)
-    decoder: WorkerConfig = WorkerConfig(capacity=4)
+    decoder: WorkerConfig = WorkerConfig(capacity=4, prealloc_slots=4)  # a receive slot per unit of capacity
 
     def for_role(self, role: Role) -> WorkerConfig:
         return getattr(self, role)

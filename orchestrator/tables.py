@@ -30,7 +30,7 @@ def limits_table(limits: list[tuple[str, StageLimits]]) -> str:
     """What each instance's model takes: the daemon admits only what all of them take."""
     iw = max([len("instance"), *(len(instance) for instance, _ in limits)])
     mw = max([len("model"), *(len(lim.model) for _, lim in limits)])
-    lines = ["limits (a request must fit every worker's)",
+    lines = ["limits each worker registered (a request must fit all of them)",
              f"{'instance':<{iw}} {'model':<{mw}} {'width/height':<18} {'steps':>6} {'images':>6} {'frames':>6} "
              f"{'pixels':>10}"]
     for instance, lim in limits:
@@ -55,7 +55,7 @@ def workers_table(instances: list[InstanceStats]) -> str:
     return "\n".join(lines)
 
 
-def workers_tables(instances: list[InstanceStats]) -> str:
+def workers_report(instances: list[InstanceStats]) -> str:
     """What `triptych workers` prints: the instances, then the limits each registered."""
     limited = [(i.instance, i.limits) for i in sorted(instances, key=lambda i: i.instance) if i.limits is not None]
     return workers_table(instances) + (f"\n\n{limits_table(limited)}" if limited else "")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import tempfile
 import uuid
 from pathlib import Path
@@ -12,7 +11,7 @@ from pathlib import Path
 import zmq
 
 from orchestrator.config import WorkerConfig
-from transfer.binding import bind
+from transfer.binding import bind, unix_listener_at
 
 # An order frame stays under 150 KiB (its two prompts hold at most 16,384 characters each).
 # Anyone who can reach the port can send, and the key is only checked once a message is
@@ -20,7 +19,7 @@ from transfer.binding import bind
 ORDER_MAX_MESSAGE_BYTES = 1 << 20
 
 # An ipc work socket's file: triptych-work-<pid of its worker>-<uuid>.
-IPC_FILE = re.compile(r"^triptych-work-(\d+)-[0-9a-f]{32}$")
+IPC_FILE = re.compile(r"^triptych-work-(\d{1,10})-[0-9a-f]{32}$")
 
 
 def bind_work_socket(sock: zmq.Socket, wcfg: WorkerConfig) -> str:
@@ -56,14 +55,19 @@ def remove_socket_file(address: str | None) -> None:
 def remove_dead_socket_files(directory: Path) -> None:
     """Remove the ipc work socket files in ``directory`` left by workers that were killed
     (SIGKILL, a crash): a file whose worker's pid is gone and on which nothing listens.
-    Both are asked, as either alone can mislead: a pid is another process's in another pid
-    namespace sharing the directory, and a worker binding at this instant is not yet listening.
+    Both are asked: a worker binding at this instant is not listening yet, but its pid is
+    alive. (Workers in other pid namespaces sharing the directory are judged by the socket
+    alone.) Best effort: a file it cannot judge or remove is left, and never stops a start.
     """
     for path in directory.glob("triptych-work-*"):
         named = IPC_FILE.match(path.name)
-        if named is None or _process_exists(int(named[1])) or _listening(path):
+        if named is None:
             continue
-        path.unlink(missing_ok=True)
+        try:
+            if not _process_exists(int(named[1])) and not unix_listener_at(str(path)):
+                path.unlink(missing_ok=True)
+        except (OSError, OverflowError):
+            continue  # another user's, a directory, a pid past the kernel's range
 
 
 def _process_exists(pid: int) -> bool:
@@ -73,15 +77,4 @@ def _process_exists(pid: int) -> bool:
         return False
     except PermissionError:
         return True  # another user's
-    return True
-
-
-def _listening(path: Path) -> bool:
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-        try:
-            probe.connect(str(path))
-        except ConnectionRefusedError:
-            return False
-        except OSError:
-            return True  # not ours to judge (a path too long, no permission): left alone
     return True

@@ -33,18 +33,29 @@ def bind_exclusive(sock: zmq.Socket, endpoint: str) -> str:
     there. So a live listener on the path is detected first and refused.
     """
     if endpoint.startswith("ipc://"):
-        path = endpoint.removeprefix("ipc://")
-        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            probe.connect(path)
+            live = unix_listener_at(endpoint.removeprefix("ipc://"))
         except OSError:
-            pass  # nothing listening: a stale file or no file, safe to bind
-        else:
+            live = False  # not a socket one can reach: ZMQ's bind says what is wrong with it
+        if live:
             raise EndpointUnusable(f"Address already in use: {endpoint} has a live listener")
-        finally:
-            probe.close()
     bind(sock, endpoint)
     return sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+
+def unix_listener_at(path: str) -> bool:
+    """Whether a process listens on the Unix socket file ``path``: True if a connection is
+    taken or would be (its backlog is full), False if refused or there is no file; any other
+    failure (no permission, a path too long) is raised. Never blocks."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.setblocking(False)
+        try:
+            probe.connect(path)
+        except (ConnectionRefusedError, FileNotFoundError):
+            return False
+        except BlockingIOError:
+            return True
+    return True
 
 
 @contextmanager

@@ -354,13 +354,27 @@ def assert_receiver_memory_is_used_or_freed(record: Record) -> None:
 
 
 def assert_staged_blocks_are_freed(record: Record) -> None:
-    """Each block reported staged is freed by an Abort, or by its worker's Pushed after a Push order."""
+    """Each block reported staged is freed by an Abort, or by its worker's Pushed after a Push
+    order. A report repeating one not yet followed by either is the same block, checked once."""
     for i, entry in enumerate(record.timeline):
         match entry:
-            case Reported(by=by, msg=Staged(request_id=rid)):
+            case Reported(by=by, msg=Staged(request_id=rid)) if not repeats_staged(record, i, by, rid):
                 pushes = ordered(record, i, by, rid, Push)
                 pushed = bool(pushes) and reported(record, pushes[0], by, rid, Pushed)
                 assert ordered(record, i, by, rid, Abort) or pushed, f"{by}'s staged block kept: {entry}"
+
+
+def repeats_staged(record: Record, at: int, by: Role, rid: str) -> bool:
+    """Whether the Staged at ``at`` repeats an earlier one of ``by`` about ``rid`` whose block
+    no Abort or Pushed has freed since."""
+    earlier = [i for i, entry in enumerate(record.timeline[:at]) if isinstance(entry, Reported)
+               and entry.by == by and isinstance(entry.msg, Staged) and entry.msg.request_id == rid]
+    if not earlier:
+        return False
+    freed = [i for i in ordered(record, earlier[-1], by, rid, Abort) if i < at]
+    return not freed and not any(
+        earlier[-1] < i < at and isinstance(entry, Reported) and entry.by == by and isinstance(entry.msg, Pushed)
+        and entry.msg.request_id == rid for i, entry in enumerate(record.timeline))
 
 
 def assert_one_end_and_no_restart(record: Record) -> None:

@@ -97,7 +97,7 @@ async def test_workers_and_drain_commands_list_the_instances_then_finish_work_an
         ("decoder", "decoder0"), ("denoiser", "denoiser0"), ("encoder", "encoder0")]
     table = triptych("workers", config=cluster.config_path).stdout
     assert all(name in table for name in ("encoder0", "denoiser0", "decoder0"))
-    assert "limits (a request must fit every worker's)" in table
+    assert "limits each worker registered (a request must fit all of them)" in table
     with anyio.fail_after(60):
         async with AsyncClient(cluster.config.daemon.client_endpoint) as client, anyio.create_task_group() as tg:
             tg.start_soon(client.submit, GenParams(prompt="slow", output="raw"))

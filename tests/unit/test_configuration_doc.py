@@ -65,5 +65,7 @@ def documented_defaults() -> dict[str, str]:
 
 
 def test_every_key_is_documented_with_its_default() -> None:
-    rows = dict(ROW.findall(DOC.read_text()))
+    found = ROW.findall(DOC.read_text())
+    rows = dict(found)
+    assert len(rows) == len(found), "a key has two rows"
     assert rows == documented_defaults()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
-from orchestrator.tables import workers_table, workers_tables
+from orchestrator.tables import workers_report, workers_table
 from transfer.protocol import InstanceStats, StageLimits
 
 
@@ -25,9 +25,9 @@ def test_columns_stay_aligned_with_long_default_names() -> None:
 def test_the_limits_each_worker_registered_follow_the_instances() -> None:
     tight = msgspec.structs.replace(instance(2, "d2"), limits=StageLimits(model="tiny-sd15", size_multiple=8,
                                                                          min_size=64, max_size=512, max_steps=50))
-    table = workers_tables([instance(1, "d1"), tight])
+    table = workers_report([instance(1, "d1"), tight])
     assert table.splitlines()[-3:] == [
-        "limits (a request must fit every worker's)",
+        "limits each worker registered (a request must fit all of them)",
         "instance   model     width/height        steps images frames     pixels",
         "denoiser-2 tiny-sd15 64..512 step 8         50     16      1   16777216",
     ]  # none known for denoiser-1 (it left while the stats were gathered): no row

@@ -116,7 +116,8 @@ def test_an_address_the_work_socket_cannot_bind_is_named() -> None:
 
 def test_a_killed_workers_socket_file_is_removed_by_the_next_worker(monkeypatch: pytest.MonkeyPatch) -> None:
     """Only a file whose worker's pid is gone and on which nothing listens: never a live
-    worker's, and never one that is not a work socket's."""
+    worker's, never one that is not a work socket's; and what cannot be judged or removed
+    is left without stopping the worker's start."""
     with tempfile.TemporaryDirectory(dir="/tmp") as short:  # under the 108 bytes of a socket path
         directory = Path(short)
         gone = subprocess.Popen(["true"])
@@ -136,6 +137,9 @@ def test_a_killed_workers_socket_file_is_removed_by_the_next_worker(monkeypatch:
         alive, _ = socket_file(os.getpid())  # a worker still running (between bind and listen)
         other_namespace, listener = socket_file(gone.pid, listening=True)  # its pid is not ours to see
         stranger, _ = socket_file("x")
+        past_any_pid, _ = socket_file(9_999_999_999)
+        a_directory = directory / f"triptych-work-{gone.pid}-{uuid.uuid4().hex}"
+        a_directory.mkdir()  # cannot be unlinked: left, and the worker starts all the same
         monkeypatch.setattr(tempfile, "tempdir", short)
         ctx = zmq.Context()
         pull = ctx.socket(zmq.PULL)
@@ -147,4 +151,5 @@ def test_a_killed_workers_socket_file_is_removed_by_the_next_worker(monkeypatch:
             ctx.destroy(linger=0)
         assert not killed.exists()
         assert alive.exists() and other_namespace.exists() and stranger.exists()
+        assert past_any_pid.exists() and a_directory.exists()
         assert address.startswith(f"ipc://{short}/triptych-work-{os.getpid()}-")

@@ -1,0 +1,117 @@
+"""ClientOutbox: replies ZMQ has no room for wait, in order, per connection, within a budget."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import structlog
+import zmq
+
+from actors.client_outbox import RESEND_FIRST_S, RESEND_LAST_S, ClientOutbox
+from transfer.sockets import SNDMORE
+
+
+class FakeRouter:
+    """A ROUTER_MANDATORY socket's sends: each connection takes ``room[identity]`` more
+    replies (EAGAIN after), a gone one raises EHOSTUNREACH."""
+
+    def __init__(self) -> None:
+        self.room: dict[bytes, float] = {}
+        self.gone: set[bytes] = set()
+        self.sent: list[list[Any]] = []
+        self._message: list[Any] = []
+
+    def send(self, part: Any, flags: int = 0, copy: bool = True) -> None:
+        if not self._message:  # the identity frame: where ZMQ refuses
+            if part in self.gone:
+                raise zmq.ZMQError(zmq.EHOSTUNREACH)
+            if self.room.get(part, math.inf) <= 0:
+                raise zmq.ZMQError(zmq.EAGAIN)
+        self._message.append(part)
+        if not flags & SNDMORE:
+            self.room[self._message[0]] = self.room.get(self._message[0], math.inf) - 1
+            self.sent.append(self._message)
+            self._message = []
+
+
+def reply(identity: bytes, n: int, size: int = 1) -> list[Any]:
+    return [identity, b"", f"reply {n}".encode(), b"x" * size]
+
+
+@pytest.fixture
+def sock() -> FakeRouter:
+    return FakeRouter()
+
+
+def outbox(sock: FakeRouter, held_bytes: int = 1 << 20) -> ClientOutbox:
+    return ClientOutbox(sock, held_bytes=held_bytes, log=structlog.get_logger())  # type: ignore[arg-type]
+
+
+def test_replies_past_zmqs_room_wait_and_leave_in_order(sock: FakeRouter) -> None:
+    box = outbox(sock)
+    sock.room[b"a"] = 1
+    started = [box.send(reply(b"a", n), now=0.0) for n in range(4)]
+    assert started == [False, True, False, False]  # the second starts the connection's hold
+    assert [m[2] for m in sock.sent] == [b"reply 0"]
+    assert box.resend(now=0.0) == RESEND_FIRST_S  # not due yet: nothing tried
+    sock.room[b"a"] = 2
+    assert box.resend(now=RESEND_FIRST_S) == 2 * RESEND_FIRST_S  # two left; the rest tried soon
+    sock.room[b"a"] = 10
+    assert box.resend(now=2 * RESEND_FIRST_S) is None and not box.holding
+    assert [m[2] for m in sock.sent] == [b"reply 0", b"reply 1", b"reply 2", b"reply 3"]
+    assert box.dropped == 0
+
+
+def test_a_connection_that_takes_nothing_is_tried_ever_more_rarely_and_alone(sock: FakeRouter) -> None:
+    box = outbox(sock)
+    sock.room[b"deaf"] = 0
+    box.send(reply(b"deaf", 0), now=0.0)
+    now, delays = RESEND_FIRST_S, []
+    for _ in range(10):
+        due = box.resend(now)
+        assert due is not None
+        delays.append(round(due - now, 6))
+        now = due
+    assert delays == [0.002, 0.004, 0.008, 0.016, 0.032, 0.064, RESEND_LAST_S, RESEND_LAST_S, RESEND_LAST_S,
+                      RESEND_LAST_S]
+    # Another connection's hold is tried on its own schedule, not the deaf one's.
+    sock.room[b"b"] = 0
+    assert box.send(reply(b"b", 0), now=now)
+    assert box.resend(now) == now + RESEND_FIRST_S
+
+
+def test_a_reply_past_the_budget_is_dropped_but_a_large_one_is_not_refused_for_a_small_one(
+    sock: FakeRouter,
+) -> None:
+    box = outbox(sock, held_bytes=100)
+    sock.room[b"a"] = 0
+    box.send(reply(b"a", 0, size=10), now=0.0)  # a progress message, say
+    box.send(reply(b"a", 1, size=1000), now=0.0)  # the result: held, past the budget
+    box.send(reply(b"a", 2, size=10), now=0.0)  # the budget is spent: dropped
+    assert box.dropped == 1
+    sock.room[b"a"] = 10
+    box.resend(now=1.0)
+    assert [m[2] for m in sock.sent] == [b"reply 0", b"reply 1"]
+
+
+def test_replies_held_for_a_client_that_left_are_all_dropped(sock: FakeRouter) -> None:
+    box = outbox(sock)
+    sock.room[b"a"] = 0
+    for n in range(3):
+        box.send(reply(b"a", n), now=0.0)
+    sock.gone.add(b"a")
+    assert box.resend(now=1.0) is None and not box.holding
+    assert box.dropped == 3 and sock.sent == []
+    box.send(reply(b"a", 3), now=1.0)  # straight to a gone client: dropped at once, never held
+    assert box.dropped == 4 and not box.holding
+
+
+def test_what_is_still_held_when_the_daemon_stops_is_counted(sock: FakeRouter) -> None:
+    box = outbox(sock)
+    sock.room[b"a"] = 0
+    box.send(reply(b"a", 0), now=0.0)
+    box.send(reply(b"a", 1), now=0.0)
+    box.abandon()
+    assert box.dropped == 2 and not box.holding
