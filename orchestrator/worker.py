@@ -53,11 +53,13 @@ from transfer.protocol import (
     Probed,
     Push,
     Ready,
+    Reason,
     Register,
     Registered,
     RegisterRefused,
     Role,
     Step,
+    TensorSpec,
     Work,
     WorkOrder,
     encode,
@@ -382,6 +384,17 @@ class WorkerRuntime:
 
     # ------------------------------------------------------------------ compute path
 
+    def _check_sendable(self, specs: list[TensorSpec]) -> None:
+        """The daemon disconnects, unread, a worker that sends it a frame over its
+        worker_max_message_bytes (and then takes it for dead): an output that large fails its
+        request here instead, saying why."""
+        limit = self._cfg.daemon.worker_max_message_bytes
+        for spec in specs:
+            if spec.nbytes > limit:
+                raise StageError(f"output {spec.name!r} is {spec.nbytes} bytes, more than the daemon takes in one "
+                                 f"frame (daemon.worker_max_message_bytes = {limit}): ask for fewer or smaller "
+                                 "images, or raise the limit", Reason.INVALID)
+
     async def _run_stage(self, order: Work | Ready, *, control: RunControl) -> None:
         rid = order.request_id
         started = time.perf_counter()
@@ -401,6 +414,7 @@ class WorkerRuntime:
                 raise
             if self.role == "decoder":
                 specs, buffers = frames.to_frames(outputs)
+                self._check_sendable(specs)
                 self._report(Done(request_id=rid, ok=True, compute_ms=compute_ms, outputs=specs), buffers)
             else:
                 await self._memory.stage_output(rid, outputs, compute_ms)

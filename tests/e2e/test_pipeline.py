@@ -281,6 +281,23 @@ def test_a_client_that_never_reads_makes_the_daemon_hold_only_so_much(start_clus
     assert all_free(cluster.control.stats())
 
 
+def test_an_output_larger_than_the_daemon_takes_fails_its_request_only(start_cluster: StartCluster) -> None:
+    """A decoder output past daemon.worker_max_message_bytes would get the decoder cut off
+    unread by the daemon's socket (and taken for dead, its other requests with it): the
+    decoder refuses it instead, naming the limit, and serves on."""
+    cluster = start_cluster(layout={"encoder": 1, "denoiser": 1, "decoder": 1},
+                            daemon={"worker_max_message_bytes": 1 << 20})
+    with Client(endpoint(cluster)) as client:
+        with pytest.raises(Rejection) as caught:  # 1024 x 1024 x 3 bytes
+            client.submit(GenParams(prompt="p", width=1024, height=1024, output="raw"), timeout_s=20)
+        assert caught.value.reason == Reason.INVALID
+        assert "more than the daemon takes in one frame (daemon.worker_max_message_bytes = 1048576)" in (
+            caught.value.rejected.message)
+        client.submit(GenParams(prompt="p", width=256, height=256, output="raw"), timeout_s=20)
+    stats = cluster.control.stats()
+    assert stats.retried == 0 and len(stats.instances) == 3 and not any(i.suspect for i in stats.instances)
+
+
 async def test_a_burst_of_refusals_reaches_a_client_that_reads(start_cluster: StartCluster) -> None:
     """300 submits at once past max_in_flight: 299 replies leave in one turn, ten times
     what ZMQ queues for one connection, and every one arrives."""
