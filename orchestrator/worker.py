@@ -423,7 +423,12 @@ class WorkerRuntime:
             self._log.info("worker.stage_stopped", request_id=rid, ran_ms=round((time.perf_counter() - started) * 1000))
         except StageError as exc:
             self._report(Done(request_id=rid, ok=False, compute_ms=compute_ms, reason=exc.reason, error=str(exc)))
-        except (PoolError, ValueError) as exc:
+        except PoolError as exc:
+            # No room to stage the output for its hand-off: a failed hand-off, as when the
+            # receiver has none, and like it started again on the workers left (daemon.retries).
+            self._report(Done(request_id=rid, ok=False, compute_ms=compute_ms, reason=Reason.TRANSFER_FAILED,
+                              error=f"no room to stage its output: {exc}"))
+        except ValueError as exc:
             self._report(Done(request_id=rid, ok=False, compute_ms=compute_ms, error=str(exc)))
         except Exception as exc:  # one request's failure must not kill the worker
             self._log.exception("worker.stage_crashed", request_id=rid)

@@ -298,6 +298,21 @@ def test_an_output_larger_than_the_daemon_takes_fails_its_request_only(start_clu
     assert stats.retried == 0 and len(stats.instances) == 3 and not any(i.suspect for i in stats.instances)
 
 
+def test_a_worker_without_room_to_stage_its_output_fails_the_hand_off_which_is_retried(
+    start_cluster: StartCluster,
+) -> None:
+    """The sender's pool is half of every hand-off: no room there is a failed hand-off
+    (transfer_failed, started again on the workers left), as no room at the receiver is."""
+    cluster = start_cluster(layout={"encoder": 1, "denoiser": 1, "decoder": 1},
+                            **{"workers.encoder": {"pool_bytes": 16384}})  # embeddings: 19,712 bytes
+    with Client(endpoint(cluster)) as client, pytest.raises(Rejection) as caught:
+        client.submit(params(0), timeout_s=20)
+    assert caught.value.reason == Reason.TRANSFER_FAILED
+    assert "no room to stage its output" in caught.value.rejected.message
+    stats = wait_for(cluster, all_free)
+    assert stats.retried == 1 and stats.failed_by_reason == {"transfer_failed": 2}
+
+
 async def test_a_burst_of_refusals_reaches_a_client_that_reads(start_cluster: StartCluster) -> None:
     """300 submits at once past max_in_flight: 299 replies leave in one turn, ten times
     what ZMQ queues for one connection, and every one arrives."""
