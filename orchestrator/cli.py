@@ -113,17 +113,14 @@ def _submit(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     endpoint = _daemon_at(args.endpoint or cfg.daemon.client_endpoint)
-    rid = args.request_id or uuid.uuid4().hex  # chosen here, so that Ctrl-C can cancel it
+    rid = args.request_id or uuid.uuid4().hex  # chosen here, to name it if Ctrl-C cancels it
     try:
         generation = _generate(endpoint, params, args, rid)
     except Rejection as exc:
         print(f"rejected ({exc.reason}): {exc.rejected.message}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        if args.progress:  # AsyncClient cancels what it abandons: that Cancel has gone out
-            print(f"interrupted: request {rid} cancelled", file=sys.stderr)
-        else:
-            _cancel_interrupted(endpoint, rid)
+    except KeyboardInterrupt:  # both clients cancel a request whose wait is interrupted
+        print(f"interrupted: request {rid} cancelled", file=sys.stderr)
         return 130
     for name, tensor in generation.outputs.items():
         suffix = "" if name.endswith(".png") else ".bin"
@@ -145,19 +142,6 @@ def _file_stem(rid: str) -> str:
     if len(stem.encode()) <= 100:
         return stem
     return f"{stem[:24]}~{hashlib.blake2b(rid.encode(), digest_size=6).hexdigest()}"
-
-
-def _cancel_interrupted(endpoint: str, rid: str) -> None:
-    """Ctrl-C during a submit: the request is cancelled, not left to run for nobody."""
-    from orchestrator.client import Client
-    from orchestrator.rejection import Rejection
-
-    try:
-        with Client(endpoint) as client:
-            found = client.cancel(rid, timeout_s=3.0)
-        print(f"interrupted: request {rid} {'cancelled' if found else 'is no longer running'}", file=sys.stderr)
-    except (TimeoutError, zmq.ZMQError, Rejection) as exc:
-        print(f"interrupted: request {rid} may still run: cancelling it failed: {exc}", file=sys.stderr)
 
 
 def _control_endpoint(args: argparse.Namespace) -> str:

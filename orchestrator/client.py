@@ -8,6 +8,7 @@ Every wait has a deadline. A request that fails raises ``Rejection`` carrying th
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 import uuid
@@ -53,6 +54,8 @@ log = structlog.get_logger()
 # How long past the request's own deadline a client waits for the daemon's answer.
 GRACE_S = 5.0
 DEFAULT_TIMEOUT_S = 120.0
+# How long the Cancel of a request given up on (an interrupted or abandoned wait) may take.
+CANCEL_SEND_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,7 +142,20 @@ class Client:
 
     def submit(self, params: GenParams, *, request_id: str = "", timeout_s: float | None = None,
                priority: int = 0) -> Generation:
-        reply = self._request([_submit_body(params, request_id, timeout_s, priority)], _wait_s(timeout_s))
+        """Generate, waiting for the answer up to ``timeout_s`` (the request's deadline at the
+        daemon, 120 s by default) and a grace of 5 s. Raises ``Rejection`` (the daemon refused
+        or failed it: see ``.reason``), ``TimeoutError`` (no answer in time), or ``ValueError``
+        (a bad ``timeout_s``). A wait interrupted by anything else (Ctrl-C) cancels the
+        request at the daemon; the client stays usable after any of them."""
+        rid = request_id or uuid.uuid4().hex  # known here, so an interrupted wait can cancel it
+        try:
+            reply = self._request([_submit_body(params, rid, timeout_s, priority)], _wait_s(timeout_s))
+        except (TimeoutError, Rejection):
+            raise  # a timeout comes after the daemon's own deadline has ended the request
+        except BaseException:
+            with contextlib.suppress(TimeoutError, zmq.ZMQError, Rejection):
+                self.cancel(rid, timeout_s=CANCEL_SEND_S)
+            raise
         if isinstance(reply, Rejected):
             raise Rejection(reply)
         assert isinstance(reply, Generation)
@@ -159,12 +175,21 @@ class Client:
     def _request(self, parts: list[bytes], timeout_s: float) -> Reply:
         wait_ms = _poll_ms(timeout_s)
         self._sock.send_multipart(parts)
-        if not self._sock.poll(wait_ms):
-            # A REQ socket that missed its reply cannot send again: start a fresh one.
-            self._sock.close(linger=0)
-            self._sock = self._connect()
+        try:
+            answered = self._sock.poll(wait_ms)
+        except BaseException:
+            self._reset()
+            raise
+        if not answered:
+            self._reset()
             raise TimeoutError(f"no reply from {self.endpoint} within {timeout_s:.1f}s")
         return _decode_reply(self._sock.recv_multipart())
+
+    def _reset(self) -> None:
+        """A REQ socket that missed its reply (a timeout, an interrupted wait) cannot send
+        again: start a fresh one."""
+        self._sock.close(linger=0)
+        self._sock = self._connect()
 
     def close(self) -> None:
         self._sock.close(linger=0)
@@ -176,8 +201,6 @@ class Client:
         self.close()
 
 
-# How long an abandoned request's Cancel may wait for room on the socket.
-CANCEL_SEND_S = 1.0
 # Progress messages waiting for a slow ``on_progress``; past it, the newest ones are dropped
 # (progress is advisory), and one place is always left for the final answer.
 PROGRESS_BACKLOG = 16
@@ -189,12 +212,15 @@ class AsyncClient:
     ``on_progress`` gets the request's ``Progress`` messages, called in the task awaiting
     ``submit``; if it raises, the request is cancelled at the daemon and ``submit`` raises that.
 
-    Use as ``async with AsyncClient(endpoint) as client: await client.submit(...)``.
+    Use as ``async with AsyncClient(endpoint) as client: await client.submit(...)``, opened
+    and closed in one task: its reader runs in an anyio task group, which belongs to the
+    task that opened it (in a web app, open it in the lifespan context, not in separate
+    startup and shutdown hooks). A closed client cannot be opened again.
     """
 
     def __init__(self, endpoint: str) -> None:
         self.endpoint = endpoint
-        self._ctx = zmq.asyncio.Context()
+        self._ctx: zmq.asyncio.Context | None = None  # from opening to closing
         self._sock: zmq.asyncio.Socket | None = None
         self._waiting: dict[str, anyio.abc.ObjectSendStream[Reply]] = {}
         # Requests given up on, by id, until when an answer may still come: it must not reach
@@ -203,21 +229,35 @@ class AsyncClient:
         self._tg: anyio.abc.TaskGroup | None = None
 
     async def __aenter__(self) -> AsyncClient:
-        self._sock = self._ctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.connect(self.endpoint)
-        self._tg = anyio.create_task_group()
-        await self._tg.__aenter__()
+        if self._ctx is not None:
+            raise RuntimeError("this AsyncClient was opened before: make a new one")
+        self._ctx = zmq.asyncio.Context()
+        try:
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(self.endpoint)  # a malformed endpoint raises here
+            self._tg = anyio.create_task_group()
+            await self._tg.__aenter__()
+        except BaseException:
+            self._ctx.destroy(linger=0)
+            raise
+        self._sock = sock
         self._tg.start_soon(self._read)
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        assert self._tg is not None and self._sock is not None
+        assert self._tg is not None and self._ctx is not None
         self._tg.cancel_scope.cancel()
         await self._tg.__aexit__(None, None, None)
+        self._sock = None
         for waiter in self._waiting.values():
             waiter.close()  # a submit still waiting raises ConnectionError now, not at its deadline
         self._ctx.destroy(linger=0)  # every socket, a cancel()'s in progress included
+
+    def _open(self) -> zmq.asyncio.Socket:
+        if self._sock is None:
+            raise RuntimeError("use the client inside `async with AsyncClient(endpoint) as client:`")
+        return self._sock
 
     async def _read(self) -> None:
         assert self._sock is not None
@@ -246,7 +286,7 @@ class AsyncClient:
 
     async def _request(self, rid: str, body: bytes, wait_s: float,
                        on_progress: Callable[[Progress], None] | None = None) -> Generation | Rejected | Cancelled:
-        assert self._sock is not None
+        sock = self._open()
         now = time.monotonic()
         if rid in self._waiting or self._abandoned.get(rid, -math.inf) > now:
             raise ValueError(f"request id {rid!r} is in use on this client (in flight, or given up and not ended)")
@@ -254,7 +294,7 @@ class AsyncClient:
         self._waiting[rid] = tx
         try:
             with rx, anyio.fail_after(wait_s):
-                await self._sock.send_multipart([b"", body])
+                await sock.send_multipart([b"", body])
                 while isinstance(reply := await rx.receive(), Progress):
                     if on_progress is not None:
                         on_progress(reply)
@@ -266,11 +306,12 @@ class AsyncClient:
             # wait ran out): so should the daemon, rather than keep GPUs busy on work nobody
             # awaits. Its answers, the ack included, are dropped when they come.
             self._abandon(rid, wait_s)
-            if not self._sock.closed:  # closed: the client is gone, and the daemon's deadline ends it
+            if not sock.closed:  # closed: the client is gone, and the daemon's deadline ends it
                 with anyio.CancelScope(shield=True), anyio.move_on_after(CANCEL_SEND_S):
-                    await self._sock.send_multipart([b"", _cancel_frame(rid)])
+                    await sock.send_multipart([b"", _cancel_frame(rid)])
             if isinstance(exc, TimeoutError):
-                raise TimeoutError(f"no reply from {self.endpoint} for {rid!r} within {wait_s:.1f}s") from None
+                raise TimeoutError(f"no reply from {self.endpoint} for {rid!r} within {wait_s:.1f}s (its deadline "
+                                   f"and {GRACE_S:g} s of grace)") from None
             raise
         finally:
             leftover = self._waiting.pop(rid, None)
@@ -286,7 +327,8 @@ class AsyncClient:
     async def submit(self, params: GenParams, *, request_id: str = "", timeout_s: float | None = None,
                      priority: int = 0, on_progress: Callable[[Progress], None] | None = None) -> Generation:
         """Generate; raises ``Rejection``, ``TimeoutError`` (the wait ran out: the request is
-        cancelled at the daemon), or ``ValueError`` for an id in use on this client."""
+        cancelled at the daemon), ``ValueError`` for an id in use on this client, or
+        ``ConnectionError`` if the client is closed while the request waits."""
         # The client picks the id so it can match the answer among many in flight.
         rid = request_id or uuid.uuid4().hex
         body = _submit_body(params, rid, timeout_s, priority, progress=on_progress is not None)
@@ -300,6 +342,8 @@ class AsyncClient:
         # The Cancelled ack and the request's own Rejected share the id; acks go by a
         # separate DEALER so the two answers cannot be confused.
         _checked_s(timeout_s)
+        self._open()
+        assert self._ctx is not None
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(self.endpoint)

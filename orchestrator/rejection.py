@@ -18,3 +18,7 @@ class Rejection(Exception):
         super().__init__(f"{rejected.reason}: {rejected.message}")
         self.rejected = rejected
         self.reason = rejected.reason
+
+    def __reduce__(self) -> tuple[type[Rejection], tuple[Rejected]]:
+        # Pickled as what it was made from (job queues and process pools pickle exceptions).
+        return Rejection, (self.rejected,)

@@ -229,7 +229,7 @@ class Stats(Wire):
     late_reports: int  # worker reports about requests that had already ended, dropped
     mailboxes: dict[str, int]  # the most mail each actor's mailbox held at once
     # Mail each actor has handled since start: the daemon's internal hops (a request makes
-    # about 25 on the fast path; timers add a few per second).
+    # about 25 on the fast path; the tracker's deadline tick adds 50 a second).
     mail_handled: dict[str, int] = {}
     # Requests started again because their worker was lost or their hand-off failed
     # (daemon.retries); the failed attempt also counts in failed_by_reason.

@@ -4,8 +4,12 @@ stops listening (its on_progress raised) cancels the request at the daemon."""
 from __future__ import annotations
 
 import math
+import pickle
+import signal
+import threading
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
@@ -231,3 +235,68 @@ async def test_closing_the_client_ends_the_waits_of_its_submits_at_once(
             await client.__aexit__(None, None, None)
     (error,) = errors
     assert "was closed" in str(error)
+
+
+def test_a_blocking_clients_interrupted_wait_cancels_its_request_and_leaves_it_usable(tmp_path: Path) -> None:
+    """Ctrl-C while Client.submit waits: the request is cancelled at the daemon, and the REQ
+    socket, which had sent and not heard back, is replaced so the next call works."""
+    ctx = zmq.Context()
+    daemon = ctx.socket(zmq.ROUTER)
+    daemon.setsockopt(zmq.LINGER, 0)
+    endpoint = f"ipc://{tmp_path}/daemon"
+    daemon.bind(endpoint)
+    heard: list[Any] = []
+
+    def fake_daemon() -> None:  # answers the Cancel, then the next Submit; never the first
+        for _ in range(3):
+            assert daemon.poll(10_000)
+            identity, _, body = daemon.recv_multipart()
+            heard.append(message := CLIENT_REQUEST.decode(body))
+            if isinstance(message, Cancel):
+                daemon.send_multipart([identity, b"", encode(Cancelled(request_id=message.request_id, found=True))])
+            elif len(heard) > 1:
+                daemon.send_multipart([identity, b"", encode(Result(request_id=message.request_id, outputs=[],
+                                                                    stages=[], total_ms=1.0))])
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    thread = threading.Thread(target=fake_daemon, daemon=True)
+    thread.start()
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        with Client(endpoint, ctx=ctx) as client:
+            signal.setitimer(signal.ITIMER_REAL, 0.3)
+            with pytest.raises(KeyboardInterrupt):
+                client.submit(PARAMS, request_id="interrupted", timeout_s=30)
+            assert client.submit(PARAMS, request_id="next", timeout_s=10).result.total_ms == 1.0
+        thread.join(timeout=10)
+        assert [(type(m).__name__, m.request_id) for m in heard] == [
+            ("Submit", "interrupted"), ("Cancel", "interrupted"), ("Submit", "next")]
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        daemon.close(linger=0)
+        ctx.term()
+
+
+async def test_an_async_client_used_outside_its_context_says_so() -> None:
+    unopened = AsyncClient("ipc:///nonexistent/daemon")
+    with pytest.raises(RuntimeError, match="inside `async with"):
+        await unopened.submit(PARAMS)
+    malformed = AsyncClient("tcp://localhost")  # no port
+    with pytest.raises(zmq.ZMQError):
+        await malformed.__aenter__()
+    with pytest.raises(RuntimeError, match="opened before"):  # what it opened was closed on the failure
+        await malformed.__aenter__()
+    async with AsyncClient("ipc:///nonexistent/daemon") as closed:
+        pass
+    with pytest.raises(RuntimeError, match="inside `async with"):
+        await closed.submit(PARAMS)
+
+
+def test_a_rejection_survives_pickling() -> None:
+    """Job queues and process pools pickle the exceptions their tasks raise."""
+    rejection = Rejection(Rejected(request_id="r", reason=Reason.OVERLOADED, message="busy"))
+    copy = pickle.loads(pickle.dumps(rejection))
+    assert (copy.reason, copy.rejected, str(copy)) == (Reason.OVERLOADED, rejection.rejected, str(rejection))
