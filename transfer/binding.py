@@ -6,6 +6,7 @@ from __future__ import annotations
 import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import zmq
 
@@ -79,6 +80,15 @@ def bound_router(ctx: zmq.Context, endpoint: str, *, send_hwm: int, max_message_
     if mandatory:
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
     try:
-        yield sock, bind_exclusive(sock, endpoint)
+        bound = bind_exclusive(sock, endpoint)
+    except BaseException:
+        sock.close(linger=0)  # and the endpoint's file, if any, is another process's: left
+        raise
+    try:
+        yield sock, bound
     finally:
         sock.close(linger=close_linger_ms)
+        if endpoint.startswith("ipc://"):
+            # ZMQ leaves an ipc socket's file behind; the next bind would reuse it, but a
+            # daemon that stopped should leave nothing.
+            Path(endpoint.removeprefix("ipc://")).unlink(missing_ok=True)

@@ -158,6 +158,9 @@ async def test_sigterm_drains_in_flight_work_and_refuses_new(start_cluster: Star
     assert code == 0
     assert '"event":"daemon.signal"' in cluster.log_of("daemon")
     assert '"event":"daemon.drained"' in cluster.log_of("daemon")
+    d = cluster.config.daemon  # its ipc:// socket files went with it
+    assert not [e for e in (d.client_endpoint, d.control_endpoint, d.worker_endpoint)
+                if Path(e.removeprefix("ipc://")).exists()]
 
 
 @pytest.mark.parametrize(("signals", "drain_timeout_s", "says", "event"), [
