@@ -11,7 +11,7 @@ from pathlib import Path
 import zmq
 
 from orchestrator.config import WorkerConfig
-from transfer.binding import bind, unix_listener_at
+from transfer.binding import bind, remove_ipc_file, unix_listener_at
 
 # An order frame stays under 150 KiB (its two prompts hold at most 16,384 characters each).
 # Anyone who can reach the port can send, and the key is only checked once a message is
@@ -43,13 +43,7 @@ def close_work_socket(sock: zmq.Socket, address: str | None) -> None:
     ipc socket's file is removed: ZMQ leaves it behind, one more in the temp directory per
     worker that ever ran."""
     sock.close(linger=0)
-    remove_socket_file(address)
-
-
-def remove_socket_file(address: str | None) -> None:
-    """Remove an ``ipc://`` work socket's file (nothing for tcp, or None)."""
-    if address is not None and address.startswith("ipc://"):
-        Path(address.removeprefix("ipc://")).unlink(missing_ok=True)
+    remove_ipc_file(address)
 
 
 def remove_dead_socket_files(directory: Path) -> None:
@@ -76,5 +70,5 @@ def _process_exists(pid: int) -> bool:
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True  # another user's
+        pass  # another user's
     return True

@@ -34,9 +34,10 @@ from orchestrator.config import Config
 from orchestrator.stages import RunControl, Stage, StageError, StageStopped, build_stage
 from orchestrator.stages.base import StepFn
 from orchestrator.watchdog import StageWatchdog
-from orchestrator.work_socket import bind_work_socket, close_work_socket, remove_socket_file
+from orchestrator.work_socket import bind_work_socket, close_work_socket
 from orchestrator.worker_memory import RequestMemory
 from transfer import frames
+from transfer.binding import remove_ipc_file
 from transfer.engine import Engine, MooncakeEngine
 from transfer.pool import MemoryPool, PoolError
 from transfer.protocol import (
@@ -172,7 +173,7 @@ class WorkerRuntime:
     def _exit_hung(self, status: int) -> None:
         """The watchdog's exit: at once (a normal exit would wait for the hung stage thread,
         and skip nothing but the cleanup below), leaving no socket file behind."""
-        remove_socket_file(self._work_address)
+        remove_ipc_file(self._work_address)
         os._exit(status)
 
     def _may_say_leaving(self) -> bool:

@@ -88,7 +88,11 @@ def bound_router(ctx: zmq.Context, endpoint: str, *, send_hwm: int, max_message_
         yield sock, bound
     finally:
         sock.close(linger=close_linger_ms)
-        if endpoint.startswith("ipc://"):
-            # ZMQ leaves an ipc socket's file behind; the next bind would reuse it, but a
-            # daemon that stopped should leave nothing.
-            Path(endpoint.removeprefix("ipc://")).unlink(missing_ok=True)
+        remove_ipc_file(endpoint)  # the next bind would reuse it, but a stopped daemon leaves nothing
+
+
+def remove_ipc_file(endpoint: str | None) -> None:
+    """Remove the file of an ``ipc://`` endpoint this process bound, which ZMQ leaves behind
+    (nothing for tcp, or None)."""
+    if endpoint is not None and endpoint.startswith("ipc://"):
+        Path(endpoint.removeprefix("ipc://")).unlink(missing_ok=True)
