@@ -9,10 +9,11 @@ Every wait has a deadline. A request that fails raises ``Rejection`` carrying th
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import anyio
@@ -201,6 +202,10 @@ class Client:
         self.close()
 
 
+# What hears a request's progress: a function, or a coroutine function (awaited, say to
+# stream the progress to a web client).
+OnProgress = Callable[[Progress], None | Awaitable[None]]
+
 # Progress messages waiting for a slow ``on_progress``; past it, the newest ones are dropped
 # (progress is advisory), and one place is always left for the final answer.
 PROGRESS_BACKLOG = 16
@@ -209,8 +214,9 @@ PROGRESS_BACKLOG = 16
 class AsyncClient:
     """DEALER client: any number of requests in flight, answered in any order. A request whose
     ``submit`` is cancelled (the caller gave up) is cancelled at the daemon too. ``submit``'s
-    ``on_progress`` gets the request's ``Progress`` messages, called in the task awaiting
-    ``submit``; if it raises, the request is cancelled at the daemon and ``submit`` raises that.
+    ``on_progress`` (a function or a coroutine function) gets the request's ``Progress``
+    messages, called (and awaited) in the task awaiting ``submit``; if it raises, the request
+    is cancelled at the daemon and ``submit`` raises that.
 
     Use as ``async with AsyncClient(endpoint) as client: await client.submit(...)``, opened
     and closed in one task: its reader runs in an anyio task group, which belongs to the
@@ -285,7 +291,7 @@ class AsyncClient:
                     waiter.send_nowait(reply)
 
     async def _request(self, rid: str, body: bytes, wait_s: float,
-                       on_progress: Callable[[Progress], None] | None = None) -> Generation | Rejected | Cancelled:
+                       on_progress: OnProgress | None = None) -> Generation | Rejected | Cancelled:
         sock = self._open()
         now = time.monotonic()
         if rid in self._waiting or self._abandoned.get(rid, -math.inf) > now:
@@ -296,8 +302,8 @@ class AsyncClient:
             with rx, anyio.fail_after(wait_s):
                 await sock.send_multipart([b"", body])
                 while isinstance(reply := await rx.receive(), Progress):
-                    if on_progress is not None:
-                        on_progress(reply)
+                    if on_progress is not None and inspect.isawaitable(heard := on_progress(reply)):
+                        await heard
                 return reply
         except anyio.EndOfStream:
             raise ConnectionError(f"the client of {self.endpoint} was closed while {rid!r} waited") from None
@@ -325,7 +331,7 @@ class AsyncClient:
         self._abandoned[rid] = now + wait_s
 
     async def submit(self, params: GenParams, *, request_id: str = "", timeout_s: float | None = None,
-                     priority: int = 0, on_progress: Callable[[Progress], None] | None = None) -> Generation:
+                     priority: int = 0, on_progress: OnProgress | None = None) -> Generation:
         """Generate; raises ``Rejection``, ``TimeoutError`` (the wait ran out: the request is
         cancelled at the daemon), ``ValueError`` for an id in use on this client, or
         ``ConnectionError`` if the client is closed while the request waits."""

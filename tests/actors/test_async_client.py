@@ -300,3 +300,34 @@ def test_a_rejection_survives_pickling() -> None:
     rejection = Rejection(Rejected(request_id="r", reason=Reason.OVERLOADED, message="busy"))
     copy = pickle.loads(pickle.dumps(rejection))
     assert (copy.reason, copy.rejected, str(copy)) == (Reason.OVERLOADED, rejection.rejected, str(rejection))
+
+
+async def test_an_async_progress_listener_is_awaited(ctx: zmq.asyncio.Context, tmp_path: Path) -> None:
+    """A web handler streams progress with awaits: a coroutine function is awaited, in order."""
+    daemon = ctx.socket(zmq.ROUTER)
+    daemon.setsockopt(zmq.LINGER, 0)
+    endpoint = f"ipc://{tmp_path}/daemon"
+    daemon.bind(endpoint)
+    streamed: list[int] = []
+
+    async def stream(progress: Progress) -> None:
+        await anyio.sleep(0.01)  # a write to the web client
+        streamed.append(progress.step)
+
+    async def answer() -> None:
+        identity, _, body = await daemon.recv_multipart()
+        rid = CLIENT_REQUEST.decode(body).request_id
+        for step in (1, 2):
+            await daemon.send_multipart([identity, b"", encode(Progress(
+                request_id=rid, state="denoising", elapsed_ms=float(step), step=step, steps=2))])
+        await daemon.send_multipart([identity, b"", encode(Result(request_id=rid, outputs=[], stages=[],
+                                                                  total_ms=3.0))])
+
+    try:
+        with anyio.fail_after(10):
+            async with AsyncClient(endpoint) as client, anyio.create_task_group() as tg:
+                tg.start_soon(answer)
+                generation = await client.submit(PARAMS, on_progress=stream)
+        assert streamed == [1, 2] and generation.result.total_ms == 3.0
+    finally:
+        daemon.close(linger=0)
