@@ -149,10 +149,11 @@ class Client:
         (a bad ``timeout_s``). A wait interrupted by anything else (Ctrl-C) cancels the
         request at the daemon; the client stays usable after any of them."""
         rid = request_id or uuid.uuid4().hex  # known here, so an interrupted wait can cancel it
+        body = _submit_body(params, rid, timeout_s, priority)
         try:
-            reply = self._request([_submit_body(params, rid, timeout_s, priority)], _wait_s(timeout_s))
-        except (TimeoutError, Rejection):
-            raise  # a timeout comes after the daemon's own deadline has ended the request
+            reply = self._request([body], _wait_s(timeout_s))
+        except TimeoutError:
+            raise  # it comes after the daemon's own deadline has ended the request
         except BaseException:
             with contextlib.suppress(TimeoutError, zmq.ZMQError, Rejection):
                 self.cancel(rid, timeout_s=CANCEL_SEND_S)
