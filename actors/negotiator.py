@@ -121,6 +121,7 @@ class TransferNegotiator:
         self._pools = pools
         self._frontend = frontend
         self._sock: zmq.Socket | None = None
+        self._pump: PlainPump | None = None
         self._links: dict[bytes, Link] = {}
         self._by_instance: dict[str, Link] = {}
         self._handoffs = Handoffs(links=self._by_instance, push_quarantine_s=cfg.push_quarantine_s, pools=pools,
@@ -134,8 +135,9 @@ class TransferNegotiator:
                           max_message_bytes=self._cfg.worker_max_message_bytes, close_linger_ms=FLUSH_ON_CLOSE_MS,
                           plain=True) as (sock, bound):
             self._sock = sock
-            pump = PlainPump(sock, self._on_frames, copy=False, hold=self._inbox.board.hold)
-            await serve_mailbox(self._inbox, self._handle, pump=pump.run, task_status=task_status, started=bound)
+            self._pump = PlainPump(sock, self._on_frames, copy=False, hold=self._inbox.board.hold)
+            await serve_mailbox(self._inbox, self._handle, pump=self._pump.run, task_status=task_status,
+                                started=bound)
 
     # ------------------------------------------------------------------ worker socket
 
@@ -190,9 +192,11 @@ class TransferNegotiator:
             return None
 
     def _reply(self, routing_id: bytes, msg: Registered | RegisterRefused) -> None:
-        assert self._sock is not None
+        assert self._sock is not None and self._pump is not None
         # A ROUTER drops a reply to a peer that is gone or not reading; it never blocks.
         self._sock.send_multipart([routing_id, encode(msg)], flags=NOBLOCK)
+        # Replies also leave from a Tick or the farewell, outside the socket's reader.
+        self._pump.after_send()
 
     def _register(self, routing_id: bytes, msg: Register) -> None:
         problem = (registration_problem(msg, self._cfg.token) or model_problem(msg, self._links.values())

@@ -51,8 +51,9 @@ class PlainPump:
     Cheaper than zmq.asyncio's future and callbacks per message, and than a task that
     waits on the FD: the reader stays registered, so a wake-up costs no epoll_ctl calls.
     ZMQ's FD is edge-triggered and only says "re-read ZMQ_EVENTS", so the reader takes
-    messages until EVENTS shows none. ``on_frames`` may send on the socket (the check comes
-    after). A send from anywhere else can swallow the edge, so it must call ``after_send``.
+    messages until EVENTS shows none. A send takes in whatever arrived, and with it the edge:
+    ``on_frames`` may send (the check comes after); a send from anywhere else must call
+    ``after_send``, or what arrived waits for an edge that never comes.
     This is asyncio-specific on purpose: the daemon and workers run on anyio's asyncio backend.
     """
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import anyio
@@ -9,8 +10,16 @@ import zmq
 import zmq.asyncio
 
 from actors.mail import Join, Leave, LimitsChanged, Suspect, Tick
-from tests.actors.negotiator_harness import FakeWorker, Negotiator, register, running_negotiator, speak
-from transfer.protocol import DAEMON_TO_WORKER, Heartbeat, Probed, Reason, RegisterRefused, encode
+from tests.actors.negotiator_harness import (
+    FakeWorker,
+    Negotiator,
+    fake_worker,
+    register,
+    running_negotiator,
+    speak,
+    wait_late,
+)
+from transfer.protocol import DAEMON_TO_WORKER, Heartbeat, Probed, Reason, RegisterRefused, Step, encode
 
 HEARTBEAT_S = 0.1
 MISSES = 3
@@ -87,3 +96,26 @@ async def test_an_unreached_worker_that_falls_silent_is_evicted_as_silent_and_ma
                 leave = await n.pools["denoiser"].receive()
                 assert isinstance(leave, Leave) and leave.instance == instance and "missed heartbeats" in leave.message
                 assert not await sock.poll(100)  # not refused: its next message rejoins it
+
+
+async def test_reports_waiting_on_the_socket_when_a_tick_refuses_a_worker_are_still_read(
+    ctx: zmq.asyncio.Context, tmp_path: Path
+) -> None:
+    """The refusal is a send from outside the socket's reader, and a ZMQ send consumes the
+    "something arrived" edge of the socket's FD: the reports already there must not wait for
+    a new edge (which never comes while they sit unread), or their worker is evicted as silent."""
+    with anyio.fail_after(5):
+        async with running_negotiator(ctx, tmp_path, heartbeat_s=HEARTBEAT_S, heartbeat_misses=MISSES) as n:
+            async with fake_worker(ctx, n, "encoder") as encoder:
+                sock, instance = await registered_unreached(ctx, n)
+                with sock:
+                    await anyio.sleep(MISSES * HEARTBEAT_S * 1.1)
+                    await speak(n, FakeWorker(sock, instance, "s"))
+                    await speak(n, encoder)  # not silent: it stays
+                    late = (await n.stats()).late_reports
+                    await encoder.report(Step(request_id="nobody", step=0, steps=1))
+                    time.sleep(0.1)  # the loop blocked: the report lands on the socket, unread
+                    n.inbox.post(Tick())  # delivered now: the unreached denoiser is refused
+                    assert isinstance(await n.pools["denoiser"].receive(), Leave)
+                    with anyio.fail_after(1):
+                        await wait_late(n, late + 1)
