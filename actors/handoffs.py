@@ -40,6 +40,7 @@ from actors.mail import (
 from actors.mailbox import Mailbox
 from actors.slots import SlotBook
 from transfer.protocol import (
+    STAGE_REASONS,
     Abort,
     Alloc,
     Allocated,
@@ -232,7 +233,8 @@ class Handoffs:
             return
         rid = flight.request_id
         if not msg.ok:
-            self._fail(flight, msg.reason, f"{link.instance}: {msg.error}", outcome=False)
+            reason = msg.reason if msg.reason in STAGE_REASONS else Reason.STAGE_FAILED
+            self._fail(flight, reason, f"{link.instance}: {msg.error}", outcome=False)
             return
         if link.role != "decoder":
             self._fail(flight, Reason.STAGE_FAILED, f"{link.instance} ({link.role}) answered Done; only decoders do",

@@ -451,6 +451,12 @@ class Done(Wire):
     error: str = ""
 
 
+# The reasons a stage's own failure may give; the daemon reads any other as stage_failed
+# (a worker does not get to say "duplicate" or "worker_lost", which would mislead the
+# client or start a retry).
+STAGE_REASONS = frozenset({Reason.STAGE_FAILED, Reason.INVALID, Reason.TRANSFER_FAILED})
+
+
 class Abort(Wire):
     """Daemon -> worker: drop this request and free everything it holds."""
 

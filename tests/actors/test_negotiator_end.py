@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import pytest
 import zmq
 import zmq.asyncio
 
@@ -424,3 +425,16 @@ async def test_a_farewell_tells_each_worker_to_rejoin_and_which_may_skip_the_qua
                 late.connect(n.endpoint)
                 await late.send(encode(registration("decoder", "s", 1)))
                 assert not await late.poll(200)
+
+
+@pytest.mark.parametrize("claimed", [Reason.DUPLICATE, Reason.WORKER_LOST, Reason.CANCELLED])
+async def test_a_failure_reason_no_stage_gives_reads_as_stage_failed(
+    ctx: zmq.asyncio.Context, tmp_path: Path, claimed: Reason
+) -> None:
+    """A worker's word does not tell the client its request was a duplicate, nor start a retry."""
+    with anyio.fail_after(5):
+        async with encoder_and_denoiser(ctx, tmp_path, slots=2) as (n, encoder, denoiser):
+            await deliver_to_denoiser(n, encoder, denoiser, "r1")
+            await denoiser.report(Done(request_id="r1", ok=False, compute_ms=2.0, reason=claimed, error="odd"))
+            assert await n.tracker.receive() == Failed(request_id="r1", reason=Reason.STAGE_FAILED,
+                                                       message=f"{denoiser.instance}: odd")
