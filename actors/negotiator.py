@@ -53,6 +53,7 @@ from actors.mail import (
 )
 from actors.mailbox import Mailbox, MailboxCounts
 from orchestrator.config import DaemonConfig
+from orchestrator.log import Throttled
 from transfer.binding import FLUSH_ON_CLOSE_MS, bound_router
 from transfer.protocol import (
     DECODE_ERRORS,
@@ -129,6 +130,7 @@ class TransferNegotiator:
         self._ids = itertools.count(1)
         self._stopping = False  # farewells sent: registrations get no answer
         self._log = log.bind(actor="negotiator")
+        self._peer_log = Throttled(self._log)  # what any peer of the worker socket can make it say
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[str] = anyio.TASK_STATUS_IGNORED) -> None:
         with bound_router(self._ctx, self._cfg.worker_endpoint, send_hwm=self._cfg.worker_send_hwm,
@@ -168,7 +170,7 @@ class TransferNegotiator:
             self._on_report(link, first, frames[2:])
             return
         if len(frames) > 1 + REPORTS_PER_MESSAGE:
-            self._log.warning("worker.too_many_reports", instance=link.instance, reports=len(frames) - 1,
+            self._peer_log.warning("worker.too_many_reports", instance=link.instance, reports=len(frames) - 1,
                               read=REPORTS_PER_MESSAGE)
         self._on_report(link, first, [])
         for frame in frames[2 : 1 + REPORTS_PER_MESSAGE]:
@@ -186,7 +188,7 @@ class TransferNegotiator:
         try:
             return WORKER_MESSAGE.decode(frame.buffer)
         except DECODE_ERRORS as exc:
-            self._log.warning("worker.bad_message", error=str(exc), registered=answer is None)
+            self._peer_log.warning("worker.bad_message", error=str(exc), registered=answer is None)
             if answer is not None:
                 self._reply(answer, RegisterRefused(message=f"unreadable registration: {exc}"))
             return None
@@ -202,7 +204,7 @@ class TransferNegotiator:
         problem = (registration_problem(msg, self._cfg.token) or model_problem(msg, self._links.values())
                    or work_address_problem(self._ctx, msg.work_address))
         if problem is not None:
-            self._log.warning("worker.refused", name=msg.name, why=problem)
+            self._peer_log.warning("worker.refused", name=msg.name, why=problem)
             self._reply(routing_id, RegisterRefused(message=problem))
             return
         stale = next((old for old in self._links.values() if old.name == msg.name), None)

@@ -202,3 +202,22 @@ async def test_a_late_report_from_a_quarantined_receiver_waits_for_its_memory_to
             await n.stats()
             assert n.take("denoiser") == [aborted("r1", denoiser)]
             assert (await n.stats()).prealloc[denoiser.instance] == PreallocCounts(2, 2)
+
+
+async def test_a_flood_of_junk_from_anyone_costs_a_few_log_lines(
+    ctx: zmq.asyncio.Context, tmp_path: Path, logs: list[dict]
+) -> None:
+    """No token is needed to send junk to the worker socket: each is still answered, but a
+    million of them must not become a million log lines."""
+    with anyio.fail_after(10):
+        async with running_negotiator(ctx, tmp_path) as n:
+            with ctx.socket(zmq.DEALER) as junk:
+                junk.connect(n.endpoint)
+                for _ in range(500):
+                    await junk.send(b"\xc1")
+                for _ in range(500):
+                    refused = DAEMON_TO_WORKER.decode(await junk.recv())
+                    assert isinstance(refused, RegisterRefused) and "unreadable registration" in refused.message
+            await n.stats()
+            bad = [line for line in logs if line["event"] == "worker.bad_message"]
+            assert len(bad) == 10
