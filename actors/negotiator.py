@@ -203,22 +203,24 @@ class TransferNegotiator:
     def _register(self, routing_id: bytes, msg: Register) -> None:
         problem = (registration_problem(msg, self._cfg.token) or model_problem(msg, self._links.values())
                    or work_address_problem(self._ctx, msg.work_address))
-        if problem is not None:
-            self._peer_log.warning("worker.refused", name=msg.name, why=problem)
-            self._reply(routing_id, RegisterRefused(message=problem))
+        refusal = RegisterRefused(message=problem) if problem is not None else self._claimed_by_another(msg)
+        if refusal is not None:
+            self._peer_log.warning("worker.refused", name=msg.name, why=refusal.message)
+            self._reply(routing_id, refusal)
             return
-        stale = next((old for old in self._links.values() if old.name == msg.name), None)
-        if stale is not None:
-            # Same name, new connection: a restart, whose old process is dead, or a second
-            # live process under the name. One silent for a while is taken for the dead one
-            # of a restart, and what it was pushing into is freed at once; one heard from
-            # lately may be alive and still pushing, so its writes get their Pushed or the
-            # quarantine. The old connection is told to stop, or two live ones would evict
-            # each other on every rejoin. (A dead one's connection is gone: the ROUTER drops it.)
-            silent = time.monotonic() - stale.last_seen > SUSPECT_HEARTBEATS * self._cfg.heartbeat_s
+        for stale in [old for old in self._links.values() if msg.name == old.name or msg.session == old.session]:
+            # Same name or session, new connection: a restart, whose old process is dead,
+            # or (same name) a second live process under the name. One silent for a while
+            # is taken for the dead one of a restart, and what it was pushing into is freed
+            # at once; one heard from lately may be alive and still pushing, so its writes
+            # get their Pushed or the quarantine. The old connection is told to stop, or two
+            # live ones would evict each other on every rejoin. (A dead one's connection is
+            # gone: the ROUTER drops it.)
+            silent = self._silent(stale)
             self._evict(stale, f"{stale.instance} re-registered as a new process", gone=silent)
             self._reply(stale.routing_id, RegisterRefused(
-                message=f"another worker registered under the name {msg.name!r}: worker names must be unique"))
+                message=f"another worker registered under the name {msg.name!r}: worker names must be unique"
+                if msg.name == stale.name else f"another worker registered the Mooncake session {msg.session}"))
         instance = f"{msg.role}-{next(self._ids)}"
         now = time.monotonic()
         link = Link(routing_id, instance, msg.role, msg.name, msg.session, msg.pool_base, msg.pool_size,
@@ -236,6 +238,28 @@ class TransferNegotiator:
         self._log.info("worker.registered", instance=instance, name=msg.name, role=msg.role,
                        session=msg.session, slots=[s.size for s in msg.slots], capacity=msg.capacity,
                        limits=msgspec.to_builtins(msg.limits))
+
+    def _claimed_by_another(self, msg: Register) -> RegisterRefused | None:
+        """A worker heard from lately holds ``msg``'s Mooncake session under another name, or
+        its name under another role: the newcomer is refused and the live one serves on.
+        Two links on one session would have pushes meant for one pool land in the other's
+        memory. A restarted worker whose predecessor still counts as live is told to rejoin:
+        it gets in once that one falls silent (then taken for dead, and replaced)."""
+        for old in self._links.values():
+            if self._silent(old):
+                continue
+            if old.session == msg.session and old.name != msg.name:
+                return RegisterRefused(rejoin=True, message=(
+                    f"the Mooncake session {msg.session} is registered by {old.instance} ({old.name!r}), "
+                    "which is still heard from: a session names one worker's memory"))
+            if old.name == msg.name and old.role != msg.role:
+                return RegisterRefused(message=(
+                    f"the name {msg.name!r} is held by {old.instance}, a live {old.role} worker: "
+                    "worker names must be unique"))
+        return None
+
+    def _silent(self, link: Link) -> bool:
+        return time.monotonic() - link.last_seen > SUSPECT_HEARTBEATS * self._cfg.heartbeat_s
 
     # ------------------------------------------------------------------ reports
 

@@ -1,0 +1,72 @@
+"""A registration that claims what a live worker holds (its name under another role, its
+Mooncake session under another name) is refused; the live worker serves on. Claimed from a
+worker gone silent, it is a restart, and the newcomer replaces the old one."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import anyio
+import msgspec
+import zmq
+import zmq.asyncio
+
+from actors.mail import Join, Leave, LimitsChanged
+from actors.negotiator import PreallocCounts
+from tests.actors.negotiator_harness import encoder_and_denoiser, registration, speak
+from transfer.protocol import DAEMON_TO_WORKER, Reason, Register, Registered, RegisterRefused, encode
+
+HEARTBEAT_S = 0.05
+
+
+async def claim(ctx: zmq.asyncio.Context, endpoint: str, hello: Register) -> tuple[zmq.asyncio.Socket, object]:
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    await sock.send(encode(hello))
+    return sock, DAEMON_TO_WORKER.decode(await sock.recv())
+
+
+async def test_a_live_workers_name_under_another_role_is_refused_and_the_live_one_serves_on(
+    ctx: zmq.asyncio.Context, tmp_path: Path
+) -> None:
+    """Before, the newcomer took the name and the live denoiser was told to stop for good."""
+    with anyio.fail_after(5):
+        async with encoder_and_denoiser(ctx, tmp_path, slots=2) as (n, _, denoiser):
+            hello = msgspec.structs.replace(registration("encoder", "other-session", 0), name="denoiser-worker")
+            sock, reply = await claim(ctx, n.endpoint, hello)
+            with sock:
+                assert isinstance(reply, RegisterRefused) and not reply.rejoin
+                assert reply.message == (f"the name 'denoiser-worker' is held by {denoiser.instance}, "
+                                         "a live denoiser worker: worker names must be unique")
+            assert (await n.stats()).prealloc[denoiser.instance] == PreallocCounts(2, 2)
+            assert not await denoiser.sock.poll(50)  # told nothing
+            n.assert_silent()
+
+
+async def test_a_live_workers_session_is_refused_until_that_worker_falls_silent(
+    ctx: zmq.asyncio.Context, tmp_path: Path
+) -> None:
+    """Two links on one session would have pushes for one pool land in the other's memory.
+    A restart whose predecessor still counts as live gets in once that one is silent."""
+    with anyio.fail_after(5):
+        async with encoder_and_denoiser(ctx, tmp_path, slots=2, heartbeat_s=HEARTBEAT_S) as (n, _, denoiser):
+            hello = msgspec.structs.replace(registration("denoiser", denoiser.session, 1), name="restarted")
+            await speak(n, denoiser)
+            sock, reply = await claim(ctx, n.endpoint, hello)
+            with sock:
+                assert isinstance(reply, RegisterRefused) and reply.rejoin
+                assert f"registered by {denoiser.instance} ('denoiser-worker'), which is still heard" in reply.message
+                assert (await n.stats()).prealloc[denoiser.instance] == PreallocCounts(2, 2)
+                n.assert_silent()
+                await anyio.sleep(3 * HEARTBEAT_S)  # the old process is dead: it says nothing more
+                await sock.send(encode(hello))  # the worker's registration retry
+                registered = DAEMON_TO_WORKER.decode(await sock.recv())
+                assert isinstance(registered, Registered)
+                leave, join = n.take("denoiser")[:2]
+                assert isinstance(leave, Leave) and leave.instance == denoiser.instance
+                assert leave.reason == Reason.WORKER_LOST
+                assert isinstance(join, Join) and join.instance == registered.instance
+                assert [m.instance for m in n.take("frontend") if isinstance(m, LimitsChanged)] == [
+                    denoiser.instance, registered.instance]
+                assert denoiser.instance not in (await n.stats()).prealloc
