@@ -99,7 +99,7 @@ def register(ctx: zmq.Context, cfg: Config, role: Role, index: int, pool_base: i
     ]
     dealer.send(encode(Register(
         protocol=PROTOCOL_VERSION, token=cfg.daemon.token, role=role, name=f"instant-{role}{index}",
-        work_address=work_address, session="instant:0", pool_base=pool_base,
+        work_address=work_address, session=f"instant:{role}{index}", pool_base=pool_base,
         pool_size=wcfg.pool_bytes, slots=slots, capacity=wcfg.capacity,
     )))
     if not dealer.poll(int(REGISTER_TIMEOUT_S * 1000)):
