@@ -7,6 +7,7 @@ file; every wait has a deadline and a failure names the process and its log.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -106,33 +107,47 @@ class LocalCluster:
         assert self.daemon is not None
         if self.daemon.poll() is None:
             self.daemon.send_signal(signal.SIGTERM)
-        return self._reap("daemon", self.daemon, timeout_s)
+        code, killed = self._reap(self.daemon, timeout_s)
+        if killed:
+            raise ClusterError(f"the daemon did not exit within {timeout_s}s of SIGTERM; killed")
+        return code
 
     def stop(self, *, timeout_s: float = 30.0) -> dict[str, int]:
+        """Stop the daemon (it drains), then the workers; exit codes by process name. Every
+        process is stopped, one that outlives ``timeout_s`` after SIGTERM killed, and those
+        killed are named in the ``ClusterError`` raised at the end: the workers run in their
+        own sessions, so one left behind would outlive the caller."""
         codes: dict[str, int] = {}
-        if self.daemon is not None:
-            codes["daemon"] = self.stop_daemon(timeout_s=timeout_s)
-        for proc in self.workers.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for name, proc in self.workers.items():
-            codes[name] = self._reap(name, proc, timeout_s)
+        killed: list[str] = []
+        # The daemon first, so it drains while its workers still serve; the workers together.
+        for procs in ({"daemon": self.daemon} if self.daemon else {}, self.workers):
+            for proc in procs.values():
+                if proc.poll() is None:
+                    proc.send_signal(signal.SIGTERM)
+            for name, proc in procs.items():
+                codes[name], was_killed = self._reap(proc, timeout_s)
+                if was_killed:
+                    killed.append(name)
+        if killed:
+            raise ClusterError(f"{', '.join(killed)} did not exit within {timeout_s}s of SIGTERM; killed")
         return codes
 
     @staticmethod
-    def _reap(name: str, proc: subprocess.Popen, timeout_s: float) -> int:
+    def _reap(proc: subprocess.Popen, timeout_s: float) -> tuple[int, bool]:
+        """Wait ``timeout_s`` for ``proc`` (already told to stop), then kill it: (exit code, killed).
+        Never a second SIGTERM: to the daemon that means "stop at once", cutting its drain short."""
         try:
-            return proc.wait(timeout=timeout_s)
+            return proc.wait(timeout=timeout_s), False
         except subprocess.TimeoutExpired:
             proc.kill()
-            proc.wait(timeout=10)
-            raise ClusterError(f"{name} did not exit within {timeout_s}s of SIGTERM; killed") from None
+            return proc.wait(timeout=10), True
 
     def __enter__(self) -> LocalCluster:
         try:
             self.start()
         except BaseException:
-            self.stop(timeout_s=10)
+            with contextlib.suppress(ClusterError):  # what failed to start is the news
+                self.stop(timeout_s=10)
             raise
         return self
 

@@ -1,0 +1,26 @@
+"""LocalCluster.stop: every process it started is gone afterwards, even past one that would not stop."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from orchestrator.cluster import ClusterError, LocalCluster
+
+CONFIG = Path(__file__).parents[2] / "configs" / "test.toml"
+DEAF = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); time.sleep(60)"
+
+
+def test_a_daemon_deaf_to_sigterm_is_killed_and_named_and_the_workers_still_stop(tmp_path: Path) -> None:
+    cluster = LocalCluster(CONFIG, log_dir=tmp_path)
+    cluster.daemon = subprocess.Popen([sys.executable, "-c", DEAF], stdout=subprocess.PIPE, text=True)
+    assert cluster.daemon.stdout is not None and cluster.daemon.stdout.readline() == "ready\n"
+    cluster.workers = {f"encoder{i}": subprocess.Popen(["sleep", "60"]) for i in range(2)}
+    with pytest.raises(ClusterError, match=r"^daemon did not exit within 0.5s of SIGTERM; killed$"):
+        cluster.stop(timeout_s=0.5)
+    assert all(proc.poll() is not None for proc in [cluster.daemon, *cluster.workers.values()])
+    assert [proc.returncode for proc in cluster.workers.values()] == [-15, -15]
+    cluster.daemon.stdout.close()
