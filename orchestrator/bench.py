@@ -124,6 +124,10 @@ async def closed_loop(endpoint: str, concurrency: int, total: int) -> tuple[list
     return latencies, stages
 
 
+ECHO_START_S = 60.0  # the echo process imports this module, and torch with it
+ECHO_REPLY_S = 5.0
+
+
 def echo_router(endpoint: str) -> None:
     """A do-nothing ROUTER answering every request at once: the floor for latency and CPU."""
     sock = zmq.Context.instance().socket(zmq.ROUTER)
@@ -140,8 +144,19 @@ def echo_floor(endpoint: str, n: int, concurrency: int) -> tuple[float, float]:
     try:
         sock = zmq.Context.instance().socket(zmq.DEALER)
         sock.connect(endpoint)
+
+        def answer() -> None:
+            try:
+                sock.recv_multipart()
+            except zmq.Again:
+                raise TimeoutError(f"the do-nothing ROUTER at {endpoint} did not answer in time "
+                                   f"(its exit code: {proc.poll()})") from None
+
+        # Receive timeouts, not a poll per reply: the floor must not pay for the check.
+        sock.setsockopt(zmq.RCVTIMEO, int(ECHO_START_S * 1000))
         sock.send_multipart([b"", b"warm"])
-        sock.recv_multipart()
+        answer()
+        sock.setsockopt(zmq.RCVTIMEO, int(ECHO_REPLY_S * 1000))
         times = []
         cpu0 = cpu_seconds(proc.pid)
         for _ in range(n // concurrency):
@@ -149,7 +164,7 @@ def echo_floor(endpoint: str, n: int, concurrency: int) -> tuple[float, float]:
             for _ in range(concurrency):
                 sock.send_multipart([b"", b"ping"])
             for _ in range(concurrency):
-                sock.recv_multipart()
+                answer()
             times.append(time.perf_counter() - t0)
         cpu = cpu_seconds(proc.pid) - cpu0
         sock.close(linger=0)

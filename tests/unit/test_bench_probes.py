@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from orchestrator import bench_perf
+from orchestrator import bench, bench_perf
 from orchestrator.bench import context_switches, cpu_seconds, hop_us, main_thread_user_seconds, rss_mib
 
 
@@ -97,3 +97,10 @@ def test_perf_rows_are_read_largest_first_and_switching_is_the_kernel_s_switch_s
     assert [pct for pct, _ in rows] == sorted((pct for pct, _ in rows), reverse=True)
     assert len(rows) == 6
     assert bench_perf.switching_share(rows) == pytest.approx(17.14 + 4.71 + 3.17)
+
+
+def test_the_echo_floor_gives_up_loudly_on_a_router_that_never_answers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its ROUTER cannot bind (no such folder): the bench says so instead of hanging."""
+    monkeypatch.setattr(bench, "ECHO_START_S", 1.0)
+    with pytest.raises(TimeoutError, match="did not answer in time"):
+        bench.echo_floor("ipc:///nonexistent-triptych-dir/echo", 10, 1)
