@@ -142,32 +142,32 @@ def echo_floor(endpoint: str, n: int, concurrency: int) -> tuple[float, float]:
     proc = subprocess.Popen([sys.executable, "-c", f"from orchestrator.bench import echo_router; echo_router({endpoint!r})"],
                             cwd=ROOT)
     try:
-        sock = zmq.Context.instance().socket(zmq.DEALER)
-        sock.connect(endpoint)
+        with zmq.Context.instance().socket(zmq.DEALER) as sock:
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(endpoint)
 
-        def answer() -> None:
-            try:
-                sock.recv_multipart()
-            except zmq.Again:
-                raise TimeoutError(f"the do-nothing ROUTER at {endpoint} did not answer in time "
-                                   f"(its exit code: {proc.poll()})") from None
+            def answer() -> None:
+                try:
+                    sock.recv_multipart()
+                except zmq.Again:
+                    raise TimeoutError(f"the do-nothing ROUTER at {endpoint} did not answer in time "
+                                       f"(its exit code: {proc.poll()})") from None
 
-        # Receive timeouts, not a poll per reply: the floor must not pay for the check.
-        sock.setsockopt(zmq.RCVTIMEO, int(ECHO_START_S * 1000))
-        sock.send_multipart([b"", b"warm"])
-        answer()
-        sock.setsockopt(zmq.RCVTIMEO, int(ECHO_REPLY_S * 1000))
-        times = []
-        cpu0 = cpu_seconds(proc.pid)
-        for _ in range(n // concurrency):
-            t0 = time.perf_counter()
-            for _ in range(concurrency):
-                sock.send_multipart([b"", b"ping"])
-            for _ in range(concurrency):
-                answer()
-            times.append(time.perf_counter() - t0)
-        cpu = cpu_seconds(proc.pid) - cpu0
-        sock.close(linger=0)
+            # Receive timeouts, not a poll per reply: the floor must not pay for the check.
+            sock.setsockopt(zmq.RCVTIMEO, int(ECHO_START_S * 1000))
+            sock.send_multipart([b"", b"warm"])
+            answer()
+            sock.setsockopt(zmq.RCVTIMEO, int(ECHO_REPLY_S * 1000))
+            times = []
+            cpu0 = cpu_seconds(proc.pid)
+            for _ in range(n // concurrency):
+                t0 = time.perf_counter()
+                for _ in range(concurrency):
+                    sock.send_multipart([b"", b"ping"])
+                for _ in range(concurrency):
+                    answer()
+                times.append(time.perf_counter() - t0)
+            cpu = cpu_seconds(proc.pid) - cpu0
     finally:
         proc.kill()
         proc.wait()
