@@ -37,7 +37,7 @@ from transfer.sockets import PUMP_BATCH
 log = structlog.get_logger()
 
 TRACKER_TICK_S = 0.02  # deadline resolution
-END_ALL_FLUSH_S = 1.0  # for the answers to requests a timed-out drain ends
+END_ALL_FLUSH_S = 1.0  # for the answers to requests a timed-out drain ends, and for the farewell
 
 
 async def _tick(outbox: Mailbox[Any], period_s: float) -> None:
@@ -148,5 +148,8 @@ async def _drain_on_request(
     # those nothing is being written into skip push_quarantine_s (the answer flushes as the
     # worker socket closes).
     negotiator.post(Farewell())
-    await ask_stats(negotiator)
+    with anyio.move_on_after(END_ALL_FLUSH_S) as farewell:
+        await ask_stats(negotiator)
+    if farewell.cancelled_caught:
+        log.warning("daemon.farewell_unconfirmed", waited_s=END_ALL_FLUSH_S)
     scope.cancel()
