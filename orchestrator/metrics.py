@@ -11,11 +11,16 @@ from __future__ import annotations
 import signal
 from collections.abc import Callable, Iterator
 
+import structlog
 from prometheus_client import start_http_server
 from prometheus_client.core import CollectorRegistry, CounterMetricFamily, GaugeMetricFamily, Metric
 
 from orchestrator.rejection import Rejection
 from transfer.protocol import Stats
+
+log = structlog.get_logger()
+
+SERVER_STOP_S = 5.0  # for the HTTP server's thread to end its last scrape
 
 INSTANCE_LABELS = ["instance", "role", "name"]
 
@@ -122,7 +127,9 @@ def serve_metrics(read_stats: Callable[[], Stats], port: int, host: str = "127.0
             signal.sigwait(stop)
         finally:
             server.shutdown()
-            thread.join(timeout=5)
+            thread.join(timeout=SERVER_STOP_S)
+            if thread.is_alive():  # a daemon thread: it dies with the process, but say so
+                log.warning("metrics.server_lingers", waited_s=SERVER_STOP_S)
     finally:
         # Unblocked again, above all after a failed bind: the caller's Ctrl-C must still work.
         signal.pthread_sigmask(signal.SIG_SETMASK, caller_mask)
