@@ -27,7 +27,7 @@ import anyio
 import torch
 
 from transfer.protocol import SlotInfo
-from transfer.specs import ALIGNMENT
+from transfer.specs import ALIGNMENT, align_up
 
 
 class PoolError(Exception):
@@ -56,10 +56,6 @@ class _Waiter:
     need: int
     event: anyio.Event = field(default_factory=anyio.Event)
     block: Block | None = None
-
-
-def _align_up(n: int, alignment: int) -> int:
-    return -(-n // alignment) * alignment
 
 
 class MemoryPool:
@@ -96,7 +92,7 @@ class MemoryPool:
         end = 0
         for slot_id, slot_size in enumerate(slot_sizes):
             self.slots.append(SlotInfo(slot_id=slot_id, address=self.base + end, size=slot_size))
-            end += _align_up(slot_size, alignment)
+            end += align_up(slot_size, alignment)
         if end > size:
             raise ValueError(f"prealloc slots need {end} bytes (aligned), pool has {size}")
 
@@ -159,7 +155,7 @@ class MemoryPool:
         if nbytes < 0:
             raise ValueError(f"nbytes must be >= 0, got {nbytes}")
         # A zero-byte request still gets a real block: callers free what they alloc.
-        need = max(_align_up(nbytes, self._alignment), self._alignment)
+        need = max(align_up(nbytes, self._alignment), self._alignment)
         if need > self._capacity:
             raise PoolTooSmall(
                 f"{nbytes} bytes can never fit: the allocatable region is {self._capacity} bytes "
