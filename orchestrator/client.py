@@ -170,10 +170,6 @@ class Client:
         assert isinstance(reply, Cancelled)
         return reply.found
 
-    def send_raw(self, parts: list[bytes], *, timeout_s: float = 10.0) -> Reply:
-        """Send arbitrary frames (for probing the daemon with bad input)."""
-        return self._request(parts, timeout_s)
-
     def _request(self, parts: list[bytes], timeout_s: float) -> Reply:
         wait_ms = _poll_ms(timeout_s)
         self._sock.send_multipart(parts)

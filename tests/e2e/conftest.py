@@ -9,6 +9,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from orchestrator.client import Client, Reply
 from orchestrator.cluster import LocalCluster
 from orchestrator.config import Config, load_config
 from transfer.protocol import Role, Stats
@@ -84,3 +85,10 @@ def all_free(stats: Stats) -> bool:
         and not stats.requests_by_state
         and not any(stats.queue_depths.values())
     )
+
+
+class RawClient(Client):
+    """A client that sends what a hand-built one might: any frames at all."""
+
+    def send_raw(self, parts: list[bytes], *, timeout_s: float = 10.0) -> Reply:
+        return self._request(parts, timeout_s)

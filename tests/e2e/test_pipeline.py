@@ -13,7 +13,7 @@ import zmq
 from orchestrator.client import AsyncClient, Client, Rejection
 from orchestrator.cluster import LocalCluster
 from orchestrator.stages.null import expected_outputs
-from tests.e2e.conftest import StartCluster, all_free, config_variant, wait_for
+from tests.e2e.conftest import RawClient, StartCluster, all_free, config_variant, wait_for
 from transfer.protocol import PROTOCOL_VERSION, GenParams, GetStats, Progress, Reason, Rejected, Submit, encode
 
 HOPS = ("encoder->denoiser", "denoiser->decoder")
@@ -116,7 +116,7 @@ async def test_a_failing_stage_fails_only_that_request(cluster: LocalCluster) ->
 
 
 def test_garbage_wrong_type_and_bad_field_get_typed_rejections(cluster: LocalCluster) -> None:
-    with Client(endpoint(cluster)) as client:
+    with RawClient(endpoint(cluster)) as client:
         garbage = client.send_raw([b"\xff\x00 definitely not msgpack"])
         assert isinstance(garbage, Rejected) and garbage.reason == Reason.INVALID
         assert "invalid request" in garbage.message
@@ -167,7 +167,7 @@ def test_an_oversized_message_is_refused_unread(cluster: LocalCluster) -> None:
 
 
 def test_wrong_protocol_version_is_unsupported(cluster: LocalCluster) -> None:
-    with Client(endpoint(cluster)) as client:
+    with RawClient(endpoint(cluster)) as client:
         reply = client.send_raw([encode(Submit(protocol=PROTOCOL_VERSION + 1, params=params(1)))])
     assert isinstance(reply, Rejected) and reply.reason == Reason.UNSUPPORTED
 

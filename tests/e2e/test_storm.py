@@ -24,7 +24,7 @@ import torch
 from orchestrator.client import AsyncClient, Client, Rejection
 from orchestrator.cluster import LocalCluster
 from orchestrator.stages.null import expected_outputs
-from tests.e2e.conftest import StartCluster, all_free, wait_for
+from tests.e2e.conftest import RawClient, StartCluster, all_free, wait_for
 from transfer.protocol import GenParams, Reason, Rejected, Stats
 
 REQUESTS = 160
@@ -111,7 +111,7 @@ async def one(cluster: LocalCluster, clients: tuple[AsyncClient, ...], i: int, f
                 tg.start_soon(submit, rid)
                 tg.start_soon(submit, rid, 30.0, other)
         case "garbage":
-            with Client(cluster.config.daemon.client_endpoint) as raw:
+            with RawClient(cluster.config.daemon.client_endpoint) as raw:
                 reply = await anyio.to_thread.run_sync(raw.send_raw, [b"\x93storm", b"junk"])
             if not (isinstance(reply, Rejected) and reply.reason == Reason.INVALID):
                 ledger.wrong.append(f"{rid}: garbage got {reply!r}")
