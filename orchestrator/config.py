@@ -136,10 +136,23 @@ class WorkerConfig(Section):
     stage_timeout_s: PositiveFloat = 3600.0
 
 
+# Each role's own defaults are those of its table's type, so that a table naming some keys
+# still gets its role's defaults for the rest (not WorkerConfig's).
+
+
+class EncoderWorkerConfig(WorkerConfig):
+    capacity: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 4
+
+
+class DecoderWorkerConfig(WorkerConfig):
+    capacity: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 4
+    prealloc_slots: Annotated[int, msgspec.Meta(ge=0)] = 4  # a receive slot per unit of capacity
+
+
 class WorkersConfig(Section):
-    encoder: WorkerConfig = WorkerConfig(capacity=4)
-    denoiser: WorkerConfig = WorkerConfig(capacity=2)
-    decoder: WorkerConfig = WorkerConfig(capacity=4, prealloc_slots=4)  # a receive slot per unit of capacity
+    encoder: EncoderWorkerConfig = EncoderWorkerConfig()
+    denoiser: WorkerConfig = WorkerConfig()
+    decoder: DecoderWorkerConfig = DecoderWorkerConfig()
 
     def for_role(self, role: Role) -> WorkerConfig:
         return getattr(self, role)

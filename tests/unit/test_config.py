@@ -147,3 +147,16 @@ def test_a_worker_endpoint_other_hosts_reach_needs_a_real_token(
             load_config(write(tmp_path, text))
     else:
         assert load_config(write(tmp_path, text)).daemon.token == token
+
+
+def test_a_role_table_naming_some_keys_keeps_the_roles_defaults_for_the_rest(tmp_path: Path) -> None:
+    """Before, writing [workers.decoder] at all gave it WorkerConfig's capacity and slots (2),
+    not the decoder's (4), halving it against configuration.md."""
+    written = load_config(write(tmp_path, "[workers.encoder]\ncompute_threads = 1\n"
+                                          "[workers.denoiser]\ncompute_threads = 1\n"
+                                          "[workers.decoder]\ncompute_threads = 1\n")).workers
+    default = Config().workers
+    for role in ("encoder", "denoiser", "decoder"):
+        assert written.for_role(role) == default.for_role(role)
+    assert (default.encoder.capacity, default.denoiser.capacity, default.decoder.capacity) == (4, 2, 4)
+    assert default.decoder.prealloc_slots == 4
