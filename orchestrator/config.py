@@ -8,6 +8,7 @@ keys are errors that name the exact key, so a typo never silently falls back to 
 from __future__ import annotations
 
 import ipaddress
+import re
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -23,6 +24,21 @@ DEV_TOKEN = "triptych-local-dev"
 # A worker endpoint other hosts can reach needs a token they cannot guess: whoever
 # registers can take requests, read their prompts and send back any image.
 MIN_NETWORK_TOKEN_CHARS = 16
+
+
+# What the daemon binds and its peers dial from other processes: tcp://host:port (an IPv6
+# host in brackets, the port a number or * for any) or ipc://path.
+_ENDPOINT = re.compile(r"tcp://(\[[^\]\s]+\]|[^\s:\[\]/]+):(\d+|\*)|ipc://\S+")
+
+
+WILDCARD_HOSTS = frozenset({"0.0.0.0", "*", "::"})
+
+
+def endpoint_problem(endpoint: str) -> str | None:
+    """Why ``endpoint`` cannot be bound by the daemon (caught at load, naming its key), or None."""
+    if _ENDPOINT.fullmatch(endpoint) is None:
+        return "not tcp://host:port or ipc://path"
+    return None
 
 
 def listens_beyond_this_host(endpoint: str) -> bool:
@@ -94,6 +110,10 @@ class DaemonConfig(Section):
     worker_max_message_bytes: PositiveInt = 1024 * MiB
 
     def __post_init__(self) -> None:
+        for key in ("client_endpoint", "control_endpoint", "worker_endpoint"):
+            problem = endpoint_problem(getattr(self, key))
+            if problem is not None:
+                raise ValueError(f"daemon.{key} ({getattr(self, key)}) is {problem}")
         if listens_beyond_this_host(self.worker_endpoint) and (
             self.token == DEV_TOKEN or self.token.lower().startswith("change-me")
             or len(self.token.strip()) < MIN_NETWORK_TOKEN_CHARS
@@ -126,7 +146,7 @@ class WorkerConfig(Section):
     work_socket: Literal["tcp", "ipc"] = "tcp"
     bind_host: str = "127.0.0.1"
     # What the daemon dials: a real address, never a wildcard like 0.0.0.0.
-    advertise_host: Annotated[str, msgspec.Meta(pattern=r"^(?!0\.0\.0\.0$|\*$|::$)\S+$")] = "127.0.0.1"
+    advertise_host: Annotated[str, msgspec.Meta(pattern=r"^\S+$")] = "127.0.0.1"
     connect_timeout_s: PositiveFloat = 60.0  # retrying the daemon until it is up
     # A stage run longer than this is hung (a wedged GPU, a deadlocked kernel): no thread can
     # be stopped from outside, so the worker logs worker.stage_hung and exits with status 70
@@ -134,6 +154,11 @@ class WorkerConfig(Section):
     # requests start again elsewhere (daemon.retries). The default is the longest deadline
     # a request can have: no run past it can serve anyone.
     stage_timeout_s: PositiveFloat = 3600.0
+
+    def __post_init__(self) -> None:
+        if self.advertise_host in WILDCARD_HOSTS:
+            raise ValueError(f"advertise_host ({self.advertise_host}) is a wildcard, which the daemon cannot dial: "
+                             "give this host's address as the daemon reaches it")
 
 
 # Each role's own defaults are those of its table's type, so that a table naming some keys

@@ -99,8 +99,20 @@ def test_a_wildcard_advertise_host_is_refused(tmp_path: Path, wildcard: str) -> 
     """The daemon dials what a worker advertises, so a wildcard would never reach it."""
     path = tmp_path / "c.toml"
     path.write_text(f'[workers.denoiser]\nadvertise_host = "{wildcard}"\n')
-    with pytest.raises(msgspec.ValidationError, match=r"\$\.workers\.denoiser\.advertise_host"):
+    with pytest.raises(msgspec.ValidationError, match=r"advertise_host \(.+\) is a wildcard, which the daemon "
+                                                      r"cannot dial.* - at `\$\.workers\.denoiser`$"):
         load_config(path)
+
+
+@pytest.mark.parametrize("key", ["client_endpoint", "control_endpoint", "worker_endpoint"])
+@pytest.mark.parametrize("endpoint", ["htp://127.0.0.1:5556", "tcp://127.0.0.1", "tcp://h:port", "ipc://", "5555"])
+def test_an_endpoint_that_cannot_be_bound_is_refused_at_load_naming_its_key(
+    tmp_path: Path, key: str, endpoint: str
+) -> None:
+    """Before, the daemon started and failed at its bind, with ZMQ's words and no key."""
+    with pytest.raises(msgspec.ValidationError,
+                       match=rf"daemon\.{key} \({endpoint}\) is not tcp://host:port or ipc://path"):
+        load_config(write(tmp_path, f'[daemon]\n{key} = "{endpoint}"\n'))
 
 
 @pytest.mark.parametrize(("section", "refused"), [
