@@ -37,7 +37,8 @@ def configure_logging(level: str = "info", *, json: bool | None = None, **contex
     else:
         # Plain tracebacks: the default (rich's) prints every frame's locals, the config
         # and its token among them.
-        processors = shared + [structlog.dev.ConsoleRenderer(exception_formatter=structlog.dev.plain_traceback)]
+        processors = shared + [structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty(),  # none in a file
+                                                             exception_formatter=structlog.dev.plain_traceback)]
         factory = structlog.PrintLoggerFactory(sys.stderr)
     structlog.configure(
         processors=processors,

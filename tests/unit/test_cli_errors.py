@@ -119,7 +119,7 @@ def test_a_crash_is_logged_with_its_own_traceback(logs: list[dict]) -> None:
     assert logs == [{"event": "process.crashed", "exc_info": bug, "log_level": "error"}]
 
 
-def test_a_traceback_on_a_terminal_shows_no_locals() -> None:
+def test_console_lines_show_no_frame_locals_and_no_colour_codes_in_a_file() -> None:
     """The console renderer's default (rich) prints each frame's locals: the config, its token."""
     script = """if True:
         from orchestrator.log import configure_logging
@@ -135,6 +135,7 @@ def test_a_traceback_on_a_terminal_shows_no_locals() -> None:
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
                           cwd=Path(__file__).resolve().parents[2])
     assert "RuntimeError: boom" in done.stderr and "s3cret-token" not in done.stderr
+    assert "\x1b[" not in done.stderr  # console lines into a file (a pipe here): no colour codes
 
 
 def test_a_reader_that_leaves_early_is_no_error(tmp_path: Path) -> None:
