@@ -373,7 +373,8 @@ class TransferNegotiator:
 
     def _evict(self, link: Link, why: str, *, gone: bool = True) -> None:
         """Forget a worker. ``gone``: no write of its can still land (it said Leaving after
-        its threads ended, or it never got work); otherwise it may yet finish one."""
+        its threads ended, it never got work, or a new process registered its name or
+        session after it fell silent, so it is taken for dead); otherwise it may yet finish one."""
         del self._links[link.routing_id]
         del self._by_instance[link.instance]
         self._pools[link.role].post(Leave(instance=link.instance, reason=Reason.WORKER_LOST, message=why))

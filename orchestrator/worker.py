@@ -317,7 +317,9 @@ class WorkerRuntime:
                 tg.start_soon(self._guarded, order.request_id, self._cancel_scope(order.request_id),
                               memory.alloc, order)
             case Push():
-                tg.start_soon(memory.push, order)  # never cancelled: the daemon awaits Pushed
+                # No Abort cancels a push: the daemon awaits its Pushed. Only the end of the
+                # registration does (forgotten or leaving), when the daemon awaits nothing.
+                tg.start_soon(memory.push, order)
             case Abort(request_id=rid):
                 self._abort(rid)
 
