@@ -165,9 +165,9 @@ class Handoffs:
 
     def staged(self, link: Link, msg: Staged) -> None:
         rid = msg.request_id
-        flight = self._flights.get(rid)
-        if flight is None or flight.state != FlightState.RUNNING or flight.instance != link.instance:
-            self._free_late(link, rid, flight)  # late (the request ended), repeated, or not its to report
+        flight = self._reported(rid, FlightState.RUNNING, link)
+        if flight is None:
+            self._free_late(link, rid)
             return
         following = next_role(link.role)
         bad = [s.name for s in msg.manifest if s.offset + s.nbytes > msg.nbytes]
@@ -180,9 +180,9 @@ class Handoffs:
                                              priority=flight.priority, progress=flight.progress)))
 
     def allocated(self, link: Link, msg: Allocated) -> None:
-        flight = self._flights.get(msg.request_id)
-        if flight is None or flight.state != FlightState.ALLOCATING or flight.receiver != link.instance:
-            self._free_late(link, msg.request_id, flight)  # the request ended while it allocated, or repeated
+        flight = self._reported(msg.request_id, FlightState.ALLOCATING, link, by_receiver=True)
+        if flight is None:
+            self._free_late(link, msg.request_id)
             return
         if not link.holds(msg.address, flight.nbytes):
             self._fail(flight, Reason.TRANSFER_FAILED, f"{link.instance} allocated outside its pool")
@@ -191,15 +191,15 @@ class Handoffs:
         self._push(flight)
 
     def alloc_rejected(self, link: Link, msg: AllocRejected) -> None:
-        flight = self._flights.get(msg.request_id)
-        if flight is None or flight.state != FlightState.ALLOCATING or flight.receiver != link.instance:
+        flight = self._reported(msg.request_id, FlightState.ALLOCATING, link, by_receiver=True)
+        if flight is None:
             self.late += 1
             return
         self._fail(flight, Reason.TRANSFER_FAILED, f"{link.instance} cannot fit {flight.nbytes} bytes: {msg.message}")
 
     def pushed(self, link: Link, msg: Pushed) -> None:
-        flight = self._flights.get(msg.request_id)
-        if flight is None or flight.state != FlightState.PUSHING or flight.instance != link.instance:
+        flight = self._reported(msg.request_id, FlightState.PUSHING, link)
+        if flight is None:
             self.late += 1
             return
         rid = flight.request_id
@@ -227,8 +227,8 @@ class Handoffs:
         self._order(flight.role, flight.instance, ready)
 
     def done(self, link: Link, msg: Done, frames: list[zmq.Frame]) -> None:
-        flight = self._flights.get(msg.request_id)
-        if flight is None or flight.state != FlightState.RUNNING or flight.instance != link.instance:
+        flight = self._reported(msg.request_id, FlightState.RUNNING, link)
+        if flight is None:
             self.late += 1
             return
         rid = flight.request_id
@@ -253,8 +253,8 @@ class Handoffs:
                                      outputs=msg.outputs, frames=frames))
 
     def step(self, link: Link, msg: Step) -> None:
-        flight = self._flights.get(msg.request_id)
-        if flight is None or flight.state != FlightState.RUNNING or flight.instance != link.instance:
+        flight = self._reported(msg.request_id, FlightState.RUNNING, link)
+        if flight is None:
             self.late += 1
             return
         self._tracker.post(Stepped(request_id=msg.request_id, step=msg.step, steps=msg.steps))
@@ -302,7 +302,16 @@ class Handoffs:
             self._slots.recycle(flight.input_slot)
             flight.input_slot = None
 
-    def _free_late(self, link: Link, rid: str, flight: Flight | None) -> None:
+    def _reported(self, rid: str, state: FlightState, link: Link, *, by_receiver: bool = False) -> Flight | None:
+        """The flight of ``rid`` if it is in ``state`` and ``link`` is the instance that reports
+        on it there (its sender, or with ``by_receiver`` its receiver); None for a report that
+        is late (the request ended), repeated, or not that worker's to make."""
+        flight = self._flights.get(rid)
+        if flight is None or flight.state != state:
+            return None
+        return flight if (flight.receiver if by_receiver else flight.instance) == link.instance else None
+
+    def _free_late(self, link: Link, rid: str) -> None:
         """A late report says ``link`` holds memory for ``rid``: have it freed there, unless the
         request is live on that worker (a repeated report), where the memory is in use.
 
@@ -311,6 +320,7 @@ class Handoffs:
         land in. The receiver is aborted when its memory is released.
         """
         self.late += 1
+        flight = self._flights.get(rid)
         involved = flight is not None and link.instance in (flight.instance, flight.receiver)
         if not involved or (flight.doomed and link.instance == flight.instance):
             self._order(link.role, link.instance, Abort(request_id=rid))
