@@ -234,7 +234,7 @@ def _port(text: str) -> int:
     return int(text)
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="triptych", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -288,6 +288,11 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("bench", help="run the control-plane benchmark (see --help)", add_help=False)
     sub.add_parser("bench-handoff", help="time a large hand-off, Mooncake vs same-host copy (see --help)",
                    add_help=False)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
     args, rest = parser.parse_known_args(argv)
     if args.command in ("demo", "bench", "bench-handoff"):
         from orchestrator import bench, demo, handoff_bench
@@ -295,6 +300,11 @@ def main(argv: list[str] | None = None) -> int:
         return {"demo": demo.main, "bench": bench.main, "bench-handoff": handoff_bench.main}[args.command](rest)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
+    """Run a command; an ordinary failure is one line on stderr and an exit status."""
     from orchestrator.rejection import Rejection
 
     try:
