@@ -47,7 +47,9 @@ from transfer.sockets import PlainPump
 
 log = structlog.get_logger()
 
-# Failures that a fresh attempt on other workers can mend (daemon.retries).
+# Failures that a fresh attempt can mend (daemon.retries): the lost worker is gone, and a
+# receiver a push failed into gets no new work until it is heard from. Nothing else steers
+# the retry: it is placed as any request is, possibly on a worker of the first attempt.
 RETRIED = frozenset({Reason.WORKER_LOST, Reason.TRANSFER_FAILED})
 
 
