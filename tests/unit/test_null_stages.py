@@ -246,3 +246,15 @@ def test_the_operators_caps_lower_a_stages_limits_and_its_own_check_applies_them
 def test_caps_that_would_refuse_every_request_stop_the_worker_at_start(caps: LimitsConfig, problem: str) -> None:
     with pytest.raises(ValueError, match=re.escape(f"[model.limits] leave nothing to admit: {problem}")):
         build_stage("encoder", ModelConfig(kind="null", limits=caps), torch_threads=1)
+
+
+@pytest.mark.parametrize("where", ["the fourth channel's last byte", "a low mantissa bit"])
+def test_the_null_decoder_shows_every_bit_it_received(where: str) -> None:
+    """A hand-off that corrupts any byte must change the image the tests compare; before, the
+    decoder read three channels of four and rounded away all but eight bits of each."""
+    params = GenParams(prompt="p", width=16, height=16)
+    latents = denoise(params, encode(params, CFG), CFG)["latents"]
+    corrupted = latents.clone()
+    raw = corrupted.reshape(-1).view(torch.uint8)
+    raw[-1 if where.startswith("the fourth") else 0] ^= 1
+    assert not torch.equal(decode(params, {"latents": corrupted}), decode(params, {"latents": latents}))
