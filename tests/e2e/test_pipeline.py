@@ -44,6 +44,7 @@ async def test_fifty_concurrent_requests_return_correct_bytes(cluster: LocalClus
     null_cfg = cluster.config.model.null
     failures: list[str] = []
     served_by: set[str] = set()
+    moved_by: set[str | None] = set()
 
     async def one(client: AsyncClient, i: int) -> None:
         generation = await client.submit(params(i), timeout_s=30)
@@ -51,6 +52,7 @@ async def test_fifty_concurrent_requests_return_correct_bytes(cluster: LocalClus
         if not torch.equal(generation.outputs["images"], expected["images"]):
             failures.append(f"request {i}: wrong bytes")
         served_by.update(s.instance for s in generation.result.stages if s.role == "denoiser")
+        moved_by.update(s.via for s in generation.result.stages if s.role != "decoder")
 
     with anyio.fail_after(60):
         async with AsyncClient(endpoint(cluster)) as client, anyio.create_task_group() as tg:
@@ -58,6 +60,7 @@ async def test_fifty_concurrent_requests_return_correct_bytes(cluster: LocalClus
                 tg.start_soon(one, client, i)
     assert not failures
     assert len(served_by) == 2, "both denoisers served"
+    assert moved_by == {"mooncake"}, "every hand-off a real Mooncake write (configs/test.toml: same_host_copy = false)"
     stats = wait_for(cluster, all_free)
     for hop in HOPS:
         assert stats.fast_path.get(hop, 0) > 0, f"fast path unused on {hop}: {stats}"
