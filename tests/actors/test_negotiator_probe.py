@@ -43,7 +43,7 @@ async def test_a_worker_is_offered_work_once_its_probe_comes_back(ctx: zmq.async
             with sock:
                 await sock.send(encode(Heartbeat()))  # alive, but that says nothing of its work socket
                 await sock.send(encode(Probed(instance="denoiser-99")))  # not its own probe
-                await n.stats()
+                await speak(n, FakeWorker(sock, instance, "s"))  # read: the reports above were too
                 n.assert_silent()
                 await sock.send(encode(Probed(instance=instance)))
                 assert await n.pools["denoiser"].receive() == Suspect(instance=instance, suspect=False)
