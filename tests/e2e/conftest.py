@@ -63,6 +63,15 @@ def start_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StartClu
     yield start
     for cluster in started:
         cluster.stop(timeout_s=20)
+        assert_no_crash(cluster)
+
+
+def assert_no_crash(cluster: LocalCluster) -> None:
+    """No process of ``cluster`` died of a bug: a test that looks only at its own replies
+    would not notice a worker that crashed beside them."""
+    for log in sorted(cluster.log_dir.glob("*.log")):
+        crashed = [line for line in log.read_text(errors="replace").splitlines() if "process.crashed" in line]
+        assert not crashed, f"{log.name}: {crashed[0][:2000]}"
 
 
 def wait_for(cluster: LocalCluster, check: Callable[[Stats], bool], *, timeout_s: float = 10.0) -> Stats:

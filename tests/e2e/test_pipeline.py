@@ -21,12 +21,13 @@ HOPS = ("encoder->denoiser", "denoiser->decoder")
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory):
-    from tests.e2e.conftest import cluster_config
+    from tests.e2e.conftest import assert_no_crash, cluster_config
 
     tmp = tmp_path_factory.mktemp("p")
     path, _ = cluster_config(tmp)
     with LocalCluster(path, log_dir=tmp / "logs") as running:
         yield running
+    assert_no_crash(running)
 
 
 def endpoint(cluster: LocalCluster) -> str:
