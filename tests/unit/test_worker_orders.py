@@ -14,7 +14,7 @@ import msgspec
 import pytest
 import torch
 
-from orchestrator.config import Config, ModelConfig
+from orchestrator.config import Config, ModelConfig, NullStageConfig, WorkerConfig, WorkersConfig
 from orchestrator.stages import build_stage
 from orchestrator.worker import WorkerRuntime
 from transfer import frames
@@ -31,6 +31,7 @@ from transfer.protocol import (
     Pushed,
     Ready,
     Staged,
+    Step,
     TensorSpec,
     Work,
     encode,
@@ -55,25 +56,32 @@ class SlowEngine:
 
 
 @asynccontextmanager
-async def worker(role: str = "denoiser", engine: SlowEngine | None = None) -> AsyncIterator[Any]:
+async def worker(role: str = "denoiser", engine: SlowEngine | None = None, cfg: Config = CFG) -> AsyncIterator[Any]:
     """A runtime with a pool (two 1 KiB slots, as a receiver registers them) and a null
     stage, and a task group its orders run in."""
-    w = WorkerRuntime(role, CFG, name="orders-test", engine=engine or SlowEngine())  # type: ignore[arg-type]
+    w = WorkerRuntime(role, cfg, name="orders-test", engine=engine or SlowEngine())  # type: ignore[arg-type]
     w._use_pool(MemoryPool(1 << 16, slot_sizes=[SLOT, SLOT] if role != "encoder" else []))
-    w._stage = build_stage(role, CFG.model, torch_threads=1)  # type: ignore[arg-type]
+    w._stage = build_stage(role, cfg.model, torch_threads=1)  # type: ignore[arg-type]
     async with anyio.create_task_group() as tg:
         w.tg = tg
         w.send = lambda *orders: w._on_orders([w._key, *map(encode, orders)], tg)
         yield w
 
 
-async def reports(w: WorkerRuntime, settle_s: float = 0.05) -> list[Any]:
-    """Every report the worker has queued once it settles."""
-    await anyio.sleep(settle_s)
+async def reports(w: WorkerRuntime, expect: int, *, settle_s: float = 0.05, within_s: float = 5.0) -> list[Any]:
+    """The worker's reports: at least ``expect`` of them (waiting up to ``within_s``: a run on
+    a loaded machine takes what it takes), then whatever more comes within ``settle_s``."""
     out: list[Any] = []
-    while w._outbox._queued:
-        for message in await w._outbox.take():
-            out.extend(WORKER_MESSAGE.decode(body) for body in message if isinstance(body, bytes))
+
+    async def collect(until: float) -> None:
+        while len(out) < until:
+            for message in await w._outbox.take():
+                out.extend(WORKER_MESSAGE.decode(body) for body in message if isinstance(body, bytes))
+
+    with anyio.fail_after(within_s):
+        await collect(expect)
+    with anyio.move_on_after(settle_s):
+        await collect(float("inf"))
     return out
 
 
@@ -86,7 +94,7 @@ async def test_a_repeated_push_is_ignored_and_the_first_reports_once() -> None:
         w.send(push)
         await anyio.sleep(0.05)
         w.send(push)
-        done = await reports(w, 0.4)
+        done = await reports(w, 1, settle_s=0.5)
     assert [type(r) for r in done] == [Pushed] and done[0].ok
     assert engine.writes == 1 and w._pool.allocated_blocks == 0
 
@@ -96,16 +104,16 @@ async def test_a_repeated_alloc_or_work_is_ignored_and_an_abort_frees_everything
         w.send(Alloc(request_id="r1", nbytes=256))
         await anyio.sleep(0.05)
         w.send(Alloc(request_id="r1", nbytes=256))
-        assert [type(r) for r in await reports(w)] == [Allocated]
+        assert [type(r) for r in await reports(w, 1)] == [Allocated]
         w.send(Abort(request_id="r1"))
-        await reports(w)
+        await reports(w, 0)
         assert w._pool.allocated_blocks == 0
     async with worker("encoder") as w:
         w.send(Work(request_id="r2", params=PARAMS), Work(request_id="r2", params=PARAMS))
-        staged = await reports(w, 0.5)
+        staged = await reports(w, 1)
         assert [type(r) for r in staged] == [Staged]
         w.send(Abort(request_id="r2"))
-        await reports(w)
+        await reports(w, 0)
         assert w._pool.allocated_blocks == 0
 
 
@@ -113,7 +121,7 @@ async def test_an_abort_right_behind_an_order_stops_it_before_it_holds_anything(
     """An allocation that fits at once never yields: the Abort must still win."""
     async with worker() as w:
         w.send(Alloc(request_id="r1", nbytes=256), Abort(request_id="r1"))
-        assert await reports(w) == []
+        assert await reports(w, 0) == []
         assert w._pool.allocated_blocks == 0
 
 
@@ -141,7 +149,7 @@ async def test_a_ready_that_points_past_its_own_input_fails_and_reads_nothing_el
             "overlapping": ready_for(w, [latents, msgspec.structs.replace(latents, name="again", offset=32)]),
         }[case]
         w.send(ready)
-        (done,) = await reports(w)
+        (done,) = await reports(w, 1)
     assert isinstance(done, Done) and not done.ok and why in done.error
 
 
@@ -152,7 +160,7 @@ async def test_a_push_in_doubt_keeps_the_worker_from_saying_leaving_until_the_qu
         assert w._may_say_leaving()
         w._memory._staged["r1"] = w._pool.try_alloc(512)
         w.send(Push(request_id="r1", session="peer:1", address=0x1000, nbytes=512))
-        (pushed,) = await reports(w)
+        (pushed,) = await reports(w, 1)
     assert isinstance(pushed, Pushed) and pushed.in_doubt
     assert not w._may_say_leaving()
     w._memory.in_doubt_until = time.monotonic()
@@ -172,4 +180,24 @@ async def test_an_order_nested_too_deep_is_skipped_and_the_rest_are_handled() ->
     deep = bytes([0x83]) + encode(Abort(request_id="x"))[1:] + encode("deep") + b"\x91" * 2000 + b"\xc0"
     async with worker() as w:
         w._on_orders([w._key, deep, encode(Alloc(request_id="r1", nbytes=256))], w.tg)
-        assert [type(r) for r in await reports(w)] == [Allocated]
+        assert [type(r) for r in await reports(w, 1)] == [Allocated]
+
+
+@pytest.mark.parametrize("progress", [False, True])
+async def test_steps_are_reported_only_when_asked_and_at_most_every_interval(progress: bool) -> None:
+    """20 steps of 20 ms with progress_interval_s = 0.1: a handful of Steps, not 20, and none
+    at all for a client that did not ask."""
+    cfg = Config(model=ModelConfig(kind="null", null=NullStageConfig(embed_shape=(16,), denoiser_ms=400.0)),
+                 workers=WorkersConfig(denoiser=WorkerConfig(progress_interval_s=0.1)))
+    embeds = TensorSpec(name="embeds", dtype="float32", shape=(16,), offset=0, nbytes=64)
+    async with worker(cfg=cfg) as w:
+        ready = ready_for(w, [embeds])
+        w.send(msgspec.structs.replace(ready, params=msgspec.structs.replace(PARAMS, steps=20), progress=progress))
+        got = await reports(w, 1 + 2 * progress, within_s=10)
+        while not any(isinstance(r, Staged) for r in got):
+            got += await reports(w, 1, within_s=10)
+    steps = [r.step for r in got if isinstance(r, Step)]
+    if progress:
+        assert 2 <= len(steps) <= 6 and steps == sorted(steps), steps
+    else:
+        assert steps == []
