@@ -74,11 +74,13 @@ class LocalCluster:
         """Start the daemon (again, after it stopped: running workers rejoin it)."""
         self.daemon = self._spawn("daemon", "serve")
 
-    def start_worker(self, role: Role, index: int, *, config_path: Path | None = None) -> subprocess.Popen:
-        """Start worker ``<role><index>``, with its own config file if given (else the cluster's)."""
-        name = f"{role}{index}"
-        proc = self._spawn(name, "worker", "--role", role, "--name", name, config_path=config_path)
-        self.workers[name] = proc
+    def start_worker(self, role: Role, index: int, *, config_path: Path | None = None,
+                     name: str | None = None) -> subprocess.Popen:
+        """Start worker ``<role><index>`` (its key and log name; its ``--name`` too, unless
+        ``name`` is given), with its own config file if given (else the cluster's)."""
+        key = f"{role}{index}"
+        proc = self._spawn(key, "worker", "--role", role, "--name", name or key, config_path=config_path)
+        self.workers[key] = proc
         return proc
 
     def wait_registered(self, count: int, *, timeout_s: float) -> Stats:

@@ -342,6 +342,21 @@ def test_a_second_live_worker_under_a_name_in_use_replaces_the_first_which_stops
     assert [i.instance for i in cluster.control.stats().instances if i.role == "denoiser"] == [instance]  # settled
 
 
+def test_a_worker_taking_a_live_workers_name_under_another_role_is_refused_and_the_other_serves_on(
+    start_cluster: StartCluster,
+) -> None:
+    """Before, the newcomer took the name and the live denoiser stopped for good."""
+    cluster = start_cluster(layout={"encoder": 1, "denoiser": 1, "decoder": 1})
+    before = {i.instance for i in cluster.control.stats().instances}
+    clash = cluster.start_worker("encoder", 1, name="denoiser0")
+    assert clash.wait(timeout=60) == 1
+    assert "the name 'denoiser0' is held by" in cluster.log_of("encoder1")
+    assert cluster.workers["denoiser0"].poll() is None
+    assert {i.instance for i in cluster.control.stats().instances} == before
+    with Client(cluster.config.daemon.client_endpoint) as client:
+        assert client.submit(p(1), timeout_s=20).result.request_id
+
+
 def test_a_receiver_that_cannot_fit_a_transfer_says_so(start_cluster: StartCluster) -> None:
     """The encoder's output is larger than the denoiser's whole pool: alloc_rejected, not silence."""
     cluster = start_cluster(**{"model.null": {"embed_shape": [1, 1024, 1024]},  # 4 MiB of embeddings
