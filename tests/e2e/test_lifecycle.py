@@ -83,8 +83,9 @@ def test_a_request_that_ends_mid_denoise_stops_the_denoiser_at_its_next_step(sta
         assert "denoising" in caught.value.rejected.message
         started = time.monotonic()
         client.submit(p(2), timeout_s=20)  # the same denoiser, free since the stop
-    # One denoise (3 s), not also the 2.5 s the first had left (5.5 s in all).
-    assert time.monotonic() - started < 4.25
+    # One denoise (3 s), not also the 2.5 s the first had left (5.5 s in all): the bound
+    # sits between, leaving the pipeline around the denoise 2 s on a loaded machine.
+    assert time.monotonic() - started < 5.0
     stopped = [json.loads(line) for line in cluster.log_of("denoiser0").splitlines() if "worker.stage_stopped" in line]
     assert len(stopped) == 1 and stopped[0]["ran_ms"] < 1500
     stats = wait_for(cluster, all_free)

@@ -183,7 +183,7 @@ async def test_a_higher_priority_request_overtakes_queued_ones_at_a_busy_stage(s
     negotiator, to the denoiser's queue, where it decides the order.
     """
     cluster = start_cluster(layout={"encoder": 1, "denoiser": 1, "decoder": 1},
-                            **{"workers.denoiser": {"capacity": 1}, "model.null": {"denoiser_ms": 800.0}})
+                            **{"workers.denoiser": {"capacity": 1}, "model.null": {"denoiser_ms": 2000.0}})
     finished: list[str] = []
     with anyio.fail_after(60):
         async with AsyncClient(endpoint(cluster)) as client, anyio.create_task_group() as tg:
