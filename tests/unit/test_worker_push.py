@@ -9,7 +9,8 @@ from orchestrator.config import Config
 from orchestrator.worker import WorkerRuntime
 from transfer.engine import TransferError, TransferInDoubt
 from transfer.pool import MemoryPool
-from transfer.protocol import WORKER_MESSAGE, Push, Pushed
+from transfer.protocol import WORKER_MESSAGE, LocalMemory, Push, Pushed
+from transfer.shm import LocalWriter, host_id
 
 
 class FailingEngine:
@@ -39,3 +40,31 @@ async def test_a_timed_out_push_is_reported_in_doubt_and_a_failed_one_is_not(
     assert isinstance(pushed, Pushed) and not pushed.ok and pushed.error == str(error)
     assert pushed.in_doubt == in_doubt
     assert pool.allocated_blocks == 0 and not worker._memory.holds_output("r1")  # the block is freed either way
+
+
+class RecordingEngine:
+    """The part of ``Engine`` a push uses, writing nothing and remembering each call."""
+
+    def __init__(self) -> None:
+        self.writes: list[tuple[str, int, int]] = []
+
+    def write(self, session: str, local_addr: int, remote_addr: int, nbytes: int) -> None:
+        self.writes.append((session, remote_addr, nbytes))
+
+
+async def test_a_same_host_copy_that_fails_falls_back_to_the_engine(logs: list[dict]) -> None:
+    """The receiver's shared pool cannot be opened (it exited, or lives in another pid
+    namespace): the bytes still go, by Mooncake, and the Pushed says so."""
+    engine = RecordingEngine()
+    worker = WorkerRuntime("encoder", Config(), name="push-test", engine=engine)  # type: ignore[arg-type]
+    worker._use_pool(pool := MemoryPool(1 << 16), writers=(LocalWriter(), LocalWriter()))
+    assert worker._memory is not None
+    worker._memory._staged["r1"] = pool.try_alloc(512)
+    gone = LocalMemory(host=host_id(), path="/proc/self/fd/999999", device=1, inode=1, base=0x1000, size=4096)
+    await worker._memory.push(Push(request_id="r1", session="peer:1", address=0x1000, nbytes=512, local=gone))
+    (message,) = await worker._outbox.take()
+    pushed = WORKER_MESSAGE.decode(message[0])
+    assert isinstance(pushed, Pushed) and pushed.ok and pushed.via == "mooncake"
+    assert engine.writes == [("peer:1", 0x1000, 512)]
+    [failed] = [line for line in logs if line["event"] == "worker.local_copy_failed"]
+    assert "cannot open the receiver's pool at /proc/self/fd/999999" in failed["error"]
