@@ -2,7 +2,9 @@
 
 Each policy is told every change of an instance's free-slot count and answers ``pick``
 among instances with a free slot, in O(1) or O(log n) of the number of instances; none
-scans the pool.
+scans the pool. A retry names instances to ``avoid`` (those its failed attempt involved):
+they are passed over while another instance has room, which costs a few more steps for
+the few requests that are retries, and taken when none has.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import heapq
 import itertools
 import random
 from collections import deque
+from collections.abc import Collection
 from typing import Protocol
 
 
@@ -21,8 +24,9 @@ class DispatchPolicy(Protocol):
     def remove(self, instance: str) -> None:
         """``instance`` left the pool."""
 
-    def pick(self) -> str | None:
-        """An instance with a free slot, or None. Does not change any count."""
+    def pick(self, avoid: Collection[str] = ()) -> str | None:
+        """An instance with a free slot, one not in ``avoid`` if there is one, or None.
+        Does not change any count."""
 
 
 class RoundRobin:
@@ -42,17 +46,21 @@ class RoundRobin:
     def remove(self, instance: str) -> None:
         self._free.pop(instance, None)
 
-    def pick(self) -> str | None:
+    def pick(self, avoid: Collection[str] = ()) -> str | None:
         ring = self._ring
-        while ring:
+        passed: str | None = None
+        looked = 0
+        while looked < len(ring):
             instance = ring[0]
             if self._free.get(instance, 0) <= 0:
                 ring.popleft()  # went full or left since it joined the ring; drop lazily
                 self._in_ring.discard(instance)
                 continue
             ring.rotate(-1)
-            return instance
-        return None
+            if instance not in avoid:
+                return instance
+            passed, looked = passed or instance, looked + 1
+        return passed
 
 
 class LeastLoaded:
@@ -79,14 +87,22 @@ class LeastLoaded:
         self._free.pop(instance, None)
         self._latest.pop(instance, None)
 
-    def pick(self) -> str | None:
+    def pick(self, avoid: Collection[str] = ()) -> str | None:
         heap = self._heap
+        passed: list[tuple[int, int, str]] = []  # avoided, to go back on the heap
+        found = None
         while heap:
             _, order, instance = heap[0]
-            if self._latest.get(instance) == order:
-                return instance
-            heapq.heappop(heap)
-        return None
+            if self._latest.get(instance) != order:
+                heapq.heappop(heap)  # stale
+            elif instance in avoid:
+                passed.append(heapq.heappop(heap))
+            else:
+                found = instance
+                break
+        for entry in passed:
+            heapq.heappush(heap, entry)
+        return found if found is not None or not passed else passed[0][2]
 
     def _compact(self) -> None:
         if len(self._heap) > 4 * len(self._free) + 64:
@@ -119,8 +135,10 @@ class PowerOfTwo:
         if instance in self._index:
             self._drop(instance)
 
-    def pick(self) -> str | None:
+    def pick(self, avoid: Collection[str] = ()) -> str | None:
         candidates = self._candidates
+        if avoid and any(c not in avoid for c in candidates):
+            candidates = [c for c in candidates if c not in avoid]  # a retry: rare, so a scan
         if not candidates:
             return None
         a = candidates[self._rng.randrange(len(candidates))]

@@ -47,9 +47,8 @@ from transfer.sockets import PlainPump
 
 log = structlog.get_logger()
 
-# Failures that a fresh attempt can mend (daemon.retries): the lost worker is gone, and a
-# receiver a push failed into gets no new work until it is heard from. Nothing else steers
-# the retry: it is placed as any request is, possibly on a worker of the first attempt.
+# Failures that a fresh attempt can mend (daemon.retries). The retry avoids the instances
+# the failure implicated (Deliver.avoid) wherever others have room.
 RETRIED = frozenset({Reason.WORKER_LOST, Reason.TRANSFER_FAILED})
 
 
@@ -73,6 +72,7 @@ class Asked:
     submitted_at: float  # monotonic
     deadline: float  # monotonic: a retry gets what is left of it, never more
     retries_left: int
+    avoid: frozenset[str] = frozenset()  # instances its failed attempts involved (Job.avoid)
 
 
 class FrontendActor:
@@ -190,9 +190,9 @@ class FrontendActor:
         self._clients[key] = asked
         self._in_flight[asked.request_id] = key
         self._tracker.post(Admit(request_id=key, params=asked.params, timeout_s=timeout_s, priority=asked.priority,
-                                 progress=asked.progress, submitted_at=asked.submitted_at))
+                                 progress=asked.progress, submitted_at=asked.submitted_at, avoid=asked.avoid))
 
-    def _retry(self, asked: Asked, failure: ClientReply) -> bool:
+    def _retry(self, asked: Asked, failure: ClientReply, implicated: frozenset[str]) -> bool:
         """Start a request again whose worker was lost or whose hand-off failed, if it may;
         True if it did. Both say the pipeline broke under the request, not that the request
         is bad (which ``invalid`` and ``stage_failed`` say, and retrying would not mend).
@@ -208,6 +208,7 @@ class FrontendActor:
         if asked.retries_left == 0 or self._draining or left_s <= 0:
             return False
         asked.retries_left -= 1
+        asked.avoid |= implicated
         self._retried += 1
         if asked.progress:
             self._send(asked.identity, Progress(request_id=asked.request_id, state="retrying",
@@ -226,11 +227,11 @@ class FrontendActor:
                 asked = self._clients.get(key)
                 if asked is not None:
                     self._send(asked.identity, msgspec.structs.replace(progress, request_id=asked.request_id))
-            case Deliver(request_id=key, message=message, frames=frames):
+            case Deliver(request_id=key, message=message, frames=frames, avoid=avoid):
                 asked = self._clients.pop(key, None)
                 if asked is not None:
                     del self._in_flight[asked.request_id]
-                    if not self._retry(asked, message):
+                    if not self._retry(asked, message, avoid):
                         self._send(asked.identity, self._explained(message, asked.request_id), frames)
             case SetDraining():
                 self._draining = True

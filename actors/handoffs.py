@@ -126,7 +126,7 @@ class Handoffs:
         rid = job.request_id
         if job.role == "encoder":
             self._flights[rid] = Flight(request_id=rid, params=job.params, role="encoder", instance=instance,
-                                        priority=job.priority, progress=job.progress)
+                                        priority=job.priority, progress=job.progress, avoid=job.avoid)
             self._order("encoder", instance, Work(request_id=rid, params=job.params, progress=job.progress))
             return
         flight = self._flights.get(rid)
@@ -177,7 +177,8 @@ class Handoffs:
         self._recycle_input(flight)
         flight.stage_output(msg.nbytes, msg.manifest, msg.compute_ms)
         self._admission.post(Enqueue(job=Job(request_id=rid, role=following, params=flight.params,
-                                             priority=flight.priority, progress=flight.progress)))
+                                             priority=flight.priority, progress=flight.progress,
+                                             avoid=flight.avoid)))
 
     def allocated(self, link: Link, msg: Allocated) -> None:
         flight = self._reported(msg.request_id, FlightState.ALLOCATING, link, by_receiver=True)
@@ -289,7 +290,8 @@ class Handoffs:
               outcome: bool | None = None) -> None:
         """End ``flight`` here and now, and tell the tracker why."""
         self._end(flight, pushing=pushing, outcome=outcome)
-        self._tracker.post(Failed(request_id=flight.request_id, reason=reason, message=message))
+        implicated = frozenset(i for i in (flight.instance, flight.receiver) if i is not None)
+        self._tracker.post(Failed(request_id=flight.request_id, reason=reason, message=message, avoid=implicated))
 
     def _release_receiver(self, flight: Flight) -> None:
         if flight.slot is not None:

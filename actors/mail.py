@@ -27,6 +27,9 @@ class Job(msgspec.Struct, frozen=True, kw_only=True):
     params: GenParams
     priority: int = 0  # Submit.priority: higher is served first at every role
     progress: bool = False  # Submit.progress: the workers report their steps
+    # For a retry: the instances its failed attempts involved. The pools place it elsewhere
+    # when another instance has room, so a worker that broke it once does not get it again.
+    avoid: frozenset[str] = frozenset()
 
 
 class QueryStats(Mail):
@@ -56,6 +59,7 @@ class Deliver(Mail):
     request_id: str
     message: ClientReply
     frames: Sequence[Any] = ()
+    avoid: frozenset[str] = frozenset()  # for a failure: the instances it implicates (Failed.avoid)
 
 
 class SetDraining(Mail):
@@ -87,6 +91,7 @@ class Admit(Mail):
     submitted_at: float
     priority: int = 0
     progress: bool = False
+    avoid: frozenset[str] = frozenset()  # Job.avoid
 
 
 class HandedOff(Mail):
@@ -118,6 +123,7 @@ class Failed(Mail):
     request_id: str
     reason: Reason
     message: str
+    avoid: frozenset[str] = frozenset()  # the instances the failure implicates: a retry prefers others
 
 
 class CancelRequest(Mail):

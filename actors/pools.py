@@ -121,7 +121,7 @@ class PoolActor:
     def _handle(self, mail: PoolMail) -> None:
         match mail:
             case Dispatch(job=job):
-                picked = self._policy.pick()
+                picked = self._policy.pick(job.avoid)
                 if picked is None:
                     # The slot admission counted on left with its worker: requeue the job
                     # first in line and give back the credit spent on it.
@@ -139,7 +139,8 @@ class PoolActor:
                 if inst is None:
                     if not isinstance(order, Abort):
                         self._tracker.post(Failed(request_id=order.request_id, reason=Reason.WORKER_LOST,
-                                                   message=f"{self.role} {instance} left before {type(order).__name__}"))
+                                                   message=f"{self.role} {instance} left before {type(order).__name__}",
+                                                   avoid=frozenset({instance})))
                     return
                 self._send(inst, order)
             case Release(request_id=rid, instance=instance, ok=ok):
@@ -252,7 +253,7 @@ class PoolActor:
             self._admission.post(Credit(role=self.role, delta=-inst.free))
         for rid in inst.holding:
             del self._holds[rid]
-            self._tracker.post(Failed(request_id=rid, reason=reason, message=message))
+            self._tracker.post(Failed(request_id=rid, reason=reason, message=message, avoid=frozenset({instance})))
         inst.socket.close(linger=0)
         self._log.warning("pool.left", instance=instance, reason=str(reason), message=message,
                           lost=len(inst.holding))

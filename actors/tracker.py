@@ -86,21 +86,21 @@ class TrackerActor:
     def _handle(self, mail: TrackerMail) -> None:
         match mail:
             case Admit(request_id=rid, params=params, timeout_s=timeout_s, priority=priority, progress=progress,
-                       submitted_at=submitted_at):
+                       submitted_at=submitted_at, avoid=avoid):
                 now = time.monotonic()
                 deadline = now + timeout_s
                 entry = self._table[rid] = Entry(RequestState.ENCODING, deadline, submitted_at, now, progress)
                 heapq.heappush(self._deadlines, (deadline, rid))
                 self._compact_deadlines()
                 self._admission.post(Enqueue(job=Job(request_id=rid, role="encoder", params=params, priority=priority,
-                                                     progress=progress)))
+                                                     progress=progress, avoid=avoid)))
                 self._tell_progress(rid, entry, now)
             case HandedOff():
                 self._handed_off(mail)
             case Finished():
                 self._finished(mail)
-            case Failed(request_id=rid, reason=reason, message=message):
-                self._fail(rid, reason, message)
+            case Failed(request_id=rid, reason=reason, message=message, avoid=avoid):
+                self._fail(rid, reason, message, avoid)
             case CancelRequest(request_id=rid):
                 self._fail(rid, Reason.CANCELLED, "cancelled by the client")
             case Stepped(request_id=rid, step=step, steps=steps):
@@ -182,13 +182,14 @@ class TrackerActor:
         self._log.info("request.done", request_id=rid, total_ms=round(total_ms, 3), stages=entry.stages)
         self._check_drained()
 
-    def _fail(self, rid: str, reason: Reason, message: str) -> None:
+    def _fail(self, rid: str, reason: Reason, message: str, avoid: frozenset[str] = frozenset()) -> None:
         entry = self._table.pop(rid, None)
         if entry is None:
             return  # already ended: a second failure report changes nothing
         check_move(entry.state, RequestState.FAILED)
         self._failed[reason] = self._failed.get(reason, 0) + 1
-        self._frontend.post(Deliver(request_id=rid, message=Rejected(request_id=rid, reason=reason, message=message)))
+        self._frontend.post(Deliver(request_id=rid, message=Rejected(request_id=rid, reason=reason, message=message),
+                                    avoid=avoid))
         # Every owner frees its own part. The Forget travels admission -> pools ->
         # negotiator, so at each hop it arrives after anything the previous owner said
         # about the request (a dispatch, a reservation): nothing can restart it.

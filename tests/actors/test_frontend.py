@@ -240,6 +240,22 @@ async def test_a_request_whose_worker_was_lost_starts_again_once_under_a_new_key
             assert await f.reply() == (Result(request_id="s", outputs=OUTPUTS, stages=[], total_ms=1.0), [b"\x00" * 4])
 
 
+async def test_each_retry_avoids_every_instance_its_failed_attempts_involved(
+    ctx: zmq.asyncio.Context, tmp_path: Path
+) -> None:
+    with anyio.fail_after(5):
+        async with running_frontend(ctx, tmp_path, retries=2) as f:
+            await f.ask(Submit(protocol=PROTOCOL_VERSION, params=PARAMS, request_id="r"))
+            first = await f.tracker.receive()
+            assert first.avoid == frozenset()
+            f.inbox.post(msgspec.structs.replace(lost(first.request_id, Reason.TRANSFER_FAILED),
+                                                 avoid=frozenset({"encoder-1", "denoiser-2"})))
+            second = await f.tracker.receive()
+            assert second.avoid == {"encoder-1", "denoiser-2"}
+            f.inbox.post(msgspec.structs.replace(lost(second.request_id), avoid=frozenset({"denoiser-3"})))
+            assert (await f.tracker.receive()).avoid == {"encoder-1", "denoiser-2", "denoiser-3"}
+
+
 async def test_no_retry_past_the_deadline_or_while_draining(ctx: zmq.asyncio.Context, tmp_path: Path) -> None:
     with anyio.fail_after(5):
         async with running_frontend(ctx, tmp_path) as f:

@@ -30,7 +30,8 @@ async def test_every_report_in_a_message_is_handled_in_order_and_a_bad_one_is_sk
                 encode(Staged(request_id="r3", nbytes=NBYTES, manifest=MANIFEST, compute_ms=1.0)),
             ])
             assert await n.tracker.receive() == Failed(request_id="r1", reason=Reason.STAGE_FAILED,
-                                                       message=f"{encoder.instance}: oom")
+                                                       message=f"{encoder.instance}: oom",
+                                                       avoid=frozenset({encoder.instance}))
             assert [await n.admission.receive() for _ in range(2)] == [
                 Enqueue(job=job("r2", "denoiser")), Enqueue(job=job("r3", "denoiser"))]
             assert [entry["event"] for entry in logs].count("worker.bad_message") == 1

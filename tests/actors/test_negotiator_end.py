@@ -15,11 +15,12 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import msgspec
 import pytest
 import zmq
 import zmq.asyncio
 
-from actors.mail import Failed, Farewell, Forget, HandedOff, Join, Leave, Placed, Send, Tick
+from actors.mail import Enqueue, Failed, Farewell, Forget, HandedOff, Join, Leave, Placed, Send, Tick
 from actors.negotiator import PreallocCounts
 from tests.actors.negotiator_harness import (
     MANIFEST,
@@ -232,7 +233,8 @@ async def test_failed_stage_at_a_receiver_counts_as_failed_and_frees_its_input(
             await denoiser.report(Done(request_id="r1", ok=False, compute_ms=2.0, reason=Reason.STAGE_FAILED,
                                        error="nan"))
             assert await n.tracker.receive() == Failed(request_id="r1", reason=Reason.STAGE_FAILED,
-                                                       message=f"{denoiser.instance}: nan")
+                                                       message=f"{denoiser.instance}: nan",
+                                                       avoid=frozenset({denoiser.instance}))
             assert n.take("denoiser") == [released("r1", denoiser, ok=False), aborted("r1", denoiser)]
             assert (await n.stats()).prealloc[denoiser.instance] == PreallocCounts(2, 2)
             await forget(n, "r1", times=3)
@@ -437,4 +439,16 @@ async def test_a_failure_reason_no_stage_gives_reads_as_stage_failed(
             await deliver_to_denoiser(n, encoder, denoiser, "r1")
             await denoiser.report(Done(request_id="r1", ok=False, compute_ms=2.0, reason=claimed, error="odd"))
             assert await n.tracker.receive() == Failed(request_id="r1", reason=Reason.STAGE_FAILED,
-                                                       message=f"{denoiser.instance}: odd")
+                                                       message=f"{denoiser.instance}: odd",
+                                                       avoid=frozenset({denoiser.instance}))
+
+
+async def test_what_a_retry_avoids_follows_it_to_the_next_stage(ctx: zmq.asyncio.Context, tmp_path: Path) -> None:
+    with anyio.fail_after(5):
+        async with encoder_and_denoiser(ctx, tmp_path, slots=2) as (n, encoder, _):
+            avoid = frozenset({"denoiser-7"})
+            n.inbox.post(Placed(job=msgspec.structs.replace(job("r1", "encoder"), avoid=avoid), instance=encoder.instance))
+            await n.pools["encoder"].receive()  # Work
+            await encoder.report(Staged(request_id="r1", nbytes=NBYTES, manifest=MANIFEST, compute_ms=1.0))
+            assert await n.admission.receive() == Enqueue(job=msgspec.structs.replace(job("r1", "denoiser"),
+                                                                                      avoid=avoid))

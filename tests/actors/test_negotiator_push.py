@@ -79,7 +79,8 @@ async def test_failed_push_frees_the_receivers_slot_and_fails_the_request(
             await encoder.report(Pushed(request_id="r1", ok=False, transfer_ms=0.0, error="link down"))
             assert await n.tracker.receive() == Failed(
                 request_id="r1", reason=Reason.TRANSFER_FAILED,
-                message=f"{encoder.instance} -> {denoiser.instance}: link down")
+                message=f"{encoder.instance} -> {denoiser.instance}: link down",
+                avoid=frozenset({encoder.instance, denoiser.instance}))  # a retry goes elsewhere if it can
             # The negotiator frees everything itself: the sender's slot (its stage failed) and
             # staged block, and the receiver's reservation (unused).
             assert n.take("encoder") == [

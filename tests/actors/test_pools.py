@@ -150,7 +150,8 @@ async def test_leave_fails_held_requests_with_worker_lost(ctx: zmq.asyncio.Conte
             pool.inbox.post(Leave(instance="encoder-1", reason=Reason.WORKER_LOST, message="missed heartbeats"))
             failed = [await pool.tracker.receive(), await pool.tracker.receive()]
             assert sorted(failed, key=lambda f: f.request_id) == [
-                Failed(request_id=rid, reason=Reason.WORKER_LOST, message="missed heartbeats") for rid in ("r1", "r2")
+                Failed(request_id=rid, reason=Reason.WORKER_LOST, message="missed heartbeats",
+                       avoid=frozenset({"encoder-1"})) for rid in ("r1", "r2")
             ]
             assert await pool.admission.receive() == Credit(role="encoder", delta=-1)  # its one free slot
             assert (await pool.stats()).instances == []
@@ -291,7 +292,7 @@ async def test_a_suspect_that_leaves_withdraws_nothing_twice(ctx: zmq.asyncio.Co
             assert await pool.admission.receive() == Credit(role="denoiser", delta=-2)
             pool.inbox.post(Leave(instance="denoiser-1", reason=Reason.WORKER_LOST, message="went silent"))
             assert await pool.tracker.receive() == Failed(request_id="r1", reason=Reason.WORKER_LOST,
-                                                          message="went silent")
+                                                          message="went silent", avoid=frozenset({"denoiser-1"}))
             assert (await pool.stats()).instances == []
             assert_empty(pool.admission)
 

@@ -240,6 +240,21 @@ async def test_tick_expires_only_requests_past_their_deadline() -> None:
 # --------------------------------------------------------------------------- failures and cancels
 
 
+async def test_a_retry_carries_what_to_avoid_and_a_failure_says_what_it_implicates() -> None:
+    """The frontend's retry names the instances to avoid; the tracker passes them to the
+    encoder's job, and a failure's implicated instances back to the frontend."""
+    with anyio.fail_after(5):
+        async with running_tracker() as t:
+            avoid = frozenset({"encoder-1", "denoiser-2"})
+            t.inbox.post(Admit(request_id="r1", params=PARAMS, timeout_s=60.0, submitted_at=time.monotonic(),
+                               avoid=avoid))
+            assert await t.admission.receive() == Enqueue(job=Job(request_id="r1", role="encoder", params=PARAMS,
+                                                                  avoid=avoid))
+            t.inbox.post(Failed(request_id="r1", reason=Reason.TRANSFER_FAILED, message="x",
+                                avoid=frozenset({"encoder-1"})))
+            assert (await t.frontend.receive()).avoid == {"encoder-1"}
+
+
 async def test_failure_reported_twice_rejects_once() -> None:
     with anyio.fail_after(5):
         async with running_tracker() as t:

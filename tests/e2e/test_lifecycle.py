@@ -18,7 +18,7 @@ import zmq
 
 from orchestrator.client import AsyncClient, Client, Rejection
 from orchestrator.cluster import LocalCluster
-from tests.e2e.conftest import StartCluster, all_free, cluster_config, wait_for
+from tests.e2e.conftest import StartCluster, all_free, cluster_config, config_variant, wait_for
 from transfer.protocol import (
     DAEMON_TO_WORKER,
     PROTOCOL_VERSION,
@@ -371,6 +371,25 @@ def test_a_receiver_that_cannot_fit_a_transfer_says_so(start_cluster: StartClust
     stats = wait_for(cluster, all_free)
     # Tried again once (daemon.retries): room may lack only for the load of the moment.
     assert (stats.slow_path, stats.retried) == ({"encoder->denoiser": 2}, 1)
+
+
+def test_a_retry_goes_to_another_worker_than_the_one_that_failed_it(start_cluster: StartCluster, tmp_path: Path) -> None:
+    """denoiser1 cannot fit any input, and has the most free slots, so least_loaded offers it
+    every request first: each fails there once, and its retry goes to denoiser0. Before, the
+    retry went to denoiser1 again and every request failed."""
+    cluster = start_cluster(layout={"encoder": 1, "denoiser": 1, "decoder": 1},
+                            **{"workers.denoiser": {"capacity": 1}})
+    cramped = config_variant(cluster, tmp_path / "cramped.toml", "workers.denoiser",
+                             {"capacity": 8, "pool_bytes": 4096, "prealloc_slots": 0})
+    cluster.start_worker("denoiser", 1, config_path=cramped)
+    cluster.wait_registered(4, timeout_s=60)
+    with Client(cluster.config.daemon.client_endpoint) as client:
+        served_by = {next(s.instance for s in client.submit(p(i), timeout_s=20).result.stages
+                          if s.role == "denoiser") for i in range(3)}
+    names = {i.instance: i.name for i in cluster.control.stats().instances}
+    assert {names[instance] for instance in served_by} == {"denoiser0"}
+    stats = wait_for(cluster, all_free)
+    assert stats.retried == 3 and stats.failed_by_reason == {"transfer_failed": 3} and stats.completed == 3
 
 
 def test_a_taken_port_stops_the_daemon_loudly(start_cluster: StartCluster) -> None:

@@ -173,7 +173,7 @@ ops = st.lists(
     st.one_of(
         st.tuples(st.just("update"), st.sampled_from("abcde"), st.integers(0, 4)),
         st.tuples(st.just("remove"), st.sampled_from("abcde"), st.just(0)),
-        st.tuples(st.just("pick"), st.just(""), st.just(0)),
+        st.tuples(st.just("pick"), st.sampled_from(["", "a", "ab", "abcde"]), st.just(0)),  # what to avoid
     ),
     max_size=60,
 )
@@ -183,7 +183,8 @@ ops = st.lists(
 @settings(max_examples=150)
 @given(ops=ops)
 def test_any_sequence_picks_only_free_instances(name: str, ops: list[tuple[str, str, int]]) -> None:
-    """After any updates and removals, ``pick`` names an instance with a free slot, or None if none has."""
+    """After any updates, removals and picks, ``pick`` names an instance with a free slot, or
+    None if none has; one not to avoid if any such has a free slot (a retry's pick)."""
     p = policy(name)
     free: dict[str, int] = {}
     for op, instance, n in ops:
@@ -194,10 +195,13 @@ def test_any_sequence_picks_only_free_instances(name: str, ops: list[tuple[str, 
             p.remove(instance)
             free.pop(instance, None)
         else:
-            picked = p.pick()
+            avoid = set(instance)
+            picked = p.pick(avoid)
             if picked is None:
                 assert all(n == 0 for n in free.values())
-            else:
-                assert free.get(picked, 0) > 0
-                if name == "least_loaded":
-                    assert free[picked] == max(free.values())
+                continue
+            assert free.get(picked, 0) > 0
+            allowed = {i: n for i, n in free.items() if n > 0 and i not in avoid} or free
+            assert picked in allowed
+            if name == "least_loaded":
+                assert free[picked] == max(allowed.values())
