@@ -26,9 +26,10 @@ DEV_TOKEN = "triptych-local-dev"
 MIN_NETWORK_TOKEN_CHARS = 16
 
 
-# What the daemon binds and its peers dial from other processes: tcp://host:port (an IPv6
-# host in brackets, the port a number or * for any) or ipc://path.
-_ENDPOINT = re.compile(r"tcp://(\[[^\]\s]+\]|[^\s:\[\]/]+):(\d+|\*)|ipc://\S+")
+# What the daemon binds and its peers dial from other processes: tcp://host:port (an IPv4
+# address, a host or interface name, or *; the port a number or * for any) or ipc://path.
+# No IPv6: no socket here turns on ZMQ_IPV6, so such an endpoint would fail at its bind.
+_ENDPOINT = re.compile(r"tcp://[^\s:\[\]/]+:(\d+|\*)|ipc://\S+")
 
 
 WILDCARD_HOSTS = frozenset({"0.0.0.0", "*", "::"})
@@ -36,6 +37,8 @@ WILDCARD_HOSTS = frozenset({"0.0.0.0", "*", "::"})
 
 def endpoint_problem(endpoint: str) -> str | None:
     """Why ``endpoint`` cannot be bound by the daemon (caught at load, naming its key), or None."""
+    if endpoint.startswith("tcp://["):
+        return "an IPv6 endpoint, which Triptych's sockets do not enable: give an IPv4 address or a host name"
     if _ENDPOINT.fullmatch(endpoint) is None:
         return "not tcp://host:port or ipc://path"
     return None
@@ -46,7 +49,7 @@ def listens_beyond_this_host(endpoint: str) -> bool:
     loopback address (a wildcard, an interface or host name counts as reachable)."""
     if not endpoint.startswith("tcp://"):
         return False  # ipc:// (file permissions guard it), inproc://
-    host = endpoint.removeprefix("tcp://").rsplit(":", 1)[0].strip("[]")
+    host = endpoint.removeprefix("tcp://").rsplit(":", 1)[0]
     if host == "localhost":
         return False
     try:

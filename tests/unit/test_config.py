@@ -105,7 +105,8 @@ def test_a_wildcard_advertise_host_is_refused(tmp_path: Path, wildcard: str) -> 
 
 
 @pytest.mark.parametrize("key", ["client_endpoint", "control_endpoint", "worker_endpoint"])
-@pytest.mark.parametrize("endpoint", ["htp://127.0.0.1:5556", "tcp://127.0.0.1", "tcp://h:port", "ipc://", "5555"])
+@pytest.mark.parametrize("endpoint", ["htp://127.0.0.1:5556", "tcp://127.0.0.1", "tcp://h:port", "ipc://", "5555",
+                                      "tcp://::1:5555"])
 def test_an_endpoint_that_cannot_be_bound_is_refused_at_load_naming_its_key(
     tmp_path: Path, key: str, endpoint: str
 ) -> None:
@@ -145,10 +146,8 @@ def test_a_receiver_pool_must_hold_more_than_its_preallocated_slots(tmp_path: Pa
     ("tcp://*:5557", "short-secret", True),
     ("tcp://eth0:5557", " " * 20, True),
     ("tcp://0.0.0.0:5557", "change-me-0123456789", True),
-    ("tcp://[::]:5557", "9f8e7d6c5b4a39281706f5e4", False),
     ("tcp://127.0.0.1:5557", "triptych-local-dev", False),  # loopback: this host only
     ("tcp://localhost:5557", "x", False),
-    ("tcp://[::1]:5557", "x", False),
     ("ipc:///tmp/triptych-workers", "x", False),
 ])
 def test_a_worker_endpoint_other_hosts_reach_needs_a_real_token(
@@ -172,3 +171,15 @@ def test_a_role_table_naming_some_keys_keeps_the_roles_defaults_for_the_rest(tmp
         assert written.for_role(role) == default.for_role(role)
     assert (default.encoder.capacity, default.denoiser.capacity, default.decoder.capacity) == (4, 2, 4)
     assert default.decoder.prealloc_slots == 4
+
+
+def test_an_ipv6_endpoint_is_refused_at_load_saying_why(tmp_path: Path) -> None:
+    with pytest.raises(msgspec.ValidationError, match=r"daemon\.client_endpoint \(tcp://\[::1\]:5555\) is an IPv6 "
+                                                      r"endpoint, which Triptych's sockets do not enable"):
+        load_config(write(tmp_path, '[daemon]\nclient_endpoint = "tcp://[::1]:5555"\n'))
+
+
+@pytest.mark.parametrize("endpoint", ["tcp://127.0.0.1:5555", "tcp://*:5555", "tcp://*:*", "tcp://eth0:5555",
+                                      "tcp://gpu-host-3.example:7000", "ipc:///tmp/triptych/c", "ipc://@abstract"])
+def test_the_endpoints_operators_write_load(tmp_path: Path, endpoint: str) -> None:
+    assert load_config(write(tmp_path, f'[daemon]\ncontrol_endpoint = "{endpoint}"\n')).daemon.control_endpoint == endpoint
