@@ -243,8 +243,9 @@ class TransferNegotiator:
         """A worker heard from lately holds ``msg``'s Mooncake session under another name, or
         its name under another role: the newcomer is refused and the live one serves on.
         Two links on one session would have pushes meant for one pool land in the other's
-        memory. A restarted worker whose predecessor still counts as live is told to rejoin:
-        it gets in once that one falls silent (then taken for dead, and replaced)."""
+        memory. The refusal says rejoin: a restarted worker whose predecessor still counts as
+        live gets in once that one falls silent (then taken for dead, and replaced); one
+        that never does gives up after its connect_timeout_s, naming why."""
         for old in self._links.values():
             if self._silent(old):
                 continue
@@ -253,7 +254,7 @@ class TransferNegotiator:
                     f"the Mooncake session {msg.session} is registered by {old.instance} ({old.name!r}), "
                     "which is still heard from: a session names one worker's memory"))
             if old.name == msg.name and old.role != msg.role:
-                return RegisterRefused(message=(
+                return RegisterRefused(rejoin=True, message=(
                     f"the name {msg.name!r} is held by {old.instance}, a live {old.role} worker: "
                     "worker names must be unique"))
         return None

@@ -245,6 +245,7 @@ class WorkerRuntime:
         # Retried until the daemon is up; the daemon answers a repeat on a live connection
         # with nothing, so duplicates are harmless.
         tries = 0
+        deferred = ""  # the last "not now" the daemon gave
         while time.monotonic() < deadline:
             await dealer.send(encode(hello))
             with anyio.move_on_after(REGISTER_RETRY_S):
@@ -254,16 +255,20 @@ class WorkerRuntime:
                         return reply
                     if isinstance(reply, RegisterRefused) and not reply.rejoin:
                         raise WorkerRefused(reply.message)
-                    # A rejoin refusal answers a heartbeat sent before the daemon forgot us
-                    # (or it is a stopping daemon's farewell, repeated).
+                    # A rejoin refusal: "not now" (a live worker holds this one's name or
+                    # session), or it answers a heartbeat sent before the daemon forgot us,
+                    # or it is a stopping daemon's farewell, repeated. Said once each.
+                    if isinstance(reply, RegisterRefused) and reply.message != deferred:
+                        deferred = reply.message
+                        self._log.warning("worker.registration_deferred", why=deferred)
             tries += 1
             if tries == 1:  # said once: a worker waiting for its daemon is not stuck
                 log.info("worker.waiting_for_daemon", endpoint=self._cfg.daemon.worker_endpoint,
                          gives_up_in_s=None if patient else round(deadline - time.monotonic()))
-        raise DaemonUnreachable(
-            f"no answer from the daemon at {self._cfg.daemon.worker_endpoint} within "
-            f"{self._wcfg.connect_timeout_s}s (workers.{self.role}.connect_timeout_s)"
-        )
+        waited = f"{self._wcfg.connect_timeout_s}s (workers.{self.role}.connect_timeout_s)"
+        if deferred:
+            raise WorkerRefused(f"the daemon did not take this worker within {waited}: {deferred}")
+        raise DaemonUnreachable(f"no answer from the daemon at {self._cfg.daemon.worker_endpoint} within {waited}")
 
     async def _heartbeat(self, period_s: float) -> None:
         beat = encode(Heartbeat())

@@ -36,7 +36,7 @@ async def test_a_live_workers_name_under_another_role_is_refused_and_the_live_on
             hello = msgspec.structs.replace(registration("encoder", "other-session", 0), name="denoiser-worker")
             sock, reply = await claim(ctx, n.endpoint, hello)
             with sock:
-                assert isinstance(reply, RegisterRefused) and not reply.rejoin
+                assert isinstance(reply, RegisterRefused) and reply.rejoin  # in once the holder is silent
                 assert reply.message == (f"the name 'denoiser-worker' is held by {denoiser.instance}, "
                                          "a live denoiser worker: worker names must be unique")
             assert (await n.stats()).prealloc[denoiser.instance] == PreallocCounts(2, 2)

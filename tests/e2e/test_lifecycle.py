@@ -344,14 +344,19 @@ def test_a_second_live_worker_under_a_name_in_use_replaces_the_first_which_stops
 
 
 def test_a_worker_taking_a_live_workers_name_under_another_role_is_refused_and_the_other_serves_on(
-    start_cluster: StartCluster,
+    start_cluster: StartCluster, tmp_path: Path
 ) -> None:
-    """Before, the newcomer took the name and the live denoiser stopped for good."""
+    """Before, the newcomer took the name and the live denoiser stopped for good. Now the
+    newcomer waits for the name (the holder may be a dead process not yet evicted) for its
+    connect_timeout_s, then exits naming why."""
     cluster = start_cluster(layout={"encoder": 1, "denoiser": 1, "decoder": 1})
     before = {i.instance for i in cluster.control.stats().instances}
-    clash = cluster.start_worker("encoder", 1, name="denoiser0")
+    patient = config_variant(cluster, tmp_path / "patient.toml", "workers.encoder", {"connect_timeout_s": 3.0})
+    clash = cluster.start_worker("encoder", 1, name="denoiser0", config_path=patient)
     assert clash.wait(timeout=60) == 1
-    assert "the name 'denoiser0' is held by" in cluster.log_of("encoder1")
+    log = cluster.log_of("encoder1")
+    assert "worker.registration_deferred" in log and "the name 'denoiser0' is held by" in log
+    assert "the daemon did not take this worker within 3.0s (workers.encoder.connect_timeout_s)" in log
     assert cluster.workers["denoiser0"].poll() is None
     assert {i.instance for i in cluster.control.stats().instances} == before
     with Client(cluster.config.daemon.client_endpoint) as client:
