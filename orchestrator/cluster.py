@@ -20,6 +20,7 @@ from orchestrator.config import Config, load_config
 from transfer.protocol import Role, Stats
 
 DEFAULT_LAYOUT: dict[Role, int] = {"encoder": 1, "denoiser": 2, "decoder": 1}
+KILL_WAIT_S = 10.0  # for a killed process to be reaped
 
 
 class ClusterError(RuntimeError):
@@ -142,7 +143,10 @@ class LocalCluster:
             return proc.wait(timeout=timeout_s), False
         except subprocess.TimeoutExpired:
             proc.kill()
-            return proc.wait(timeout=10), True
+        try:
+            return proc.wait(timeout=KILL_WAIT_S), True
+        except subprocess.TimeoutExpired:  # stuck in the kernel: SIGKILL lands when it leaves
+            return -signal.SIGKILL, True
 
     def __enter__(self) -> LocalCluster:
         try:
@@ -153,5 +157,9 @@ class LocalCluster:
             raise
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
+    def __exit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
+        if exc_type is None:
+            self.stop()
+            return
+        with contextlib.suppress(ClusterError):  # the block's own failure is the news
+            self.stop()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import subprocess
 import sys
 from pathlib import Path
@@ -23,4 +24,24 @@ def test_a_daemon_deaf_to_sigterm_is_killed_and_named_and_the_workers_still_stop
         cluster.stop(timeout_s=0.5)
     assert all(proc.poll() is not None for proc in [cluster.daemon, *cluster.workers.values()])
     assert [proc.returncode for proc in cluster.workers.values()] == [-15, -15]
+    cluster.daemon.stdout.close()
+
+
+def test_leaving_the_with_block_on_an_error_stops_everything_and_keeps_that_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A test that failed inside ``with LocalCluster(...)`` must report its own failure, not
+    the teardown's: the killed daemon is news only when nothing else went wrong."""
+    cluster = LocalCluster(CONFIG, log_dir=tmp_path)
+    cluster.daemon = subprocess.Popen([sys.executable, "-c", DEAF], stdout=subprocess.PIPE, text=True)
+    assert cluster.daemon.stdout is not None and cluster.daemon.stdout.readline() == "ready\n"
+    monkeypatch.setattr(cluster, "stop", functools.partial(LocalCluster.stop, cluster, timeout_s=0.5))
+    failure = ValueError("the test's own failure")
+    cluster.__exit__(ValueError, failure, None)  # as a with block that raised it leaves; no ClusterError
+    assert cluster.daemon.poll() is not None
+    cluster.daemon.stdout.close()
+    cluster.daemon = subprocess.Popen([sys.executable, "-c", DEAF], stdout=subprocess.PIPE, text=True)
+    assert cluster.daemon.stdout is not None and cluster.daemon.stdout.readline() == "ready\n"
+    with pytest.raises(ClusterError, match="daemon did not exit"):
+        cluster.__exit__(None, None, None)  # a clean block: the kill is the news
     cluster.daemon.stdout.close()
