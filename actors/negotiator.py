@@ -171,7 +171,7 @@ class TransferNegotiator:
             return
         if len(frames) > 1 + REPORTS_PER_MESSAGE:
             self._peer_log.warning("worker.too_many_reports", instance=link.instance, reports=len(frames) - 1,
-                              read=REPORTS_PER_MESSAGE)
+                                   read=REPORTS_PER_MESSAGE)
         self._on_report(link, first, [])
         for frame in frames[2 : 1 + REPORTS_PER_MESSAGE]:
             if self._links.get(routing_id) is not link:
