@@ -31,6 +31,7 @@ import zmq
 import zmq.asyncio
 
 from orchestrator.config import Config
+from orchestrator.log import Throttled
 from orchestrator.stages import RunControl, Stage, StageError, StageStopped, build_stage
 from orchestrator.stages.base import StepFn
 from orchestrator.watchdog import StageWatchdog
@@ -114,6 +115,7 @@ class WorkerRuntime:
         self._scopes: dict[str, anyio.CancelScope] = {}  # compute and alloc tasks, by request
         self._runs: dict[str, RunControl] = {}  # stage runs, by request: stopped, they end at their next step
         self._log = log.bind(role=role, worker=self.name)
+        self._peer_log = Throttled(self._log)  # what anyone reaching the work socket can make it say
         self._work_address: str | None = None  # once bound
         self._watchdog = StageWatchdog(self._wcfg.stage_timeout_s, log=self._log, exit=self._exit_hung)
 
@@ -196,6 +198,7 @@ class WorkerRuntime:
         assert self._engine is not None
         self._key = registered.key
         self._log = log.bind(role=self.role, worker=self.name, instance=registered.instance)
+        self._peer_log = Throttled(self._log)
         assert self._memory is not None
         self._memory.log = self._log
         self._log.info("worker.registered", work_address=work_address, session=self._engine.session)
@@ -290,13 +293,13 @@ class WorkerRuntime:
     def _on_orders(self, parts: list[bytes], tg: anyio.abc.TaskGroup) -> None:
         """``[key, order, order, ...]``: the daemon sends all it has for this worker at once."""
         if len(parts) < 2 or not hmac.compare_digest(parts[0], self._key):
-            self._log.warning("worker.order_refused", why="missing or wrong key")
+            self._peer_log.warning("worker.order_refused", why="missing or wrong key")
             return
         for body in parts[1:]:
             try:
                 order = WORK_ORDER.decode(body)
             except DECODE_ERRORS as exc:
-                self._log.warning("worker.bad_order", error=str(exc))
+                self._peer_log.warning("worker.bad_order", error=str(exc))
                 continue
             self._on_order(order, tg)
 

@@ -201,3 +201,15 @@ async def test_steps_are_reported_only_when_asked_and_at_most_every_interval(pro
         assert 2 <= len(steps) <= 6 and steps == sorted(steps), steps
     else:
         assert steps == []
+
+
+async def test_a_flood_of_orders_without_the_key_costs_a_few_log_lines(logs: list[dict]) -> None:
+    """Anyone who reaches a tcp work socket can send it junk; each is dropped, and the log
+    says so a few times, not once per message."""
+    async with worker() as w:
+        for _ in range(200):
+            w._on_orders([b"not the key", encode(Alloc(request_id="r1", nbytes=256))], w.tg)
+            w._on_orders([w._key, b"\xc1"], w.tg)
+        assert await reports(w, 0) == []
+    assert [line["event"] for line in logs].count("worker.order_refused") == 10
+    assert [line["event"] for line in logs].count("worker.bad_order") == 10
