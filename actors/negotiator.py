@@ -250,11 +250,11 @@ class TransferNegotiator:
             if self._silent(old):
                 continue
             if old.session == msg.session and old.name != msg.name:
-                return RegisterRefused(rejoin=True, message=(
+                return RegisterRefused(rejoin=True, deferred=True, message=(
                     f"the Mooncake session {msg.session} is registered by {old.instance} ({old.name!r}), "
                     "which is still heard from: a session names one worker's memory"))
             if old.name == msg.name and old.role != msg.role:
-                return RegisterRefused(rejoin=True, message=(
+                return RegisterRefused(rejoin=True, deferred=True, message=(
                     f"the name {msg.name!r} is held by {old.instance}, a live {old.role} worker: "
                     "worker names must be unique"))
         return None

@@ -258,10 +258,11 @@ class WorkerRuntime:
                         return reply
                     if isinstance(reply, RegisterRefused) and not reply.rejoin:
                         raise WorkerRefused(reply.message)
-                    # A rejoin refusal: "not now" (a live worker holds this one's name or
-                    # session), or it answers a heartbeat sent before the daemon forgot us,
-                    # or it is a stopping daemon's farewell, repeated. Said once each.
-                    if isinstance(reply, RegisterRefused) and reply.message != deferred:
+                    # Any other refusal says rejoin: "not now" (deferred: a live worker holds
+                    # this one's name or session, said once per reason), or it answers a
+                    # heartbeat sent before the daemon forgot us, or it is a stopping
+                    # daemon's farewell, repeated.
+                    if isinstance(reply, RegisterRefused) and reply.deferred and reply.message != deferred:
                         deferred = reply.message
                         self._log.warning("worker.registration_deferred", why=deferred)
             tries += 1

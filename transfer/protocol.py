@@ -333,6 +333,10 @@ class RegisterRefused(Wire):
     # Sent by a daemon that stops, when no write it ordered can still land in this worker's
     # memory: rejoining, it need not wait out push_quarantine_s first.
     settled: bool = False
+    # This registration is turned away for now (with rejoin): a live worker holds its name
+    # or its Mooncake session. Unlike the answers to messages sent before the daemon forgot
+    # the worker, it says why the worker is not in yet.
+    deferred: bool = False
 
 
 class Probe(Wire):

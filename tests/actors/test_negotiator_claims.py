@@ -36,7 +36,7 @@ async def test_a_live_workers_name_under_another_role_is_refused_and_the_live_on
             hello = msgspec.structs.replace(registration("encoder", "other-session", 0), name="denoiser-worker")
             sock, reply = await claim(ctx, n.endpoint, hello)
             with sock:
-                assert isinstance(reply, RegisterRefused) and reply.rejoin  # in once the holder is silent
+                assert isinstance(reply, RegisterRefused) and reply.rejoin and reply.deferred  # in once it is silent
                 assert reply.message == (f"the name 'denoiser-worker' is held by {denoiser.instance}, "
                                          "a live denoiser worker: worker names must be unique")
             assert (await n.stats()).prealloc[denoiser.instance] == PreallocCounts(2, 2)
@@ -55,7 +55,7 @@ async def test_a_live_workers_session_is_refused_until_that_worker_falls_silent(
             await speak(n, denoiser)
             sock, reply = await claim(ctx, n.endpoint, hello)
             with sock:
-                assert isinstance(reply, RegisterRefused) and reply.rejoin
+                assert isinstance(reply, RegisterRefused) and reply.rejoin and reply.deferred
                 assert f"registered by {denoiser.instance} ('denoiser-worker'), which is still heard" in reply.message
                 assert (await n.stats()).prealloc[denoiser.instance] == PreallocCounts(2, 2)
                 n.assert_silent()

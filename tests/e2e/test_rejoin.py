@@ -68,6 +68,8 @@ async def test_an_evicted_worker_rejoins_in_the_same_process_holding_nothing(sta
         assert victim.poll() is None  # ...by the same process
         rejoining = [line for line in cluster.log_of("denoiser0").splitlines() if "worker.rejoining" in line]
         assert len(rejoining) == 1 and json.loads(rejoining[0])["blocks_held"] == 0
+        # The answers to heartbeats it sent before the daemon forgot it are no deferral.
+        assert "worker.registration_deferred" not in cluster.log_of("denoiser0")
         await serve_correctly(cluster, 4)
     assert wait_for(cluster, all_free)
 
