@@ -43,13 +43,15 @@ from transfer.protocol import (
     Submit,
     encode,
 )
-from transfer.sockets import PlainPump
+from transfer.sockets import EVENTS, POLLIN, PlainPump, recv_frames
 
 log = structlog.get_logger()
 
 # Failures that a fresh attempt can mend (daemon.retries). The retry avoids the instances
 # the failure implicated (Deliver.avoid) wherever others have room.
 RETRIED = frozenset({Reason.WORKER_LOST, Reason.TRANSFER_FAILED})
+# Requests a stopping daemon still reads off its client socket to answer them (draining).
+UNREAD_ANSWERED = 1024
 
 
 class FrontendStats(msgspec.Struct, frozen=True):
@@ -115,10 +117,22 @@ class FrontendActor:
                 await serve_mailbox(self._inbox, self._handle, pump=self._serve_socket, task_status=task_status,
                                     started=bound)
             finally:
+                self._answer_unread(sock)
                 # The last answers of a drain, to clients that read: a bounded moment more.
                 with anyio.CancelScope(shield=True), anyio.move_on_after(FLUSH_ON_CLOSE_MS / 1000):
                     await self._resend_held(until_empty=True)
                 self._outbox.abandon()
+
+    def _answer_unread(self, sock: zmq.Socket) -> None:
+        """As the daemon stops: what reached the socket after its last read gets an answer
+        (``draining``, for a submit) instead of silence until the client's deadline. A
+        bounded read; what arrives after it meets a closed socket."""
+        self._draining = True
+        with self._inbox.board.hold():  # its end flushes the replies (``_send``)
+            for _ in range(UNREAD_ANSWERED):
+                if not sock.getsockopt(EVENTS) & POLLIN:
+                    return
+                self._on_frames(recv_frames(sock, copy=True))
 
     async def _serve_socket(self) -> None:
         assert self._pump is not None

@@ -7,6 +7,7 @@ are judged by the client's id.
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
@@ -254,6 +255,29 @@ async def test_each_retry_avoids_every_instance_its_failed_attempts_involved(
             assert second.avoid == {"encoder-1", "denoiser-2"}
             f.inbox.post(msgspec.structs.replace(lost(second.request_id), avoid=frozenset({"denoiser-3"})))
             assert (await f.tracker.receive()).avoid == {"encoder-1", "denoiser-2", "denoiser-3"}
+
+
+async def test_a_submit_that_reaches_a_stopping_daemon_unread_is_answered_draining(
+    ctx: zmq.asyncio.Context, tmp_path: Path
+) -> None:
+    """Sent in the last moments of a drain, after the socket's last read: before, it got no
+    answer at all, and its client waited out its whole deadline (seen in a soak)."""
+    late = ctx.socket(zmq.DEALER)
+    late.setsockopt(zmq.LINGER, 0)
+    try:
+        with anyio.fail_after(5):
+            async with running_frontend(ctx, tmp_path) as f:
+                await f.stats()
+                late.connect(f.cfg.client_endpoint)
+                await late.send_multipart([b"", encode(Submit(protocol=PROTOCOL_VERSION, params=PARAMS,
+                                                              request_id="late"))])
+                time.sleep(0.2)  # it lands on the socket; the loop, blocked, does not read it
+            # Stopped (the harness cancels the actor on leaving): the answer was sent on the way out.
+            empty, body = await late.recv_multipart()
+        reply = CLIENT_REPLY.decode(body)
+        assert isinstance(reply, Rejected) and (reply.request_id, reply.reason) == ("late", Reason.DRAINING)
+    finally:
+        late.close(linger=0)
 
 
 async def test_no_retry_past_the_deadline_or_while_draining(ctx: zmq.asyncio.Context, tmp_path: Path) -> None:
