@@ -21,7 +21,8 @@ from transfer.binding import EndpointUnusable
 from transfer.protocol import GenParams, Progress
 
 if TYPE_CHECKING:
-    from orchestrator.client import Control, Generation
+    from orchestrator.client import Generation
+    from orchestrator.control_client import Control
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "local.toml"
 # How long a command waits for its daemon to take a connection before saying it is not there.
@@ -151,7 +152,7 @@ def _control_endpoint(args: argparse.Namespace) -> str:
 
 def _control(args: argparse.Namespace) -> Control:
     """The control client, for a daemon that is there."""
-    from orchestrator.client import Control
+    from orchestrator.control_client import Control
 
     return Control(_daemon_at(_control_endpoint(args)))
 
@@ -203,7 +204,7 @@ def _check_endpoint(endpoint: str, *, answered_within_s: float = 0.0) -> str:
 
 
 def _metrics(args: argparse.Namespace) -> int:
-    from orchestrator.client import Control
+    from orchestrator.control_client import Control
     from orchestrator.metrics import serve_metrics
 
     # Not _control: the exporter may start before the daemon, and says triptych_up 0 till then.

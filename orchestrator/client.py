@@ -23,30 +23,22 @@ import torch
 import zmq
 import zmq.asyncio
 
+from orchestrator.deadlines import checked_s, poll_ms
 from orchestrator.rejection import Rejection
 from transfer import frames
 from transfer.protocol import (
     CLIENT_REPLY,
     CLIENT_REQUEST,
-    CONTROL_REPLY,
     DECODE_ERRORS,
     PROTOCOL_VERSION,
     Cancel,
     Cancelled,
-    ControlReply,
-    ControlRequest,
-    Drain,
-    Draining,
     GenParams,
-    GetStats,
-    ListWorkers,
     Progress,
     Reason,
     Rejected,
     Result,
-    Stats,
     Submit,
-    Workers,
     encode,
 )
 
@@ -114,19 +106,6 @@ def _wait_s(timeout_s: float | None) -> float:
     return _or_default(timeout_s) + GRACE_S
 
 
-def _checked_s(timeout_s: float) -> float:
-    """``timeout_s`` if it is a deadline (finite, positive), else ``ValueError``: a wait
-    of -1 or infinity would never end, and one of 0 would never wait."""
-    if not (math.isfinite(timeout_s) and timeout_s > 0):
-        raise ValueError(f"timeout_s must be a positive number of seconds, not {timeout_s!r}")
-    return timeout_s
-
-
-def _poll_ms(timeout_s: float) -> int:
-    """``timeout_s`` as ZMQ poll milliseconds: at least 1 (0 would not wait at all)."""
-    return max(1, math.ceil(_checked_s(timeout_s) * 1000))
-
-
 class Client:
     """Blocking client on a REQ socket: one request at a time."""
 
@@ -171,7 +150,7 @@ class Client:
         return reply.found
 
     def _request(self, parts: list[bytes], timeout_s: float) -> Reply:
-        wait_ms = _poll_ms(timeout_s)
+        wait_ms = poll_ms(timeout_s)
         self._sock.send_multipart(parts)
         try:
             answered = self._sock.poll(wait_ms)
@@ -344,7 +323,7 @@ class AsyncClient:
     async def cancel(self, request_id: str, *, timeout_s: float = 10.0) -> bool:
         # The Cancelled ack and the request's own Rejected share the id; acks go by a
         # separate DEALER so the two answers cannot be confused.
-        _checked_s(timeout_s)
+        checked_s(timeout_s)
         self._open()
         assert self._ctx is not None
         sock = self._ctx.socket(zmq.DEALER)
@@ -361,42 +340,3 @@ class AsyncClient:
             raise Rejection(reply)
         assert isinstance(reply, Cancelled)
         return reply.found
-
-
-class Control:
-    """Blocking client for the control socket."""
-
-    def __init__(self, endpoint: str, *, timeout_s: float = 10.0, ctx: zmq.Context | None = None) -> None:
-        self.endpoint = endpoint
-        self._timeout_ms = _poll_ms(timeout_s)
-        self._ctx = ctx or zmq.Context.instance()
-
-    def _ask(self, request: ControlRequest) -> ControlReply:
-        sock = self._ctx.socket(zmq.REQ)
-        sock.setsockopt(zmq.LINGER, 0)
-        try:
-            sock.connect(self.endpoint)
-            sock.send(encode(request))
-            if not sock.poll(self._timeout_ms):
-                raise TimeoutError(f"no reply from control socket {self.endpoint} within {self._timeout_ms / 1000:.1f}s")
-            reply = CONTROL_REPLY.decode(sock.recv())
-        finally:
-            sock.close(linger=0)
-        if isinstance(reply, Rejected):
-            raise Rejection(reply)
-        return reply
-
-    def stats(self) -> Stats:
-        reply = self._ask(GetStats())
-        assert isinstance(reply, Stats)
-        return reply
-
-    def workers(self) -> Workers:
-        reply = self._ask(ListWorkers())
-        assert isinstance(reply, Workers)
-        return reply
-
-    def drain(self) -> Draining:
-        reply = self._ask(Drain())
-        assert isinstance(reply, Draining)
-        return reply

@@ -15,8 +15,8 @@ import sys
 import time
 from pathlib import Path
 
-from orchestrator.client import Control
 from orchestrator.config import Config, load_config
+from orchestrator.control_client import Control
 from transfer.protocol import Role, Stats
 
 DEFAULT_LAYOUT: dict[Role, int] = {"encoder": 1, "denoiser": 2, "decoder": 1}

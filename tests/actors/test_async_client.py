@@ -16,7 +16,8 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from orchestrator.client import DEFAULT_TIMEOUT_S, AsyncClient, Client, Control, Generation, Rejection
+from orchestrator.client import DEFAULT_TIMEOUT_S, AsyncClient, Client, Generation, Rejection
+from orchestrator.control_client import Control
 from transfer.protocol import (
     CLIENT_REQUEST,
     Cancel,

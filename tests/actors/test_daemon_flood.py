@@ -11,8 +11,8 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from orchestrator.client import Control
 from orchestrator.config import load_config
+from orchestrator.control_client import Control
 from orchestrator.daemon import serve
 from transfer.protocol import (
     DAEMON_TO_WORKER,

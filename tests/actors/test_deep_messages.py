@@ -12,8 +12,8 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from orchestrator.client import Control
 from orchestrator.config import load_config
+from orchestrator.control_client import Control
 from orchestrator.daemon import serve
 from transfer.protocol import CLIENT_REPLY, CONTROL_REPLY, Reason, Rejected
 

@@ -79,6 +79,13 @@ def assert_no_crash(cluster: LocalCluster) -> None:
         assert not crashed, f"{log.name}: {crashed[0][:2000]}"
 
 
+def assert_torch_free(pid: int) -> None:
+    """Process ``pid`` has not loaded torch: one that never touches a tensor would pay
+    190 MiB and seconds of start-up for it (and a daemon, every garbage collection)."""
+    maps = Path(f"/proc/{pid}/maps").read_text()
+    assert "libtorch" not in maps and "libc10" not in maps
+
+
 def wait_for(cluster: LocalCluster, check: Callable[[Stats], bool], *, timeout_s: float = 10.0) -> Stats:
     """Poll the daemon's stats until ``check`` holds; fail with the last stats otherwise."""
     deadline = time.monotonic() + timeout_s

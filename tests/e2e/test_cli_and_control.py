@@ -18,7 +18,7 @@ import torch
 from orchestrator.client import AsyncClient, Client
 from orchestrator.stages.images import decode_png
 from orchestrator.stages.null import expected_outputs
-from tests.e2e.conftest import StartCluster, all_free, wait_for
+from tests.e2e.conftest import StartCluster, all_free, assert_torch_free, wait_for
 from transfer.protocol import GenParams, Progress
 
 SMALL = {"encoder": 1, "denoiser": 1, "decoder": 1}
@@ -52,7 +52,12 @@ def test_submit_writes_the_png_and_stats_report_it(start_cluster: StartCluster, 
     assert longest.returncode == 0, longest.stderr
     assert len(list(out.iterdir())) == 3
 
-    stats = json.loads(triptych("stats", "--json", config=cluster.config_path).stdout)
+    # An operator's command that reads numbers starts without torch (2.5 s of CPU before).
+    asked = subprocess.run([sys.executable, "-X", "importtime", "-m", "orchestrator", "stats", "--json", "--config",
+                            str(cluster.config_path)], capture_output=True, text=True, timeout=60)
+    imported = {line.rsplit("|", 1)[1].strip() for line in asked.stderr.splitlines() if line.startswith("import time:")}
+    assert "orchestrator.control_client" in imported and "torch" not in imported
+    stats = json.loads(asked.stdout)
     assert stats["completed"] == 3 and len(stats["instances"]) == 3
     table = triptych("stats", config=cluster.config_path).stdout
     assert "completed=3" in table and "denoiser" in table
@@ -138,6 +143,7 @@ def test_the_metrics_exporter_serves_the_daemons_stats_to_prometheus(start_clust
         with Client(cluster.config.daemon.client_endpoint) as client:
             client.submit(GenParams(prompt="scraped", output="raw"), timeout_s=20)
         page = _scrape(url)
+        assert_torch_free(exporter.pid)  # it runs beside the daemon for good, reading numbers
         assert "triptych_up 1.0" in page and "triptych_requests_completed_total 1.0" in page
         assert 'triptych_worker_served_total{instance="' in page and 'name="denoiser0"' in page
         assert cluster.stop_daemon() == 0

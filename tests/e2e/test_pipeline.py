@@ -13,7 +13,7 @@ import zmq
 from orchestrator.client import AsyncClient, Client, Rejection
 from orchestrator.cluster import LocalCluster
 from orchestrator.stages.null import expected_outputs
-from tests.e2e.conftest import RawClient, StartCluster, all_free, config_variant, wait_for
+from tests.e2e.conftest import RawClient, StartCluster, all_free, assert_torch_free, config_variant, wait_for
 from transfer.protocol import PROTOCOL_VERSION, GenParams, GetStats, Progress, Reason, Rejected, Submit, encode
 
 HOPS = ("encoder->denoiser", "denoiser->decoder")
@@ -370,8 +370,7 @@ def test_the_daemon_never_loads_torch(cluster: LocalCluster) -> None:
     CLI every process runs) cost it 190 MiB and 4x the CPU per request: each garbage
     collection walked torch's objects."""
     assert cluster.daemon is not None
-    maps = Path(f"/proc/{cluster.daemon.pid}/maps").read_text()
-    assert "libtorch" not in maps and "libc10" not in maps
+    assert_torch_free(cluster.daemon.pid)
 
 
 def test_a_request_that_times_out_for_want_of_a_stage_says_so(start_cluster: StartCluster) -> None:

@@ -1,0 +1,18 @@
+"""Deadlines as the clients take them: a positive, finite number of seconds."""
+
+from __future__ import annotations
+
+import math
+
+
+def checked_s(timeout_s: float) -> float:
+    """``timeout_s`` if it is a deadline (finite, positive), else ``ValueError``: a wait
+    of -1 or infinity would never end, and one of 0 would never wait."""
+    if not (math.isfinite(timeout_s) and timeout_s > 0):
+        raise ValueError(f"timeout_s must be a positive number of seconds, not {timeout_s!r}")
+    return timeout_s
+
+
+def poll_ms(timeout_s: float) -> int:
+    """``timeout_s`` as ZMQ poll milliseconds: at least 1 (0 would not wait at all)."""
+    return max(1, math.ceil(checked_s(timeout_s) * 1000))
