@@ -414,9 +414,7 @@ class WorkerRuntime:
         try:
             assert self._memory is not None
             inputs = self._memory.take_inputs(order) if isinstance(order, Ready) else {}
-            started = time.perf_counter()
-            outputs = await self._compute_on_thread(rid, order, inputs, control)
-            compute_ms = (time.perf_counter() - started) * 1000
+            outputs, compute_ms = await self._compute_on_thread(rid, order, inputs, control)
             try:
                 await anyio.lowlevel.checkpoint()
             except anyio.get_cancelled_exc_class():
@@ -451,16 +449,20 @@ class WorkerRuntime:
                 del self._runs[rid]
 
     async def _compute_on_thread(self, rid: str, order: Work | Ready, inputs: dict[str, torch.Tensor],
-                                 control: RunControl) -> dict[str, torch.Tensor]:
+                                 control: RunControl) -> tuple[dict[str, torch.Tensor], float]:
+        """The stage's outputs, and its compute time in ms: from when a compute thread took
+        the run, so that a wait for one (more requests held than threads) counts as the
+        stage's queueing, not as its compute."""
         stage = self._stage
         assert stage is not None
 
-        def run() -> dict[str, torch.Tensor]:
+        def run() -> tuple[dict[str, torch.Tensor], float]:
             control.started_at = time.monotonic()  # not before: waiting for a compute thread is no hang
+            began = time.perf_counter()
             outputs = stage.run(order.params, inputs, control=control)
             # Here, not on the loop: moving a GPU tensor waits for every kernel queued on its
             # device, the next request's included.
-            return {name: t.detach().cpu() for name, t in outputs.items()}
+            return {name: t.detach().cpu() for name, t in outputs.items()}, (time.perf_counter() - began) * 1000
 
         # Watched until the thread returns, stopped or not: not cancellable, this await
         # outlasts even the request's end.

@@ -213,3 +213,15 @@ async def test_a_flood_of_orders_without_the_key_costs_a_few_log_lines(logs: lis
         assert await reports(w, 0) == []
     assert [line["event"] for line in logs].count("worker.order_refused") == 10
     assert [line["event"] for line in logs].count("worker.bad_order") == 10
+
+
+async def test_compute_time_counts_from_when_a_compute_thread_takes_the_run() -> None:
+    """Two runs on the one compute thread: the second waits the first's 300 ms out, and that
+    wait is its stage's queueing (the daemon's queued_ms), not its compute."""
+    cfg = Config(model=ModelConfig(kind="null", null=NullStageConfig(encoder_ms=300.0)))
+    async with worker("encoder", cfg=cfg) as w:
+        assert cfg.workers.encoder.compute_threads == 1
+        w.send(Work(request_id="r1", params=PARAMS), Work(request_id="r2", params=PARAMS))
+        staged = await reports(w, 2)
+    assert sorted(r.request_id for r in staged) == ["r1", "r2"]
+    assert all(300 <= r.compute_ms < 450 for r in staged), [r.compute_ms for r in staged]
