@@ -1,5 +1,5 @@
-"""Clients: ``Client`` (REQ, blocking) and ``AsyncClient`` (DEALER, many requests in flight),
-plus ``Control`` for the control socket.
+"""Clients: ``Client`` (REQ, blocking) and ``AsyncClient`` (DEALER, many requests in flight).
+``Control``, for the control socket, is in ``orchestrator.control_client``.
 
 Every wait has a deadline. A request that fails raises ``Rejection`` carrying the typed
 ``Rejected`` (reason code and message); one that gets no answer in time raises
@@ -8,6 +8,7 @@ Every wait has a deadline. A request that fails raises ``Rejection`` carrying th
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import inspect
 import math
@@ -124,16 +125,18 @@ class Client:
                priority: int = 0) -> Generation:
         """Generate, waiting for the answer up to ``timeout_s`` (the request's deadline at the
         daemon, 120 s by default) and a grace of 5 s. Raises ``Rejection`` (the daemon refused
-        or failed it: see ``.reason``), ``TimeoutError`` (no answer in time), or ``ValueError``
-        (a bad ``timeout_s``). A wait interrupted by anything else (Ctrl-C) cancels the
-        request at the daemon; the client stays usable after any of them."""
+        or failed it, or would have: a bad field, ``timeout_s`` included, is refused unsent;
+        see ``.reason``) or ``TimeoutError`` (no answer in time). A wait that times out or is
+        interrupted (Ctrl-C) cancels the request at the daemon, taking up to 1 s more; the
+        client stays usable after any of them."""
         rid = request_id or uuid.uuid4().hex  # known here, so an interrupted wait can cancel it
         body = _submit_body(params, rid, timeout_s, priority)
         try:
             reply = self._request([body], _wait_s(timeout_s))
-        except TimeoutError:
-            raise  # it comes after the daemon's own deadline has ended the request
         except BaseException:
+            # Nobody will take the answer. Even past the request's deadline the daemon may
+            # not have ended it: a stalled daemon reads a submit late, its deadline counting
+            # from then.
             with contextlib.suppress(TimeoutError, zmq.ZMQError, Rejection):
                 self.cancel(rid, timeout_s=CANCEL_SEND_S)
             raise
@@ -189,7 +192,8 @@ PROGRESS_BACKLOG = 16
 
 class AsyncClient:
     """DEALER client: any number of requests in flight, answered in any order. A request whose
-    ``submit`` is cancelled (the caller gave up) is cancelled at the daemon too. ``submit``'s
+    ``submit`` is cancelled (the caller gave up), or still waits when the client is closed,
+    is cancelled at the daemon too. ``submit``'s
     ``on_progress`` (a function or a coroutine function) gets the request's ``Progress``
     messages, called (and awaited) in the task awaiting ``submit``; if it raises, the request
     is cancelled at the daemon and ``submit`` raises that.
@@ -197,7 +201,8 @@ class AsyncClient:
     Use as ``async with AsyncClient(endpoint) as client: await client.submit(...)``, opened
     and closed in one task: its reader runs in an anyio task group, which belongs to the
     task that opened it (in a web app, open it in the lifespan context, not in separate
-    startup and shutdown hooks). A closed client cannot be opened again.
+    startup and shutdown hooks), and serves that task's event loop only (one per thread
+    that runs a loop). A closed client cannot be opened again.
     """
 
     def __init__(self, endpoint: str) -> None:
@@ -209,6 +214,7 @@ class AsyncClient:
         # a new request that reuses the id.
         self._abandoned: dict[str, float] = {}
         self._tg: anyio.abc.TaskGroup | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     async def __aenter__(self) -> AsyncClient:
         if self._ctx is not None:
@@ -224,21 +230,33 @@ class AsyncClient:
             self._ctx.destroy(linger=0)
             raise
         self._sock = sock
+        self._loop = asyncio.get_running_loop()
         self._tg.start_soon(self._read)
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        assert self._tg is not None and self._ctx is not None
+        assert self._tg is not None and self._ctx is not None and self._sock is not None
         self._tg.cancel_scope.cancel()
         await self._tg.__aexit__(None, None, None)
-        self._sock = None
+        sock, self._sock = self._sock, None
+        # A request still waiting would be answered to nobody: cancel it at the daemon too.
+        with anyio.CancelScope(shield=True), anyio.move_on_after(CANCEL_SEND_S):
+            for rid in list(self._waiting):
+                await sock.send_multipart([b"", _cancel_frame(rid)])
         for waiter in self._waiting.values():
             waiter.close()  # a submit still waiting raises ConnectionError now, not at its deadline
-        self._ctx.destroy(linger=0)  # every socket, a cancel()'s in progress included
+        # The Cancels (these, and those of requests given up on) get CANCEL_SEND_S to leave,
+        # which blocks only while the daemon is unreachable; the rest is dropped at once, a
+        # cancel()'s socket in use included.
+        sock.close(linger=round(CANCEL_SEND_S * 1000))
+        self._ctx.destroy(linger=0)
 
     def _open(self) -> zmq.asyncio.Socket:
         if self._sock is None:
             raise RuntimeError("use the client inside `async with AsyncClient(endpoint) as client:`")
+        if asyncio.get_running_loop() is not self._loop:
+            # Its reader runs on that loop: answers would never reach a wait on another.
+            raise RuntimeError("an AsyncClient serves the event loop (thread) that opened it: open one per loop")
         return self._sock
 
     async def _read(self) -> None:

@@ -80,7 +80,7 @@ def _daemon_metrics(stats: Stats) -> Iterator[Metric]:
         for hop, count in sorted(counts.items()):
             handoffs.add_metric([hop, path], count)
     yield handoffs
-    yield CounterMetricFamily("triptych_late_reports", "Worker reports about requests that had already ended",
+    yield CounterMetricFamily("triptych_late_reports", "Worker reports dropped: about requests that had already ended, or not the sender's to make",
                               value=stats.late_reports)
     yield _labelled(GaugeMetricFamily, "triptych_mailbox_peak", "The most mail an actor's mailbox held at once",
                     "actor", stats.mailboxes)

@@ -226,7 +226,7 @@ class Stats(Wire):
     requests_by_state: dict[str, int]
     completed: int
     failed_by_reason: dict[str, int]
-    late_reports: int  # worker reports about requests that had already ended, dropped
+    late_reports: int  # worker reports dropped: late, or not the sender's to make
     mailboxes: dict[str, int]  # the most mail each actor's mailbox held at once
     # Mail each actor has handled since start: the daemon's internal hops (a request makes
     # about 25 on the fast path; the tracker's deadline tick adds 50 a second).

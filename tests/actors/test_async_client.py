@@ -3,6 +3,7 @@ stops listening (its on_progress raised) cancels the request at the daemon."""
 
 from __future__ import annotations
 
+import asyncio
 import math
 import pickle
 import signal
@@ -20,6 +21,7 @@ from orchestrator.client import DEFAULT_TIMEOUT_S, AsyncClient, Client, Generati
 from orchestrator.control_client import Control
 from transfer.protocol import (
     CLIENT_REQUEST,
+    PROTOCOL_VERSION,
     Cancel,
     Cancelled,
     GenParams,
@@ -236,6 +238,69 @@ async def test_closing_the_client_ends_the_waits_of_its_submits_at_once(
             await client.__aexit__(None, None, None)
     (error,) = errors
     assert "was closed" in str(error)
+
+
+async def test_closing_the_client_cancels_its_waiting_requests_at_the_daemon(
+    ctx: zmq.asyncio.Context, tmp_path: Path
+) -> None:
+    """Their answers would reach nobody: the daemon should not work on for them."""
+    daemon = ctx.socket(zmq.ROUTER)
+    daemon.setsockopt(zmq.LINGER, 0)
+    endpoint = f"ipc://{tmp_path}/daemon"
+    daemon.bind(endpoint)
+    errors: list[BaseException] = []
+    try:
+        with anyio.fail_after(5):
+            async with anyio.create_task_group() as tg:
+                client = AsyncClient(endpoint)
+                await client.__aenter__()
+
+                async def wait() -> None:
+                    with pytest.raises(ConnectionError) as closed:
+                        await client.submit(PARAMS, request_id="orphan", timeout_s=60)
+                    errors.append(closed.value)
+
+                tg.start_soon(wait)
+                _, _, submit = await daemon.recv_multipart()
+                await client.__aexit__(None, None, None)
+            _, _, cancel = await daemon.recv_multipart()
+        assert isinstance(CLIENT_REQUEST.decode(submit), Submit) and len(errors) == 1
+        assert CLIENT_REQUEST.decode(cancel) == Cancel(protocol=PROTOCOL_VERSION, request_id="orphan")
+    finally:
+        daemon.close(linger=0)
+
+
+async def test_an_async_client_serves_only_the_event_loop_that_opened_it(tmp_path: Path) -> None:
+    """Its reader runs on that loop: a submit from another thread's loop would wait out its
+    deadline for an answer that had come, and then blame the daemon."""
+    async with AsyncClient(f"ipc://{tmp_path}/daemon") as client:
+        def from_another_thread() -> Generation:
+            return asyncio.run(client.submit(PARAMS, timeout_s=5))
+
+        with anyio.fail_after(5), pytest.raises(RuntimeError, match="event loop .thread. that opened it"):
+            await anyio.to_thread.run_sync(from_another_thread)
+
+
+def test_a_blocking_clients_timed_out_wait_cancels_its_request(tmp_path: Path, monkeypatch) -> None:
+    """A daemon stalled past the client's patience reads the submit late, its deadline
+    counting from then: the client's Cancel keeps it from working for nobody."""
+    monkeypatch.setattr("orchestrator.client.GRACE_S", 0.05)
+    ctx = zmq.Context()
+    daemon = ctx.socket(zmq.ROUTER)
+    daemon.setsockopt(zmq.LINGER, 0)
+    endpoint = f"ipc://{tmp_path}/daemon"
+    daemon.bind(endpoint)
+    try:
+        with Client(endpoint, ctx=ctx) as client:
+            with pytest.raises(TimeoutError):
+                client.submit(PARAMS, request_id="stalled", timeout_s=0.2)
+            heard = []
+            while daemon.poll(1000):
+                heard.append(CLIENT_REQUEST.decode(daemon.recv_multipart()[2]))
+        assert [(type(m).__name__, m.request_id) for m in heard] == [("Submit", "stalled"), ("Cancel", "stalled")]
+    finally:
+        daemon.close(linger=0)
+        ctx.term()
 
 
 def test_a_blocking_clients_interrupted_wait_cancels_its_request_and_leaves_it_usable(tmp_path: Path) -> None:
