@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import inspect
 import math
+import threading
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -48,7 +49,8 @@ log = structlog.get_logger()
 # How long past the request's own deadline a client waits for the daemon's answer.
 GRACE_S = 5.0
 DEFAULT_TIMEOUT_S = 120.0
-# How long the Cancel of a request given up on (an interrupted or abandoned wait) may take.
+# How long the Cancel of a request given up on (a wait interrupted, timed out or abandoned,
+# or a client closed under it) may take to leave.
 CANCEL_SEND_S = 1.0
 
 
@@ -215,10 +217,12 @@ class AsyncClient:
         self._abandoned: dict[str, float] = {}
         self._tg: anyio.abc.TaskGroup | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._cancelling: set[zmq.asyncio.Socket] = set()  # cancel()'s own sockets, while in use
 
     async def __aenter__(self) -> AsyncClient:
         if self._ctx is not None:
             raise RuntimeError("this AsyncClient was opened before: make a new one")
+        self._loop = asyncio.get_running_loop()
         self._ctx = zmq.asyncio.Context()
         try:
             sock = self._ctx.socket(zmq.DEALER)
@@ -230,7 +234,6 @@ class AsyncClient:
             self._ctx.destroy(linger=0)
             raise
         self._sock = sock
-        self._loop = asyncio.get_running_loop()
         self._tg.start_soon(self._read)
         return self
 
@@ -246,10 +249,12 @@ class AsyncClient:
         for waiter in self._waiting.values():
             waiter.close()  # a submit still waiting raises ConnectionError now, not at its deadline
         # The Cancels (these, and those of requests given up on) get CANCEL_SEND_S to leave,
-        # which blocks only while the daemon is unreachable; the rest is dropped at once, a
-        # cancel()'s socket in use included.
+        # on a thread of its own: the context's end waits for them while the daemon is
+        # unreachable, and this loop must not. A cancel() under way fails at once.
         sock.close(linger=round(CANCEL_SEND_S * 1000))
-        self._ctx.destroy(linger=0)
+        for side in self._cancelling:
+            side.close(linger=0)
+        threading.Thread(target=self._ctx.term, name="triptych-client-close", daemon=True).start()
 
     def _open(self) -> zmq.asyncio.Socket:
         if self._sock is None:
@@ -345,13 +350,15 @@ class AsyncClient:
         self._open()
         assert self._ctx is not None
         sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(self.endpoint)
+        self._cancelling.add(sock)
         try:
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(self.endpoint)
             await sock.send_multipart([b"", _cancel_frame(request_id)])
             with anyio.fail_after(timeout_s):
                 parts = await sock.recv_multipart()
         finally:
+            self._cancelling.discard(sock)
             sock.close(linger=0)
         reply = CLIENT_REPLY.decode(parts[1])
         if isinstance(reply, Rejected):
