@@ -9,6 +9,7 @@ import pickle
 import signal
 import threading
 import time
+from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -37,14 +38,25 @@ from transfer.protocol import (
 
 PARAMS = GenParams(prompt="watched")
 
+FakeDaemon = tuple[zmq.asyncio.Socket, str]
 
-async def test_progress_comes_before_the_result_and_a_raising_listener_cancels_the_request(
-    ctx: zmq.asyncio.Context, tmp_path: Path
-) -> None:
+
+@pytest.fixture
+def fake_daemon(ctx: zmq.asyncio.Context, tmp_path: Path) -> Iterator[FakeDaemon]:
+    """A ROUTER where the daemon's client socket would be, and its endpoint: the test plays
+    the daemon."""
     daemon = ctx.socket(zmq.ROUTER)
     daemon.setsockopt(zmq.LINGER, 0)
     endpoint = f"ipc://{tmp_path}/daemon"
     daemon.bind(endpoint)
+    yield daemon, endpoint
+    daemon.close(linger=0)
+
+
+async def test_progress_comes_before_the_result_and_a_raising_listener_cancels_the_request(
+    fake_daemon: FakeDaemon
+) -> None:
+    daemon, endpoint = fake_daemon
 
     async def receive() -> tuple[bytes, object]:
         identity, empty, body = await daemon.recv_multipart()
@@ -56,166 +68,141 @@ async def test_progress_comes_before_the_result_and_a_raising_listener_cancels_t
     def progress(rid: str, step: int) -> Progress:
         return Progress(request_id=rid, state="denoising", elapsed_ms=float(step), step=step, steps=4)
 
-    try:
-        with anyio.fail_after(10):
-            async with AsyncClient(endpoint) as client, anyio.create_task_group() as tg:
-                heard: list[Progress] = []
+    with anyio.fail_after(10):
+        async with AsyncClient(endpoint) as client, anyio.create_task_group() as tg:
+            heard: list[Progress] = []
 
-                async def answer_with_progress() -> None:
-                    identity, submit = await receive()
-                    assert isinstance(submit, Submit) and submit.progress and submit.request_id == "r1"
-                    for step in (1, 2):
-                        await reply(identity, progress("r1", step))
-                    await reply(identity, Result(request_id="r1", outputs=[], stages=[], total_ms=3.0))
-                    await reply(identity, progress("r1", 3))  # after the answer: nobody listens
+            async def answer_with_progress() -> None:
+                identity, submit = await receive()
+                assert isinstance(submit, Submit) and submit.progress and submit.request_id == "r1"
+                for step in (1, 2):
+                    await reply(identity, progress("r1", step))
+                await reply(identity, Result(request_id="r1", outputs=[], stages=[], total_ms=3.0))
+                await reply(identity, progress("r1", 3))  # after the answer: nobody listens
 
-                tg.start_soon(answer_with_progress)
-                generation = await client.submit(PARAMS, request_id="r1", on_progress=heard.append)
-                assert generation.result.total_ms == 3.0
-                assert [p.step for p in heard] == [1, 2]
+            tg.start_soon(answer_with_progress)
+            generation = await client.submit(PARAMS, request_id="r1", on_progress=heard.append)
+            assert generation.result.total_ms == 3.0
+            assert [p.step for p in heard] == [1, 2]
 
-                def explode(news: Progress) -> None:
-                    raise ValueError(f"the caller's listener broke at step {news.step}")
+            def explode(news: Progress) -> None:
+                raise ValueError(f"the caller's listener broke at step {news.step}")
 
-                async def answer_then_expect_cancel() -> None:
-                    identity, submit = await receive()
-                    assert isinstance(submit, Submit) and submit.request_id == "r2"
-                    await reply(identity, progress("r2", 1))
-                    _, cancel = await receive()
-                    assert cancel == Cancel(protocol=submit.protocol, request_id="r2")
+            async def answer_then_expect_cancel() -> None:
+                identity, submit = await receive()
+                assert isinstance(submit, Submit) and submit.request_id == "r2"
+                await reply(identity, progress("r2", 1))
+                _, cancel = await receive()
+                assert cancel == Cancel(protocol=submit.protocol, request_id="r2")
 
-                tg.start_soon(answer_then_expect_cancel)
-                with pytest.raises(ValueError, match="broke at step 1"):
-                    await client.submit(PARAMS, request_id="r2", on_progress=explode)
-    finally:
-        daemon.close(linger=0)
+            tg.start_soon(answer_then_expect_cancel)
+            with pytest.raises(ValueError, match="broke at step 1"):
+                await client.submit(PARAMS, request_id="r2", on_progress=explode)
 
 
-async def test_a_submit_the_daemon_would_refuse_is_refused_at_once_and_never_sent(
-    ctx: zmq.asyncio.Context, tmp_path: Path
-) -> None:
+async def test_a_submit_the_daemon_would_refuse_is_refused_at_once_and_never_sent(fake_daemon: FakeDaemon) -> None:
     """A prompt of megabytes would be cut off unread at the daemon's size limit and get no
     answer at all: both clients check a Submit as the daemon will, before sending it."""
-    daemon = ctx.socket(zmq.ROUTER)
-    daemon.setsockopt(zmq.LINGER, 0)
-    endpoint = f"ipc://{tmp_path}/daemon"
-    daemon.bind(endpoint)
+    daemon, endpoint = fake_daemon
     huge = GenParams(prompt="x" * (5 << 20))
-    try:
-        with anyio.fail_after(5):
-            async with AsyncClient(endpoint) as client:
-                with pytest.raises(Rejection) as refused:
-                    await client.submit(huge, timeout_s=30)
-            with Client(endpoint) as blocking, pytest.raises(Rejection) as refused_too:
-                blocking.submit(GenParams(prompt="p", steps=0), timeout_s=30)
-            async with AsyncClient(endpoint) as client:  # 0 is a bad deadline, not "none given"
-                with pytest.raises(Rejection, match=r"not sent: Expected `float` > 0.0 - at `\$.timeout_s`"):
-                    await client.submit(GenParams(prompt="p"), timeout_s=0)
-                with pytest.raises(Rejection, match=r"not sent: can't serialize ints"):  # past msgpack's 64 bits
-                    await client.submit(GenParams(prompt="p", seed=2**70), timeout_s=30)
-                for never_ending in (-1.0, math.inf, 0.0):
-                    with pytest.raises(ValueError, match="timeout_s must be a positive number of seconds"):
-                        await client.cancel("r", timeout_s=never_ending)
-            for never_ending in (-1.0, math.inf, math.nan):
-                with Client(endpoint) as blocking, pytest.raises(ValueError, match="positive number of seconds"):
-                    blocking.cancel("r", timeout_s=never_ending)
-                with pytest.raises(ValueError, match="positive number of seconds"):
-                    Control(endpoint, timeout_s=never_ending)
-        assert refused.value.reason == Reason.INVALID and "$.params.prompt" in refused.value.rejected.message
-        assert refused_too.value.reason == Reason.INVALID and "$.params.steps" in refused_too.value.rejected.message
-        assert refused.value.rejected.message.startswith("not sent")
-        assert await daemon.poll(100) == 0
-    finally:
-        daemon.close(linger=0)
+    with anyio.fail_after(5):
+        async with AsyncClient(endpoint) as client:
+            with pytest.raises(Rejection) as refused:
+                await client.submit(huge, timeout_s=30)
+        with Client(endpoint) as blocking, pytest.raises(Rejection) as refused_too:
+            blocking.submit(GenParams(prompt="p", steps=0), timeout_s=30)
+        async with AsyncClient(endpoint) as client:  # 0 is a bad deadline, not "none given"
+            with pytest.raises(Rejection, match=r"not sent: Expected `float` > 0.0 - at `\$.timeout_s`"):
+                await client.submit(GenParams(prompt="p"), timeout_s=0)
+            with pytest.raises(Rejection, match=r"not sent: can't serialize ints"):  # past msgpack's 64 bits
+                await client.submit(GenParams(prompt="p", seed=2**70), timeout_s=30)
+            for never_ending in (-1.0, math.inf, 0.0):
+                with pytest.raises(ValueError, match="timeout_s must be a positive number of seconds"):
+                    await client.cancel("r", timeout_s=never_ending)
+        for never_ending in (-1.0, math.inf, math.nan):
+            with Client(endpoint) as blocking, pytest.raises(ValueError, match="positive number of seconds"):
+                blocking.cancel("r", timeout_s=never_ending)
+            with pytest.raises(ValueError, match="positive number of seconds"):
+                Control(endpoint, timeout_s=never_ending)
+    assert refused.value.reason == Reason.INVALID and "$.params.prompt" in refused.value.rejected.message
+    assert refused_too.value.reason == Reason.INVALID and "$.params.steps" in refused_too.value.rejected.message
+    assert refused.value.rejected.message.startswith("not sent")
+    assert await daemon.poll(100) == 0
 
 
-async def test_an_unreadable_reply_fails_its_own_request_only(ctx: zmq.asyncio.Context, tmp_path: Path) -> None:
+async def test_an_unreadable_reply_fails_its_own_request_only(fake_daemon: FakeDaemon) -> None:
     """A Result whose frames are not its tensors is a Rejected for that request; a reply no
     request can be told of is dropped; the requests around them carry on."""
-    daemon = ctx.socket(zmq.ROUTER)
-    daemon.setsockopt(zmq.LINGER, 0)
-    endpoint = f"ipc://{tmp_path}/daemon"
-    daemon.bind(endpoint)
+    daemon, endpoint = fake_daemon
     image = TensorSpec(name="image", dtype="uint8", shape=(2, 2), nbytes=4)
-    try:
-        with anyio.fail_after(10):
-            async with AsyncClient(endpoint) as client, anyio.create_task_group() as tg:
+    with anyio.fail_after(10):
+        async with AsyncClient(endpoint) as client, anyio.create_task_group() as tg:
 
-                async def answer_both() -> None:
-                    submits = {}
-                    for _ in range(2):
-                        identity, empty, body = await daemon.recv_multipart()
-                        submits[CLIENT_REQUEST.decode(body).request_id] = identity
-                    await daemon.send_multipart([submits["bad"], b"", encode(Result(
-                        request_id="bad", outputs=[image], stages=[], total_ms=1.0)), b"abc"])
-                    await daemon.send_multipart([submits["good"], b"", b"\xc1 not a reply"])
-                    await daemon.send_multipart([submits["good"], b"", encode(Result(
-                        request_id="good", outputs=[image], stages=[], total_ms=1.0)), b"abcd"])
+            async def answer_both() -> None:
+                submits = {}
+                for _ in range(2):
+                    identity, empty, body = await daemon.recv_multipart()
+                    submits[CLIENT_REQUEST.decode(body).request_id] = identity
+                await daemon.send_multipart([submits["bad"], b"", encode(Result(
+                    request_id="bad", outputs=[image], stages=[], total_ms=1.0)), b"abc"])
+                await daemon.send_multipart([submits["good"], b"", b"\xc1 not a reply"])
+                await daemon.send_multipart([submits["good"], b"", encode(Result(
+                    request_id="good", outputs=[image], stages=[], total_ms=1.0)), b"abcd"])
 
-                tg.start_soon(answer_both)
-                outcomes: dict[str, object] = {}
+            tg.start_soon(answer_both)
+            outcomes: dict[str, object] = {}
 
-                async def submit(rid: str) -> None:
-                    try:
-                        outcomes[rid] = await client.submit(PARAMS, request_id=rid, timeout_s=5)
-                    except Rejection as exc:
-                        outcomes[rid] = exc.rejected
+            async def submit(rid: str) -> None:
+                try:
+                    outcomes[rid] = await client.submit(PARAMS, request_id=rid, timeout_s=5)
+                except Rejection as exc:
+                    outcomes[rid] = exc.rejected
 
-                tg.start_soon(submit, "bad")
-                tg.start_soon(submit, "good")
-        bad, good = outcomes["bad"], outcomes["good"]
-        assert isinstance(bad, Rejected) and bad.reason == Reason.INVALID
-        assert "frame has 3 bytes, header needs 4" in bad.message
-        assert isinstance(good, Generation) and good.outputs["image"].flatten().tolist() == list(b"abcd")
-    finally:
-        daemon.close(linger=0)
+            tg.start_soon(submit, "bad")
+            tg.start_soon(submit, "good")
+    bad, good = outcomes["bad"], outcomes["good"]
+    assert isinstance(bad, Rejected) and bad.reason == Reason.INVALID
+    assert "frame has 3 bytes, header needs 4" in bad.message
+    assert isinstance(good, Generation) and good.outputs["image"].flatten().tolist() == list(b"abcd")
 
 
-async def test_a_request_id_is_not_reused_on_a_client_until_its_request_ended(
-    ctx: zmq.asyncio.Context, tmp_path: Path
-) -> None:
+async def test_a_request_id_is_not_reused_on_a_client_until_its_request_ended(fake_daemon: FakeDaemon) -> None:
     """Answers are matched by id: a second request under a live id, or one given up on but
     not yet answered, would take the other's answers."""
-    daemon = ctx.socket(zmq.ROUTER)
-    daemon.setsockopt(zmq.LINGER, 0)
-    endpoint = f"ipc://{tmp_path}/daemon"
-    daemon.bind(endpoint)
-    try:
-        with anyio.fail_after(10):
-            async with AsyncClient(endpoint) as client, anyio.create_task_group() as tg:
-                tg.start_soon(partial(client.submit, PARAMS, request_id="job-1"))
+    daemon, endpoint = fake_daemon
+    with anyio.fail_after(10):
+        async with AsyncClient(endpoint) as client, anyio.create_task_group() as tg:
+            tg.start_soon(partial(client.submit, PARAMS, request_id="job-1"))
+            identity, _, body = await daemon.recv_multipart()
+            submit = CLIENT_REQUEST.decode(body)
+            assert isinstance(submit, Submit) and submit.timeout_s == DEFAULT_TIMEOUT_S  # the client's own
+            with pytest.raises(ValueError, match="in use"):
+                await client.submit(PARAMS, request_id="job-1")
+            tg.cancel_scope.cancel()  # the caller gives up: the request is cancelled at the daemon
+        cancel = CLIENT_REQUEST.decode((await daemon.recv_multipart())[2])
+        assert cancel == Cancel(protocol=submit.protocol, request_id="job-1")
+        async with AsyncClient(endpoint) as client:
+            with anyio.move_on_after(0.1):
+                await client.submit(PARAMS, request_id="job-2")  # given up on
+            identity, _, _ = await daemon.recv_multipart()
+            assert isinstance(CLIENT_REQUEST.decode((await daemon.recv_multipart())[2]), Cancel)
+            with pytest.raises(ValueError, match="given up"):
+                await client.submit(PARAMS, request_id="job-2")
+            # Its answers come: the ack and the end; neither reaches anyone, and the id is free.
+            await daemon.send_multipart([identity, b"", encode(Cancelled(request_id="job-2", found=True))])
+            await daemon.send_multipart([identity, b"", encode(Rejected(
+                request_id="job-2", reason=Reason.CANCELLED, message="cancelled by the client"))])
+            await anyio.sleep(0.1)
+
+            async def answer() -> None:
                 identity, _, body = await daemon.recv_multipart()
-                submit = CLIENT_REQUEST.decode(body)
-                assert isinstance(submit, Submit) and submit.timeout_s == DEFAULT_TIMEOUT_S  # the client's own
-                with pytest.raises(ValueError, match="in use"):
-                    await client.submit(PARAMS, request_id="job-1")
-                tg.cancel_scope.cancel()  # the caller gives up: the request is cancelled at the daemon
-            cancel = CLIENT_REQUEST.decode((await daemon.recv_multipart())[2])
-            assert cancel == Cancel(protocol=submit.protocol, request_id="job-1")
-            async with AsyncClient(endpoint) as client:
-                with anyio.move_on_after(0.1):
-                    await client.submit(PARAMS, request_id="job-2")  # given up on
-                identity, _, _ = await daemon.recv_multipart()
-                assert isinstance(CLIENT_REQUEST.decode((await daemon.recv_multipart())[2]), Cancel)
-                with pytest.raises(ValueError, match="given up"):
-                    await client.submit(PARAMS, request_id="job-2")
-                # Its answers come: the ack and the end; neither reaches anyone, and the id is free.
-                await daemon.send_multipart([identity, b"", encode(Cancelled(request_id="job-2", found=True))])
-                await daemon.send_multipart([identity, b"", encode(Rejected(
-                    request_id="job-2", reason=Reason.CANCELLED, message="cancelled by the client"))])
-                await anyio.sleep(0.1)
+                rid = CLIENT_REQUEST.decode(body).request_id
+                await daemon.send_multipart([identity, b"", encode(Result(
+                    request_id=rid, outputs=[], stages=[], total_ms=1.0))])
 
-                async def answer() -> None:
-                    identity, _, body = await daemon.recv_multipart()
-                    rid = CLIENT_REQUEST.decode(body).request_id
-                    await daemon.send_multipart([identity, b"", encode(Result(
-                        request_id=rid, outputs=[], stages=[], total_ms=1.0))])
-
-                async with anyio.create_task_group() as tg:
-                    tg.start_soon(answer)
-                    assert (await client.submit(PARAMS, request_id="job-2")).result.total_ms == 1.0
-    finally:
-        daemon.close(linger=0)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(answer)
+                assert (await client.submit(PARAMS, request_id="job-2")).result.total_ms == 1.0
 
 
 async def test_closing_the_client_ends_the_waits_of_its_submits_at_once(
@@ -245,34 +232,26 @@ async def test_closing_the_client_ends_the_waits_of_its_submits_at_once(
     assert closed_in_s < CANCEL_SEND_S / 2
 
 
-async def test_closing_the_client_cancels_its_waiting_requests_at_the_daemon(
-    ctx: zmq.asyncio.Context, tmp_path: Path
-) -> None:
+async def test_closing_the_client_cancels_its_waiting_requests_at_the_daemon(fake_daemon: FakeDaemon) -> None:
     """Their answers would reach nobody: the daemon should not work on for them."""
-    daemon = ctx.socket(zmq.ROUTER)
-    daemon.setsockopt(zmq.LINGER, 0)
-    endpoint = f"ipc://{tmp_path}/daemon"
-    daemon.bind(endpoint)
+    daemon, endpoint = fake_daemon
     errors: list[BaseException] = []
-    try:
-        with anyio.fail_after(5):
-            async with anyio.create_task_group() as tg:
-                client = AsyncClient(endpoint)
-                await client.__aenter__()
+    with anyio.fail_after(5):
+        async with anyio.create_task_group() as tg:
+            client = AsyncClient(endpoint)
+            await client.__aenter__()
 
-                async def wait() -> None:
-                    with pytest.raises(ConnectionError) as closed:
-                        await client.submit(PARAMS, request_id="orphan", timeout_s=60)
-                    errors.append(closed.value)
+            async def wait() -> None:
+                with pytest.raises(ConnectionError) as closed:
+                    await client.submit(PARAMS, request_id="orphan", timeout_s=60)
+                errors.append(closed.value)
 
-                tg.start_soon(wait)
-                _, _, submit = await daemon.recv_multipart()
-                await client.__aexit__(None, None, None)
-            _, _, cancel = await daemon.recv_multipart()
-        assert isinstance(CLIENT_REQUEST.decode(submit), Submit) and len(errors) == 1
-        assert CLIENT_REQUEST.decode(cancel) == Cancel(protocol=PROTOCOL_VERSION, request_id="orphan")
-    finally:
-        daemon.close(linger=0)
+            tg.start_soon(wait)
+            _, _, submit = await daemon.recv_multipart()
+            await client.__aexit__(None, None, None)
+        _, _, cancel = await daemon.recv_multipart()
+    assert isinstance(CLIENT_REQUEST.decode(submit), Submit) and len(errors) == 1
+    assert CLIENT_REQUEST.decode(cancel) == Cancel(protocol=PROTOCOL_VERSION, request_id="orphan")
 
 
 async def test_an_async_client_serves_only_the_event_loop_that_opened_it(tmp_path: Path) -> None:
@@ -373,12 +352,9 @@ def test_a_rejection_survives_pickling() -> None:
     assert (copy.reason, copy.rejected, str(copy)) == (Reason.OVERLOADED, rejection.rejected, str(rejection))
 
 
-async def test_an_async_progress_listener_is_awaited(ctx: zmq.asyncio.Context, tmp_path: Path) -> None:
+async def test_an_async_progress_listener_is_awaited(fake_daemon: FakeDaemon) -> None:
     """A web handler streams progress with awaits: a coroutine function is awaited, in order."""
-    daemon = ctx.socket(zmq.ROUTER)
-    daemon.setsockopt(zmq.LINGER, 0)
-    endpoint = f"ipc://{tmp_path}/daemon"
-    daemon.bind(endpoint)
+    daemon, endpoint = fake_daemon
     streamed: list[int] = []
 
     async def stream(progress: Progress) -> None:
@@ -394,11 +370,8 @@ async def test_an_async_progress_listener_is_awaited(ctx: zmq.asyncio.Context, t
         await daemon.send_multipart([identity, b"", encode(Result(request_id=rid, outputs=[], stages=[],
                                                                   total_ms=3.0))])
 
-    try:
-        with anyio.fail_after(10):
-            async with AsyncClient(endpoint) as client, anyio.create_task_group() as tg:
-                tg.start_soon(answer)
-                generation = await client.submit(PARAMS, on_progress=stream)
-        assert streamed == [1, 2] and generation.result.total_ms == 3.0
-    finally:
-        daemon.close(linger=0)
+    with anyio.fail_after(10):
+        async with AsyncClient(endpoint) as client, anyio.create_task_group() as tg:
+            tg.start_soon(answer)
+            generation = await client.submit(PARAMS, on_progress=stream)
+    assert streamed == [1, 2] and generation.result.total_ms == 3.0
