@@ -195,10 +195,10 @@ PROGRESS_BACKLOG = 16
 class AsyncClient:
     """DEALER client: any number of requests in flight, answered in any order. A request whose
     ``submit`` is cancelled (the caller gave up), or still waits when the client is closed,
-    is cancelled at the daemon too. ``submit``'s
-    ``on_progress`` (a function or a coroutine function) gets the request's ``Progress``
-    messages, called (and awaited) in the task awaiting ``submit``; if it raises, the request
-    is cancelled at the daemon and ``submit`` raises that.
+    is cancelled at the daemon too. ``submit``'s ``on_progress`` (a function or a coroutine
+    function) gets the request's ``Progress`` messages, called (and awaited) in the task
+    awaiting ``submit``; if it raises, the request is cancelled at the daemon and ``submit``
+    raises that.
 
     Use as ``async with AsyncClient(endpoint) as client: await client.submit(...)``, opened
     and closed in one task: its reader runs in an anyio task group, which belongs to the
