@@ -204,6 +204,7 @@ class WorkerRuntime:
         self._log.info("worker.registered", work_address=work_address, session=self._engine.session)
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._heartbeat, registered.heartbeat_s)
+            tg.start_soon(self._memory.unmap_gone_receivers)
             tg.start_soon(self._send_reports, dealer)
             # Read on the loop without zmq.asyncio; nothing else uses this socket.
             tg.start_soon(PlainPump(work, partial(self._on_orders, tg=tg), copy=True).run)

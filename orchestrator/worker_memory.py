@@ -27,6 +27,8 @@ from transfer.shm import LocalCopyError, LocalWriter
 # Same-host copies up to this size run on the event loop (about 0.1 ms at memcpy speed):
 # cheaper than the two thread hops a push thread costs.
 INLINE_COPY_BYTES = 1 << 20
+# How often the same-host writers look for receivers that exited, to unmap their pools.
+UNMAP_GONE_S = 5.0
 
 
 class RequestMemory:
@@ -48,6 +50,18 @@ class RequestMemory:
         # landing in a peer's: the worker must not tell the daemon nothing of it can land.
         self.in_doubt_until = -math.inf
         self.log: Any = structlog.get_logger()  # the runtime's, bound to its registration
+
+    async def unmap_gone_receivers(self, period_s: float = UNMAP_GONE_S) -> None:
+        """Every ``period_s``, unmap the pools of same-host receivers that exited: a receiver
+        scaled away, or dead and not restarted, would otherwise stay resident here until a
+        new receiver is mapped. Each writer on its own thread, between its copies."""
+        if self._writers is None:
+            return
+        loop_writer, thread_writer = self._writers
+        while True:
+            await anyio.sleep(period_s)
+            loop_writer.forget_gone()
+            await anyio.to_thread.run_sync(thread_writer.forget_gone, limiter=self._transfer)
 
     # ------------------------------------------------------------------ what is held
 

@@ -105,7 +105,7 @@ class LocalWriter:
             self._mapped.move_to_end(key)
             _, address, length = self._mapped[key]
             return address, length
-        self._forget_gone()
+        self.forget_gone()
         try:
             fd = os.open(target.path, os.O_RDWR | os.O_CLOEXEC)
         except OSError as exc:
@@ -123,9 +123,11 @@ class LocalWriter:
             self._mapped.popitem(last=False)  # unmapped: copies run one at a time, never into it
         return address, target.size
 
-    def _forget_gone(self) -> None:
+    def forget_gone(self) -> None:
         """Unmap the pools of receivers that have exited: the mapping alone would keep their
-        pages resident. A new receiver to map is when one may have replaced another."""
+        pages resident (a whole pool each). Done before mapping a new receiver, which may
+        have replaced one, and now and then (``RequestMemory.unmap_gone_receivers``) for
+        receivers that left for good. On the writer's own thread, like its copies."""
         for path, device, inode in list(self._mapped):
             try:
                 stat = os.stat(path)

@@ -3,11 +3,16 @@ bytes are right, every hand-off says it was a copy, and everything ends free."""
 
 from __future__ import annotations
 
+import signal
+import time
+from pathlib import Path
+
 import anyio
 import torch
 
 from orchestrator.client import AsyncClient
 from orchestrator.stages.null import expected_outputs
+from orchestrator.worker_memory import UNMAP_GONE_S
 from tests.e2e.conftest import StartCluster, all_free, wait_for
 from transfer.protocol import GenParams
 
@@ -35,3 +40,21 @@ async def test_same_host_hand_offs_are_copies_into_shared_memory(start_cluster: 
     stats = wait_for(cluster, all_free)
     assert stats.slow_path.get("denoiser->decoder", 0) > 0  # into allocations too, not only slots
     assert "worker.local_copy_failed" not in "".join(cluster.log_of(name) for name in cluster.workers)
+
+    # The decoder dies for good: within a sweep its senders unmap its pool, which their
+    # mappings alone kept resident (each sender keeps only its own pool mapped).
+    senders = [cluster.workers[name].pid for name in ("denoiser0", "denoiser1")]
+    assert sum(map(pools_mapped, senders)) > 2
+    decoder = cluster.workers["decoder0"]
+    decoder.send_signal(signal.SIGKILL)
+    decoder.wait(timeout=10)
+    deadline = time.monotonic() + UNMAP_GONE_S + 10
+    while sum(map(pools_mapped, senders)) > 2:
+        assert time.monotonic() < deadline, "a dead receiver's pool is still mapped by its senders"
+        time.sleep(0.2)
+
+
+def pools_mapped(pid: int) -> int:
+    """The shared pools (transfer/shm.py) mapped into process ``pid``: its own, and its
+    receivers' that it copied into."""
+    return sum("triptych-pool" in line for line in Path(f"/proc/{pid}/maps").read_text().splitlines())

@@ -3,14 +3,18 @@ more; one it stopped waiting for may still land, and the daemon must know which.
 
 from __future__ import annotations
 
+import os
+
+import anyio
 import pytest
 
 from orchestrator.config import Config
 from orchestrator.worker import WorkerRuntime
+from orchestrator.worker_memory import INLINE_COPY_BYTES
 from transfer.engine import TransferError, TransferInDoubt
 from transfer.pool import MemoryPool
 from transfer.protocol import WORKER_MESSAGE, LocalMemory, Push, Pushed
-from transfer.shm import LocalWriter, host_id
+from transfer.shm import LocalWriter, SharedRegion, host_id
 
 
 class FailingEngine:
@@ -68,3 +72,25 @@ async def test_a_same_host_copy_that_fails_falls_back_to_the_engine(logs: list[d
     assert engine.writes == [("peer:1", 0x1000, 512)]
     [failed] = [line for line in logs if line["event"] == "worker.local_copy_failed"]
     assert "cannot open the receiver's pool at /proc/self/fd/999999" in failed["error"]
+
+
+async def test_the_pool_of_a_same_host_receiver_that_left_is_unmapped_without_another_to_map() -> None:
+    """A receiver scaled away, or dead and not restarted: its senders' mappings alone kept its
+    whole pool resident until they mapped some other receiver, which may never come."""
+    writers = (LocalWriter(), LocalWriter())
+    worker = WorkerRuntime("encoder", Config(), name="push-test", engine=RecordingEngine())  # type: ignore[arg-type]
+    worker._use_pool(pool := MemoryPool(4 << 20), writers=writers)
+    assert worker._memory is not None
+    gone, staying = SharedRegion(4 << 20), SharedRegion(4 << 20)
+    for rid, region, nbytes in (("small", gone, 512), ("large", gone, INLINE_COPY_BYTES + 4096),
+                                ("kept", staying, 512), ("kept-large", staying, INLINE_COPY_BYTES + 4096)):
+        worker._memory._staged[rid] = pool.try_alloc(nbytes)
+        base = region.tensor.data_ptr()
+        await worker._memory.push(Push(request_id=rid, session="peer:1", address=base, nbytes=nbytes,
+                                       local=region.describe(base, 4 << 20)))
+    assert all(len(writer._mapped) == 2 for writer in writers)  # each side mapped both receivers
+    os.close(gone._fd)  # as if its process exited: the path no longer names its file
+    with anyio.move_on_after(0.3):
+        await worker._memory.unmap_gone_receivers(period_s=0.01)
+    kept = staying.describe(0, 0).path
+    assert all([path for path, _, _ in writer._mapped] == [kept] for writer in writers)
