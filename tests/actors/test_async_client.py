@@ -9,7 +9,7 @@ import pickle
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -205,29 +205,31 @@ async def test_a_request_id_is_not_reused_on_a_client_until_its_request_ended(fa
                 assert (await client.submit(PARAMS, request_id="job-2")).result.total_ms == 1.0
 
 
-async def test_closing_the_client_ends_the_waits_of_its_submits_at_once(
-    ctx: zmq.asyncio.Context, tmp_path: Path
-) -> None:
-    endpoint = f"ipc://{tmp_path}/nobody"  # no daemon: nothing ever answers
+async def close_under_a_waiting_submit(endpoint: str, submitted: Callable[[], Awaitable[object]]) -> float:
+    """Open a client at ``endpoint``, submit "orphan" from another task, close the client once
+    ``submitted()`` returns; the submit must raise ConnectionError. How long closing took."""
     errors: list[BaseException] = []
-    with anyio.fail_after(5):
-        async with anyio.create_task_group() as tg:
-            client = AsyncClient(endpoint)
-            await client.__aenter__()
+    async with anyio.create_task_group() as tg:
+        client = AsyncClient(endpoint)
+        await client.__aenter__()
 
-            async def wait() -> None:
-                try:
-                    await client.submit(PARAMS, timeout_s=60)
-                except ConnectionError as exc:
-                    errors.append(exc)
+        async def wait() -> None:
+            with pytest.raises(ConnectionError, match="was closed") as closed:
+                await client.submit(PARAMS, request_id="orphan", timeout_s=60)
+            errors.append(closed.value)
 
-            tg.start_soon(wait)
-            await anyio.sleep(0.1)
-            began = time.monotonic()
-            await client.__aexit__(None, None, None)
-            closed_in_s = time.monotonic() - began
-    (error,) = errors
-    assert "was closed" in str(error)
+        tg.start_soon(wait)
+        await submitted()
+        began = time.monotonic()
+        await client.__aexit__(None, None, None)
+        closed_in_s = time.monotonic() - began
+    assert len(errors) == 1
+    return closed_in_s
+
+
+async def test_closing_the_client_ends_the_waits_of_its_submits_at_once(tmp_path: Path) -> None:
+    with anyio.fail_after(5):  # no daemon: nothing ever answers
+        closed_in_s = await close_under_a_waiting_submit(f"ipc://{tmp_path}/nobody", partial(anyio.sleep, 0.1))
     # Its Cancel, which has nowhere to go, lingers on a thread of its own, not on this loop.
     assert closed_in_s < CANCEL_SEND_S / 2
 
@@ -235,22 +237,9 @@ async def test_closing_the_client_ends_the_waits_of_its_submits_at_once(
 async def test_closing_the_client_cancels_its_waiting_requests_at_the_daemon(fake_daemon: FakeDaemon) -> None:
     """Their answers would reach nobody: the daemon should not work on for them."""
     daemon, endpoint = fake_daemon
-    errors: list[BaseException] = []
     with anyio.fail_after(5):
-        async with anyio.create_task_group() as tg:
-            client = AsyncClient(endpoint)
-            await client.__aenter__()
-
-            async def wait() -> None:
-                with pytest.raises(ConnectionError) as closed:
-                    await client.submit(PARAMS, request_id="orphan", timeout_s=60)
-                errors.append(closed.value)
-
-            tg.start_soon(wait)
-            _, _, submit = await daemon.recv_multipart()
-            await client.__aexit__(None, None, None)
+        await close_under_a_waiting_submit(endpoint, daemon.recv_multipart)
         _, _, cancel = await daemon.recv_multipart()
-    assert isinstance(CLIENT_REQUEST.decode(submit), Submit) and len(errors) == 1
     assert CLIENT_REQUEST.decode(cancel) == Cancel(protocol=PROTOCOL_VERSION, request_id="orphan")
 
 
