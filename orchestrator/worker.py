@@ -154,6 +154,7 @@ class WorkerRuntime:
             task_status.started(registered.instance)
             while True:
                 forgotten = await self._serve(registered, dealer, work, work_address)
+                registered = None  # forgotten: a Leaving would go to no one (and wait out its linger)
                 await self._forget_everything(settled=forgotten.settled)
                 registered = await self._register(dealer, work_address, patient=True)
         finally:
