@@ -88,6 +88,14 @@ def _cancel_frame(request_id: str) -> bytes:
     return encode(Cancel(protocol=PROTOCOL_VERSION, request_id=request_id))
 
 
+async def _cancel_at_daemon(sock: zmq.asyncio.Socket, request_ids: list[str]) -> None:
+    """Send a ``Cancel`` for each of ``request_ids`` given up on, whatever cancels the caller,
+    within ``CANCEL_SEND_S``; nothing awaits the answers (they are dropped when they come)."""
+    with anyio.CancelScope(shield=True), anyio.move_on_after(CANCEL_SEND_S):
+        for rid in request_ids:
+            await sock.send_multipart([b"", _cancel_frame(rid)])
+
+
 def _decode_reply(parts: list[bytes]) -> Reply:
     """The reply (an unreadable header raises ``msgspec.DecodeError``). A ``Result`` whose
     frames are not its tensors is a ``Rejected`` for its own request."""
@@ -243,9 +251,7 @@ class AsyncClient:
         await self._tg.__aexit__(None, None, None)
         sock, self._sock = self._sock, None
         # A request still waiting would be answered to nobody: cancel it at the daemon too.
-        with anyio.CancelScope(shield=True), anyio.move_on_after(CANCEL_SEND_S):
-            for rid in list(self._waiting):
-                await sock.send_multipart([b"", _cancel_frame(rid)])
+        await _cancel_at_daemon(sock, list(self._waiting))
         for waiter in self._waiting.values():
             waiter.close()  # a submit still waiting raises ConnectionError now, not at its deadline
         # The Cancels (these, and those of requests given up on) get CANCEL_SEND_S to leave,
@@ -312,8 +318,7 @@ class AsyncClient:
             # awaits. Its answers, the ack included, are dropped when they come.
             self._abandon(rid, wait_s)
             if not sock.closed:  # closed: the client is gone, and the daemon's deadline ends it
-                with anyio.CancelScope(shield=True), anyio.move_on_after(CANCEL_SEND_S):
-                    await sock.send_multipart([b"", _cancel_frame(rid)])
+                await _cancel_at_daemon(sock, [rid])
             if isinstance(exc, TimeoutError):
                 raise TimeoutError(f"no reply from {self.endpoint} for {rid!r} within {wait_s:.1f}s (its deadline "
                                    f"and {GRACE_S:g} s of grace)") from None
