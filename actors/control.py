@@ -125,6 +125,7 @@ class ControlActor:
                         session=slots.session,
                         slots_free=slots.slots_free,
                         slots_total=slots.slots_total,
+                        slots_finishing=slots.slots_finishing,
                         prealloc_free=prealloc.free if prealloc else 0,
                         prealloc_total=prealloc.total if prealloc else 0,
                         served=slots.served,

@@ -16,6 +16,7 @@ freed at its worker).
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
 from collections.abc import Callable
@@ -33,6 +34,7 @@ from actors.mail import (
     Job,
     PoolMail,
     Release,
+    RunEnded,
     Send,
     Stepped,
     TrackerMail,
@@ -54,6 +56,7 @@ from transfer.protocol import (
     SlotInfo,
     Staged,
     Step,
+    Stopped,
     Work,
     WorkOrder,
     hop_name,
@@ -87,6 +90,7 @@ class Handoffs:
         self.slow: dict[str, int] = {}
         self.late = 0  # reports about requests that had already ended: counted, then dropped
         self._quarantine: deque[tuple[float, Flight]] = deque()  # (release at, doomed flight)
+        self._acks = itertools.count(1)  # for the Aborts of running stages, answered by Stopped
 
     # ------------------------------------------------------------------ workers
 
@@ -260,6 +264,14 @@ class Handoffs:
             return
         self._tracker.post(Stepped(request_id=msg.request_id, step=msg.step, steps=msg.steps))
 
+    def stopped(self, link: Link, msg: Stopped) -> None:
+        """A run an Abort stopped at ``link`` is over: the slot it held is free."""
+        if link.finishing.get(msg.ack) == msg.request_id:
+            del link.finishing[msg.ack]
+            self._pools[link.role].post(RunEnded(instance=link.instance))
+        else:
+            self.late += 1  # not an ack this worker owes: repeated or forged
+
     # ------------------------------------------------------------------ ends
 
     def _end(self, flight: Flight, *, pushing: bool, outcome: bool | None = None) -> None:
@@ -272,8 +284,18 @@ class Handoffs:
         current instance's stage ended (None: the request ended elsewhere).
         """
         rid = flight.request_id
-        self._pools[flight.role].post(Release(request_id=rid, instance=flight.instance, ok=outcome))
-        self._order(flight.role, flight.instance, Abort(request_id=rid))
+        running = self._links.get(flight.instance) if flight.state == FlightState.RUNNING and outcome is None else None
+        if running is not None:
+            # Its stage may compute on (a pass cannot stop early, a loop stops at its next
+            # step): the slot stays taken until the worker answers this Abort's ack.
+            ack = next(self._acks)
+            running.finishing[ack] = rid
+            self._pools[flight.role].post(Release(request_id=rid, instance=flight.instance, ok=outcome,
+                                                  finishing=True))
+            self._order(flight.role, flight.instance, Abort(request_id=rid, ack=ack))
+        else:
+            self._pools[flight.role].post(Release(request_id=rid, instance=flight.instance, ok=outcome))
+            self._order(flight.role, flight.instance, Abort(request_id=rid))
         self._recycle_input(flight)
         if flight.receiver is not None:
             self._pools[flight.receiver_role].post(Release(request_id=rid, instance=flight.receiver, ok=None))

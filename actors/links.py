@@ -33,6 +33,9 @@ class Link:
     # none before it is reached.
     suspect: bool = True
     push_failed_at: float | None = None  # a push into it failed then, and it has been silent since
+    # Runs of ended requests it is finishing, by the ack of their Abort: each holds a slot
+    # of its pool until its Stopped comes back (or the link goes, and its slots with it).
+    finishing: dict[int, str] = field(default_factory=dict)
 
     def holds(self, address: int, nbytes: int) -> bool:
         return self.pool_base <= address and address + nbytes <= self.pool_base + self.pool_size

@@ -232,15 +232,24 @@ class Release(Mail):
     """``instance`` no longer holds ``request_id``: its slot is free.
 
     ``ok`` counts the stage as served (True) or failed (False); None returns a reservation
-    that was never used.
+    that was never used. ``finishing``: the request ended while its stage ran there, and
+    the run goes on until its next step or the end of its pass: the slot stays taken, no
+    longer the request's, until the ``RunEnded`` that says the run is over.
     """
 
     request_id: str
     instance: str
     ok: bool | None
+    finishing: bool = False
 
 
-PoolMail = Dispatch | Join | Leave | Suspect | Send | Release | Forget | QueryStats
+class RunEnded(Mail):
+    """A run ``Release(finishing=True)`` left holding a slot of ``instance`` has ended."""
+
+    instance: str
+
+
+PoolMail = Dispatch | Join | Leave | Suspect | Send | Release | RunEnded | Forget | QueryStats
 
 
 # --------------------------------------------------------------------------- negotiator

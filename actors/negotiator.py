@@ -73,6 +73,7 @@ from transfer.protocol import (
     Staged,
     StageLimits,
     Step,
+    Stopped,
     WorkerMessage,
     encode,
 )
@@ -287,6 +288,8 @@ class TransferNegotiator:
                 self._handoffs.done(link, msg, frames)
             case Step():
                 self._handoffs.step(link, msg)
+            case Stopped():
+                self._handoffs.stopped(link, msg)
             case Register():
                 pass  # only a message's first report registers
 

@@ -1,7 +1,8 @@
 """PoolActor: one per role. Membership, free slots, the dispatch policy, work sockets.
 
 A slot is the unit of a worker's capacity: taken when a job is dispatched to (or a hand-off
-reserved at) an instance, given back when that instance no longer holds the request. The
+reserved at) an instance, given back when that instance no longer holds the request, or,
+for a request that ended while its stage ran there, when that run is over. The
 pool is the only sender on each instance's PUSH socket; every order is prefixed with the
 key the worker was given at registration, so nobody else can drive a worker. An instance
 the negotiator suspects (silent, or a push into it failed) keeps its slots but is offered none,
@@ -33,6 +34,7 @@ from actors.mail import (
     PoolMail,
     QueryStats,
     Release,
+    RunEnded,
     Send,
     Stuck,
     Suspect,
@@ -55,6 +57,7 @@ class Instance:
     capacity: int
     socket: zmq.Socket
     free: int = 0
+    finishing: int = 0  # slots held by runs of requests that ended, until those runs end
     served: int = 0
     failed: int = 0
     # Its free slots are withheld from admission and dispatch: from its join until its
@@ -71,6 +74,7 @@ class InstanceSlots(msgspec.Struct, frozen=True):
     session: str
     slots_free: int
     slots_total: int
+    slots_finishing: int
     served: int
     failed: int
     suspect: bool
@@ -143,7 +147,7 @@ class PoolActor:
                                                    avoid=frozenset({instance})))
                     return
                 self._send(inst, order)
-            case Release(request_id=rid, instance=instance, ok=ok):
+            case Release(request_id=rid, instance=instance, ok=ok, finishing=finishing):
                 if self._holds.get(rid) != instance:
                     return
                 inst = self._instances[instance]
@@ -151,7 +155,18 @@ class PoolActor:
                     inst.served += 1
                 elif ok is False:
                     inst.failed += 1
-                self._give_back(inst, rid)
+                self._let_go(inst, rid)
+                if finishing:
+                    # Not the request's any more (its id may come back in a new request),
+                    # but busy: given work now, the worker would hold it behind that run.
+                    inst.finishing += 1
+                else:
+                    self._give_slot(inst)
+            case RunEnded(instance=instance):
+                inst = self._instances.get(instance)
+                if inst is not None and inst.finishing > 0:
+                    inst.finishing -= 1
+                    self._give_slot(inst)
             case Forget(request_id=rid):
                 # Slots stay held: the negotiator frees them once the request's transfers
                 # are safely over. Passing the Forget on after any Placed this pool posted
@@ -172,8 +187,8 @@ class PoolActor:
                 self._leave(instance, reason, message)
             case QueryStats(reply=reply):
                 reply_once(reply, PoolStats(self.role, [
-                    InstanceSlots(i.instance, i.name, i.address, i.session, i.free, i.capacity, i.served, i.failed,
-                                  i.suspect)
+                    InstanceSlots(i.instance, i.name, i.address, i.session, i.free, i.capacity, i.finishing,
+                                  i.served, i.failed, i.suspect)
                     for i in self._instances.values()
                 ], self._inbox.counts()))
 
@@ -183,9 +198,11 @@ class PoolActor:
         self._holds[rid] = inst.instance
         self._policy.update(inst.instance, inst.free)
 
-    def _give_back(self, inst: Instance, rid: str) -> None:
+    def _let_go(self, inst: Instance, rid: str) -> None:
         del self._holds[rid]
         inst.holding.discard(rid)
+
+    def _give_slot(self, inst: Instance) -> None:
         inst.free += 1
         if not inst.suspect:
             self._policy.update(inst.instance, inst.free)

@@ -1,7 +1,8 @@
 """Workers that answer every order at once and move no data: the control-plane benchmark's peers.
 
 They speak the real worker protocol over real sockets (register with the token, heartbeat,
-answer Probe with Probed, Work/Ready with Staged or Done, Alloc with Allocated, Push with Pushed), so the
+answer Probe with Probed, Work/Ready with Staged or Done, Alloc with Allocated, Push with Pushed, an
+Abort's ack with Stopped), so the
 daemon cannot tell them from real workers; they skip the compute and the Mooncake write.
 What remains is the daemon's own cost per request, the figure the reference head was
 measured by (zero-work fake workers; docs/benchmarks.md). All of them share one
@@ -22,6 +23,7 @@ from transfer.protocol import (
     DAEMON_TO_WORKER,
     PROTOCOL_VERSION,
     WORK_ORDER,
+    Abort,
     Alloc,
     Allocated,
     Done,
@@ -37,6 +39,7 @@ from transfer.protocol import (
     Role,
     SlotInfo,
     Staged,
+    Stopped,
     TensorSpec,
     Work,
     encode,
@@ -74,7 +77,9 @@ class InstantWorker:
                 return encode(Pushed(request_id=rid, ok=True, transfer_ms=0.0)), []
             case Probe(instance=instance):
                 return encode(Probed(instance=instance)), []
-        return None  # Abort: nothing is held, so there is nothing to free.
+            case Abort(request_id=rid, ack=ack) if ack is not None:
+                return encode(Stopped(request_id=rid, ack=ack)), []  # nothing ever runs on here
+        return None  # any other Abort: nothing is held, so there is nothing to free
 
     def take_orders(self) -> None:
         """Answer every order queued on the work socket; the reports leave as a real worker's do."""

@@ -92,6 +92,9 @@ def _instance_metrics(stats: Stats) -> Iterator[Metric]:
     families = {
         "slots_free": GaugeMetricFamily("triptych_worker_slots_free", "Free capacity slots", labels=INSTANCE_LABELS),
         "slots_total": GaugeMetricFamily("triptych_worker_slots", "Capacity slots", labels=INSTANCE_LABELS),
+        "slots_finishing": GaugeMetricFamily("triptych_worker_slots_finishing",
+                                             "Slots held by stage runs of requests that ended, until those runs end",
+                                             labels=INSTANCE_LABELS),
         "prealloc_free": GaugeMetricFamily("triptych_worker_prealloc_free", "Free preallocated receive slots",
                                            labels=INSTANCE_LABELS),
         "prealloc_total": GaugeMetricFamily("triptych_worker_prealloc", "Preallocated receive slots",

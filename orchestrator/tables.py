@@ -50,6 +50,7 @@ def workers_table(instances: list[InstanceStats]) -> str:
         lines.append(
             f"{i.instance:<{iw}} {i.role:<9} {i.name:<{nw}} {i.slots_free:>3}/{i.slots_total:<3} "
             f"{i.prealloc_free:>4}/{i.prealloc_total:<4} {i.served:>7} {i.failed:>7}  {i.address}"
+            + (f"  ({i.slots_finishing} held by runs of ended requests)" if i.slots_finishing else "")
             + ("  (suspect: no new work)" if i.suspect else "")
         )
     return "\n".join(lines)

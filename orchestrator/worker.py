@@ -61,6 +61,7 @@ from transfer.protocol import (
     RegisterRefused,
     Role,
     Step,
+    Stopped,
     TensorSpec,
     Work,
     WorkOrder,
@@ -114,6 +115,7 @@ class WorkerRuntime:
         self._compute = anyio.CapacityLimiter(self._wcfg.compute_threads)
         self._scopes: dict[str, anyio.CancelScope] = {}  # compute and alloc tasks, by request
         self._runs: dict[str, RunControl] = {}  # stage runs, by request: stopped, they end at their next step
+        self._owed: dict[anyio.CancelScope, Stopped] = {}  # said once the task of that scope has ended
         self._log = log.bind(role=role, worker=self.name)
         self._peer_log = Throttled(self._log)  # what anyone reaching the work socket can make it say
         self._work_address: str | None = None  # once bound
@@ -331,8 +333,8 @@ class WorkerRuntime:
                 # No Abort cancels a push: the daemon awaits its Pushed. Only the end of the
                 # registration does (forgotten or leaving), when the daemon awaits nothing.
                 tg.start_soon(memory.push, order)
-            case Abort(request_id=rid):
-                self._abort(rid)
+            case Abort(request_id=rid, ack=ack):
+                self._abort(rid, ack)
 
     def _busy_with(self, order: WorkOrder) -> bool:
         """Whether ``order``'s request already has work or memory here that it would clash
@@ -360,12 +362,23 @@ class WorkerRuntime:
             finally:
                 if self._scopes.get(rid) is scope:
                     del self._scopes[rid]
+                stopped = self._owed.pop(scope, None)
+                if stopped is not None:
+                    self._report(stopped)
 
-    def _abort(self, rid: str) -> None:
+    def _abort(self, rid: str, ack: int | None) -> None:
         assert self._memory is not None
         scope = self._scopes.pop(rid, None)
         if scope is not None:
             scope.cancel()
+        if ack is not None:
+            # The daemon holds this worker's slot until the run is over: a stage thread
+            # goes on until its next step or the end of its pass, whatever the scope says.
+            stopped = Stopped(request_id=rid, ack=ack)
+            if scope is None:
+                self._report(stopped)
+            else:
+                self._owed[scope] = stopped
         control = self._runs.pop(rid, None)
         if control is not None:
             control.stop()  # the stage's thread cannot be cancelled, only asked to stop

@@ -24,7 +24,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 Role = Literal["encoder", "denoiser", "decoder"]
 ROLES: tuple[Role, ...] = ("encoder", "denoiser", "decoder")
@@ -200,6 +200,9 @@ class InstanceStats(Plain):
     session: str
     slots_free: int
     slots_total: int
+    # Taken by a stage run whose request ended (cancelled, timed out, failed elsewhere)
+    # while it computed: held until the worker says the run is over.
+    slots_finishing: int
     prealloc_free: int
     prealloc_total: int
     served: int
@@ -462,9 +465,23 @@ STAGE_REASONS = frozenset({Reason.STAGE_FAILED, Reason.INVALID, Reason.TRANSFER_
 
 
 class Abort(Wire):
-    """Daemon -> worker: drop this request and free everything it holds."""
+    """Daemon -> worker: drop this request and free everything it holds.
+
+    ``ack`` is set when the daemon holds the worker's capacity slot until the request's stage
+    run there has ended (an encoder or decoder pass cannot stop early, a denoiser stops at its
+    next step): the worker answers ``Stopped`` with it then, or at once if nothing of the
+    request runs there.
+    """
 
     request_id: str
+    ack: NonNegative | None = None
+
+
+class Stopped(Wire):
+    """Worker -> daemon: the stage run an ``Abort`` with ``ack`` stopped has ended."""
+
+    request_id: str
+    ack: NonNegative
 
 
 class Step(Wire):
@@ -476,7 +493,9 @@ class Step(Wire):
     steps: NonNegative
 
 
-WorkerMessage = Register | Probed | Heartbeat | Leaving | Staged | Allocated | AllocRejected | Pushed | Done | Step
+WorkerMessage = (
+    Register | Probed | Heartbeat | Leaving | Staged | Allocated | AllocRejected | Pushed | Done | Step | Stopped
+)
 DaemonToWorker = Registered | RegisterRefused
 WorkOrder = Work | Alloc | Push | Ready | Abort | Probe
 

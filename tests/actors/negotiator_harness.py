@@ -232,9 +232,15 @@ async def encoder_and_denoiser(ctx: zmq.asyncio.Context, tmp_path: Path, *, slot
         yield n, encoder, denoiser
 
 
-def released(rid: str, worker: FakeWorker, ok: bool | None = None) -> Release:
-    return Release(request_id=rid, instance=worker.instance, ok=ok)
+def released(rid: str, worker: FakeWorker, ok: bool | None = None, *, finishing: bool = False) -> Release:
+    return Release(request_id=rid, instance=worker.instance, ok=ok, finishing=finishing)
 
 
-def aborted(rid: str, worker: FakeWorker) -> Send:
-    return Send(instance=worker.instance, order=Abort(request_id=rid))
+def aborted(rid: str, worker: FakeWorker, ack: int | None = None) -> Send:
+    return Send(instance=worker.instance, order=Abort(request_id=rid, ack=ack))
+
+
+def stopped_while_running(rid: str, worker: FakeWorker, ack: int) -> list[Any]:
+    """What ending ``rid`` while its stage runs at ``worker`` posts to that worker's pool: the
+    slot held until the run ends, and an Abort whose ``ack`` the worker answers then."""
+    return [released(rid, worker, finishing=True), aborted(rid, worker, ack)]

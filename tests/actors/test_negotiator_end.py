@@ -20,7 +20,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from actors.mail import Enqueue, Failed, Farewell, Forget, HandedOff, Join, Leave, Placed, Send, Tick
+from actors.mail import Enqueue, Failed, Farewell, Forget, HandedOff, Join, Leave, Placed, RunEnded, Send, Tick
 from actors.negotiator import PreallocCounts
 from tests.actors.negotiator_harness import (
     MANIFEST,
@@ -40,6 +40,7 @@ from tests.actors.negotiator_harness import (
     released,
     running_negotiator,
     stage_encoder_output,
+    stopped_while_running,
     wait_late,
 )
 from transfer.protocol import (
@@ -55,6 +56,7 @@ from transfer.protocol import (
     RegisterRefused,
     Role,
     Staged,
+    Stopped,
     TensorSpec,
     Work,
     encode,
@@ -96,7 +98,7 @@ async def test_forget_while_the_encoder_runs_releases_and_aborts_it(ctx: zmq.asy
             assert await n.pools["encoder"].receive() == Send(instance=encoder.instance,
                                                               order=Work(request_id="r1", params=PARAMS))
             await forget(n, "r1")
-            assert n.take("encoder") == [released("r1", encoder), aborted("r1", encoder)]
+            assert n.take("encoder") == stopped_while_running("r1", encoder, ack=1)
             n.assert_silent()
             await forget(n, "r1", times=2)  # the other pools' copies find nothing
             n.assert_silent()
@@ -104,6 +106,34 @@ async def test_forget_while_the_encoder_runs_releases_and_aborts_it(ctx: zmq.asy
             await encoder.report(Staged(request_id="r1", nbytes=NBYTES, manifest=MANIFEST, compute_ms=1.0))
             assert (await wait_late(n, 1)).late_reports == 1
             assert n.take("encoder") == [aborted("r1", encoder)]
+            n.assert_silent()
+            # Its pass over, the encoder answers the ack: the slot the run held is free.
+            await encoder.report(Stopped(request_id="r1", ack=1))
+            assert await n.pools["encoder"].receive() == RunEnded(instance=encoder.instance)
+            n.assert_silent()
+
+
+async def test_only_the_worker_owing_an_ack_frees_a_slot_with_it_and_only_once(
+    ctx: zmq.asyncio.Context, tmp_path: Path
+) -> None:
+    with anyio.fail_after(5):
+        async with (
+            running_negotiator(ctx, tmp_path) as n,
+            fake_worker(ctx, n, "encoder") as encoder,
+            fake_worker(ctx, n, "denoiser", slots=1) as denoiser,
+        ):
+            n.inbox.post(Placed(job=job("r1", "encoder"), instance=encoder.instance))
+            assert isinstance(await n.pools["encoder"].receive(), Send)
+            await forget(n, "r1")
+            assert n.take("encoder") == stopped_while_running("r1", encoder, ack=1)
+            # Another worker, the wrong request, then the right one twice: one slot, once.
+            await denoiser.report(Stopped(request_id="r1", ack=1))
+            await encoder.report(Stopped(request_id="r2", ack=1))
+            await wait_late(n, 2)
+            await encoder.report(Stopped(request_id="r1", ack=1))
+            assert await n.pools["encoder"].receive() == RunEnded(instance=encoder.instance)
+            await encoder.report(Stopped(request_id="r1", ack=1))
+            await wait_late(n, 3)
             n.assert_silent()
 
 
@@ -119,7 +149,7 @@ async def test_forget_while_running_at_a_receiver_recycles_its_input_slot(
             stats = await n.stats()
             assert stats.prealloc[denoiser.instance] == PreallocCounts(2, 2)
             assert stats.handoffs_in_flight == 0
-            assert n.take("denoiser") == [released("r1", denoiser), aborted("r1", denoiser)]
+            assert n.take("denoiser") == stopped_while_running("r1", denoiser, ack=1)
             n.assert_silent()  # the encoder's part was over at the hand-off
             await forget(n, "r1", times=2)  # a second recycle of the slot would raise in the actor
             assert (await n.stats()).prealloc[denoiser.instance] == PreallocCounts(2, 2)

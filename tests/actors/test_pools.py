@@ -28,6 +28,7 @@ from actors.mail import (
     Placed,
     PoolMail,
     Release,
+    RunEnded,
     Send,
     Stuck,
     Suspect,
@@ -335,6 +336,29 @@ async def test_unused_release_frees_the_slot_without_counting(ctx: zmq.asyncio.C
             pool.inbox.post(Release(request_id="r1", instance="denoiser-1", ok=True))  # a second one
             [inst] = (await pool.stats()).instances
             assert (inst.slots_free, inst.served, inst.failed) == (2, 0, 0)
+            assert_empty(pool.admission)
+
+
+async def test_a_run_that_outlives_its_request_holds_its_slot_until_it_ends(
+    ctx: zmq.asyncio.Context, tmp_path: Path
+) -> None:
+    """Release(finishing=True): the request lets go, its run does not. The slot is neither
+    offered nor credited until RunEnded, and the request id is free for a new request."""
+    with anyio.fail_after(5):
+        async with fake_worker(ctx, tmp_path) as (address, _), running_pool("denoiser", ctx) as pool:
+            await pool.join(address, capacity=1)
+            await pool.dispatch("r1")
+            pool.inbox.post(Release(request_id="r1", instance="denoiser-1", ok=None, finishing=True))
+            [inst] = (await pool.stats()).instances
+            assert (inst.slots_free, inst.slots_finishing) == (0, 1)
+            assert_empty(pool.admission)
+            pool.inbox.post(RunEnded(instance="denoiser-1"))
+            assert await pool.admission.receive() == Credit(role="denoiser", delta=1)
+            await pool.dispatch("r1")  # the id again, a new request: held as any other
+            pool.inbox.post(RunEnded(instance="denoiser-1"))  # none owed: nothing to give back
+            pool.inbox.post(RunEnded(instance="denoiser-9"))
+            [inst] = (await pool.stats()).instances
+            assert (inst.slots_free, inst.slots_finishing) == (0, 0)
             assert_empty(pool.admission)
 
 

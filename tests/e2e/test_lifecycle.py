@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 
@@ -16,17 +17,19 @@ import msgspec
 import pytest
 import zmq
 
-from orchestrator.client import AsyncClient, Client, Rejection
+from orchestrator.client import AsyncClient, Client, Generation, Rejection
 from orchestrator.cluster import LocalCluster
 from tests.e2e.conftest import StartCluster, all_free, cluster_config, config_variant, wait_for
 from transfer.protocol import (
     DAEMON_TO_WORKER,
     PROTOCOL_VERSION,
     GenParams,
+    InstanceStats,
     Reason,
     Register,
     RegisterRefused,
     Staged,
+    Stats,
     Submit,
     encode,
 )
@@ -44,6 +47,13 @@ def rejected_reason(client: Client, params: GenParams, **kw: object) -> Reason:
     return caught.value.reason
 
 
+def with_finished_runs(stats: Stats) -> Stats:
+    """``stats`` as if every run of an ended request still computing were over."""
+    return msgspec.structs.replace(stats, instances=[
+        msgspec.structs.replace(i, slots_free=i.slots_free + i.slots_finishing, slots_finishing=0)
+        for i in stats.instances])
+
+
 def test_deadline_mid_pipeline_times_out_and_frees_everything(start_cluster: StartCluster) -> None:
     cluster = start_cluster(**{"model.null": {"decoder_ms": 5000.0}})  # one pass: a stop cannot cut it short
     endpoint = cluster.config.daemon.client_endpoint
@@ -53,18 +63,21 @@ def test_deadline_mid_pipeline_times_out_and_frees_everything(start_cluster: Sta
     expired = time.monotonic()
     assert caught.value.reason == Reason.TIMED_OUT
     assert "decoding" in caught.value.rejected.message
-    freed = wait_for(cluster, all_free, timeout_s=3)
+    # The request holds nothing any more; the decoder's pass, which cannot stop, keeps the
+    # one capacity slot it computes in (slots_finishing) until it ends.
+    freed = wait_for(cluster, lambda s: all_free(with_finished_runs(s)), timeout_s=3)
     assert time.monotonic() - expired < 4, "released at expiry, not when the decoder finished"
     assert freed.failed_by_reason == {"timed_out": 1}
+    assert [(i.role, i.slots_finishing) for i in freed.instances if i.slots_finishing] == [("decoder", 1)]
     assert "worker.output_dropped" not in cluster.log_of("decoder0")  # still running
-    # The decoder finishes its run later; aborted meanwhile, it drops its output, and
-    # nothing changes at the daemon.
+    # The decoder finishes its run later; aborted meanwhile, it drops its output, and its
+    # slot comes back.
     deadline = time.monotonic() + 15
     while "worker.output_dropped" not in cluster.log_of("decoder0"):
         assert time.monotonic() < deadline, "the decoder never finished its run"
         time.sleep(0.05)
-    after = cluster.control.stats()
-    assert all_free(after) and after.completed == 0 and after.failed_by_reason == {"timed_out": 1}
+    after = wait_for(cluster, all_free, timeout_s=3)
+    assert after.completed == 0 and after.failed_by_reason == {"timed_out": 1}
     assert after.late_reports == 0
     with Client(endpoint) as client:
         assert client.submit(p(2), timeout_s=20).result.request_id
@@ -88,6 +101,38 @@ def test_a_request_that_ends_mid_denoise_stops_the_denoiser_at_its_next_step(sta
     assert time.monotonic() - started < 5.0
     stopped = [json.loads(line) for line in cluster.log_of("denoiser0").splitlines() if "worker.stage_stopped" in line]
     assert len(stopped) == 1 and stopped[0]["ran_ms"] < 1500
+    stats = wait_for(cluster, all_free)
+    assert (stats.completed, stats.failed_by_reason, stats.late_reports) == (1, {"timed_out": 1}, 0)
+
+
+def test_a_request_that_ends_mid_decode_holds_the_decoders_slot_until_the_pass_ends(
+    start_cluster: StartCluster
+) -> None:
+    """A decoder pass cannot stop early: its slot is the pass's until the worker says it
+    ended, so the next request waits at the daemon (where any decoder that frees may take
+    it), not inside a worker that is busy with nobody's image."""
+    cluster = start_cluster(layout={"encoder": 1, "denoiser": 1, "decoder": 1}, **{
+        "model.null": {"decoder_ms": 2000.0}, "workers.decoder": {"capacity": 1}})
+
+    def decoder(stats: Stats) -> InstanceStats:
+        return next(i for i in stats.instances if i.role == "decoder")
+
+    with Client(cluster.config.daemon.client_endpoint) as client:
+        with pytest.raises(Rejection) as caught:
+            client.submit(p(1), timeout_s=0.6)
+        assert "decoding" in caught.value.rejected.message
+        ended = time.monotonic()
+        def submit_another() -> Generation:
+            with Client(cluster.config.daemon.client_endpoint) as other:
+                return other.submit(p(2), timeout_s=20)
+
+        with ThreadPoolExecutor(1) as pool:
+            second = pool.submit(submit_another)
+            busy = wait_for(cluster, lambda s: s.queue_depths["decoder"] == 1, timeout_s=1.0)
+            assert (decoder(busy).slots_free, decoder(busy).slots_finishing) == (0, 1)
+            wait_for(cluster, lambda s: decoder(s).slots_finishing == 0)
+            assert time.monotonic() - ended > 0.8  # not before the ~1.4 s the pass had left
+            assert second.result().result.request_id  # on the slot the pass gave back
     stats = wait_for(cluster, all_free)
     assert (stats.completed, stats.failed_by_reason, stats.late_reports) == (1, {"timed_out": 1}, 0)
 

@@ -14,7 +14,7 @@ STATS = Stats(
     completed=40, failed_by_reason={"timed_out": 2}, late_reports=1, mailboxes={"tracker": 9},
     mail_handled={"tracker": 120}, retried=3,
     instances=[InstanceStats(instance="denoiser-2", role="denoiser", name="gpu3", address="tcp://h:1", session="h:2",
-                             slots_free=1, slots_total=2, prealloc_free=0, prealloc_total=2, served=17, failed=1,
+                             slots_free=0, slots_total=2, slots_finishing=1, prealloc_free=0, prealloc_total=2, served=17, failed=1,
                              alive=True, suspect=True)],
 )
 
@@ -43,8 +43,9 @@ def test_every_stats_figure_becomes_a_labelled_sample() -> None:
         "triptych_late_reports_total 1.0",
         'triptych_mailbox_peak{actor="tracker"} 9.0',
         'triptych_mail_handled_total{actor="tracker"} 120.0',
-        f"triptych_worker_slots_free{{{worker}}} 1.0",
+        f"triptych_worker_slots_free{{{worker}}} 0.0",
         f"triptych_worker_slots{{{worker}}} 2.0",
+        f"triptych_worker_slots_finishing{{{worker}}} 1.0",
         f"triptych_worker_prealloc_free{{{worker}}} 0.0",
         f"triptych_worker_prealloc{{{worker}}} 2.0",
         f"triptych_worker_served_total{{{worker}}} 17.0",

@@ -32,6 +32,7 @@ from transfer.protocol import (
     Ready,
     Staged,
     Step,
+    Stopped,
     TensorSpec,
     Work,
     encode,
@@ -225,3 +226,20 @@ async def test_compute_time_counts_from_when_a_compute_thread_takes_the_run() ->
         staged = await reports(w, 2)
     assert sorted(r.request_id for r in staged) == ["r1", "r2"]
     assert all(300 <= r.compute_ms < 450 for r in staged), [r.compute_ms for r in staged]
+
+
+async def test_an_abort_with_an_ack_is_answered_once_the_run_it_stopped_has_ended() -> None:
+    """The daemon holds the worker's slot until then: a pass that cannot stop early (the
+    null encoder's 300 ms) answers at its end, a run still waiting for the compute thread and
+    a request with nothing running here answer at once, and nothing is staged."""
+    cfg = Config(model=ModelConfig(kind="null", null=NullStageConfig(encoder_ms=300.0)))
+    async with worker("encoder", cfg=cfg) as w:
+        w.send(Work(request_id="r1", params=PARAMS), Work(request_id="r2", params=PARAMS))
+        await anyio.sleep(0.05)  # r1 has the compute thread, r2 waits for it
+        aborted_at = time.monotonic()
+        w.send(Abort(request_id="r1", ack=7), Abort(request_id="r2", ack=8), Abort(request_id="r9", ack=9))
+        at_once = await reports(w, 2, settle_s=0.0)
+        assert sorted(at_once, key=lambda r: r.ack) == [Stopped(request_id="r2", ack=8), Stopped(request_id="r9", ack=9)]
+        assert await reports(w, 1) == [Stopped(request_id="r1", ack=7)]
+        assert time.monotonic() - aborted_at >= 0.2  # not before the pass was over
+        assert w._pool.allocated_blocks == 0 and not w._owed
