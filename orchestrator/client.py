@@ -349,6 +349,9 @@ class AsyncClient:
         return reply
 
     async def cancel(self, request_id: str, *, timeout_s: float = 10.0) -> bool:
+        """Cancel ``request_id`` at the daemon; whether it was still there to cancel. Raises
+        ``TimeoutError`` if the daemon does not answer within ``timeout_s``, or
+        ``ConnectionError`` if the client is closed meanwhile."""
         # The Cancelled ack and the request's own Rejected share the id; acks go by a
         # separate DEALER so the two answers cannot be confused.
         checked_s(timeout_s)
@@ -362,6 +365,14 @@ class AsyncClient:
             await sock.send_multipart([b"", _cancel_frame(request_id)])
             with anyio.fail_after(timeout_s):
                 parts = await sock.recv_multipart()
+        except asyncio.CancelledError:
+            # Closing the client closes this socket, which cancels the wait on it: that is
+            # no cancellation of the caller's task, and must not read as one.
+            task = asyncio.current_task()
+            if sock.closed and task is not None and not task.cancelling():
+                raise ConnectionError(f"the client of {self.endpoint} was closed while cancelling {request_id!r}") \
+                    from None
+            raise
         finally:
             self._cancelling.discard(sock)
             sock.close(linger=0)

@@ -243,6 +243,26 @@ async def test_closing_the_client_cancels_its_waiting_requests_at_the_daemon(fak
     assert CLIENT_REQUEST.decode(cancel) == Cancel(protocol=PROTOCOL_VERSION, request_id="orphan")
 
 
+async def test_closing_the_client_under_a_waiting_cancel_raises_connection_error(fake_daemon: FakeDaemon) -> None:
+    """Not CancelledError: the caller's task was not cancelled, and would take it for that."""
+    daemon, endpoint = fake_daemon
+    errors: list[BaseException] = []
+    with anyio.fail_after(5):
+        async with anyio.create_task_group() as tg:
+            client = AsyncClient(endpoint)
+            await client.__aenter__()
+
+            async def cancel() -> None:
+                with pytest.raises(ConnectionError, match="closed while cancelling 'r1'") as closed:
+                    await client.cancel("r1", timeout_s=60)
+                errors.append(closed.value)
+
+            tg.start_soon(cancel)
+            await daemon.recv_multipart()  # the Cancel arrived; the daemon never answers
+            await client.__aexit__(None, None, None)
+    assert len(errors) == 1
+
+
 async def test_an_async_client_serves_only_the_event_loop_that_opened_it(tmp_path: Path) -> None:
     """Its reader runs on that loop: a submit from another thread's loop would wait out its
     deadline for an answer that had come, and then blame the daemon."""
