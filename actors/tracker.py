@@ -37,6 +37,7 @@ from actors.mail import (
     TrackerMail,
 )
 from actors.mailbox import Mailbox, MailboxCounts
+from actors.pace import Pace, pixels
 from actors.states import ACTIVE_BY_ROLE, WHERE, RequestState, check_move
 from transfer.protocol import Progress, Reason, Rejected, Result, StageTiming, next_role
 
@@ -50,7 +51,11 @@ class Entry:
     admitted_at: float
     stage_started: float
     progress: bool  # its client wants Progress messages
+    px: int  # pixels it makes, for its estimate (actors/pace.py)
+    steps: int  # denoising steps, as asked, then as its denoiser reports them
     stages: list[StageTiming] = field(default_factory=list)
+    first_step: tuple[float, int] | None = None  # (when, steps done) at its first step report
+    own_step_ms: float | None = None  # its denoiser's pace since then
 
 
 class TrackerStats(msgspec.Struct, frozen=True):
@@ -78,6 +83,7 @@ class TrackerActor:
         self._completed = 0
         self._failed: dict[str, int] = {}
         self._drained: anyio.Event | None = None
+        self._pace = Pace()
         self._log = log.bind(actor="tracker")
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
@@ -89,7 +95,8 @@ class TrackerActor:
                        submitted_at=submitted_at, avoid=avoid):
                 now = time.monotonic()
                 deadline = now + timeout_s
-                entry = self._table[rid] = Entry(RequestState.ENCODING, deadline, submitted_at, now, progress)
+                entry = self._table[rid] = Entry(RequestState.ENCODING, deadline, submitted_at, now, progress,
+                                                 pixels(params), params.steps)
                 heapq.heappush(self._deadlines, (deadline, rid))
                 self._compact_deadlines()
                 self._admission.post(Enqueue(job=Job(request_id=rid, role="encoder", params=params, priority=priority,
@@ -106,7 +113,9 @@ class TrackerActor:
             case Stepped(request_id=rid, step=step, steps=steps):
                 entry = self._table.get(rid)
                 if entry is not None:
-                    self._tell_progress(rid, entry, time.monotonic(), step=step, steps=steps)
+                    now = time.monotonic()
+                    self._stepped(entry, now, step, steps)
+                    self._tell_progress(rid, entry, now, step=step, steps=steps)
             case Queued(request_id=rid, role=role, position=position):
                 entry = self._table.get(rid)
                 if entry is not None:
@@ -144,19 +153,35 @@ class TrackerActor:
                 via=mail.via,
             )
         )
+        if mail.role == "encoder":
+            self._pace.encoded(mail.compute_ms, mail.transfer_ms)
+        else:
+            self._pace.denoised(mail.compute_ms, mail.transfer_ms, steps=entry.steps, px=entry.px)
         following = next_role(mail.role)
         assert following is not None, "the decoder hands nothing off"
         self._move(entry, ACTIVE_BY_ROLE[following])
         entry.stage_started = now
         self._tell_progress(mail.request_id, entry, now)
 
+    @staticmethod
+    def _stepped(entry: Entry, now: float, done: int, steps: int) -> None:
+        """Its denoiser reported ``done`` of ``steps``: its own pace, from its second report on."""
+        entry.steps = steps or entry.steps
+        if entry.first_step is None:
+            entry.first_step = (now, done)
+        elif done > entry.first_step[1]:
+            entry.own_step_ms = (now - entry.first_step[0]) * 1000 / (done - entry.first_step[1])
+
     def _tell_progress(self, rid: str, entry: Entry, now: float, *, state: RequestState | None = None,
                        step: int = 0, steps: int = 0, position: int = 0) -> None:
         """A ``Progress`` to the client, if it asked for them."""
         if entry.progress:
+            state = state or entry.state
+            eta_ms = self._pace.remaining_ms(state, px=entry.px, steps=entry.steps, done=step,
+                                             own_step_ms=entry.own_step_ms)
             self._frontend.post(Deliver(request_id=rid, message=Progress(
-                request_id=rid, state=state or entry.state, elapsed_ms=(now - entry.admitted_at) * 1000, step=step,
-                steps=steps, position=position)))
+                request_id=rid, state=state, elapsed_ms=(now - entry.admitted_at) * 1000, step=step,
+                steps=steps, position=position, eta_ms=eta_ms)))
 
     def _finished(self, mail: Finished) -> None:
         rid = mail.request_id
@@ -173,6 +198,7 @@ class TrackerActor:
                 compute_ms=mail.compute_ms,
             )
         )
+        self._pace.decoded(mail.compute_ms, px=entry.px)
         self._move(entry, RequestState.DONE)
         del self._table[rid]
         self._completed += 1

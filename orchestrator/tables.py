@@ -9,7 +9,8 @@ def progress_line(progress: Progress) -> str:
     steps = f" step {progress.step}/{progress.steps}" if progress.steps else ""
     waiting = f" (waiting, number {progress.position} in line)" if progress.position else ""
     why = f": {progress.why}" if progress.why else ""
-    return f"  {progress.elapsed_ms:9.1f} ms  {progress.state}{steps}{waiting}{why}"
+    eta = f", about {progress.eta_ms / 1000:.1f} s of work left" if progress.eta_ms is not None else ""
+    return f"  {progress.elapsed_ms:9.1f} ms  {progress.state}{steps}{waiting}{eta}{why}"
 
 
 def stats_table(stats: Stats) -> str:

@@ -169,6 +169,10 @@ class Progress(Wire):
     # Its place in the stage's queue when it had to wait for a slot (1: next); 0: not waiting.
     position: NonNegative = 0
     why: str = ""  # for "retrying": how the failed attempt ended
+    # Estimated ms of work left until the Result, at the pace of the requests before it (its
+    # own step rate while denoising), not counting waits for a slot; None until a request
+    # has gone through every stage.
+    eta_ms: float | None = None
 
 
 ClientRequest = Submit | Cancel

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import anyio
+import pytest
 from anyio.streams.memory import MemoryObjectReceiveStream
 
 from actors.base import ask_stats
@@ -349,6 +350,42 @@ async def test_a_request_that_asked_for_progress_hears_of_every_stage_and_step()
             t.inbox.post(Stepped(request_id="r1", step=5, steps=20))  # late: the request ended
             await t.stats()
             t.assert_silent()
+
+
+async def test_progress_estimates_the_work_left_from_the_requests_before_and_its_own_steps() -> None:
+    """Once one request went through (encode 1 + 0.5 ms, 20 steps in 1 ms, latents 0.5 ms,
+    decode 2 ms), the next, alike, is told 5 ms at the start, then what each stage leaves."""
+    with anyio.fail_after(5):
+        async with running_tracker() as t:
+            t.inbox.post(Admit(request_id="r0", params=PARAMS, timeout_s=60.0, progress=True,
+                               submitted_at=time.monotonic()))
+            await t.admission.receive()
+            assert (await t.frontend.receive()).message.eta_ms is None  # nothing to go by yet
+            t.inbox.post(handed_off("r0", "encoder"))
+            t.inbox.post(handed_off("r0", "denoiser"))
+            t.inbox.post(finished("r0"))
+            while not isinstance((await t.frontend.receive()).message, Result):
+                pass
+
+            t.inbox.post(Admit(request_id="r1", params=PARAMS, timeout_s=60.0, progress=True,
+                               submitted_at=time.monotonic()))
+            await t.admission.receive()
+
+            async def eta() -> float:
+                news = (await t.frontend.receive()).message
+                assert isinstance(news, Progress) and news.eta_ms is not None
+                return news.eta_ms
+
+            assert await eta() == pytest.approx(1.5 + 1.0 + 0.5 + 2.0)
+            t.inbox.post(handed_off("r1", "encoder"))
+            assert await eta() == pytest.approx(1.0 + 0.5 + 2.0)
+            t.inbox.post(Stepped(request_id="r1", step=4, steps=20))
+            assert await eta() == pytest.approx(16 * 0.05 + 0.5 + 2.0)
+            await anyio.sleep(0.05)
+            t.inbox.post(Stepped(request_id="r1", step=6, steps=20))  # its own pace: >= 25 ms a step
+            assert 14 * 25 <= await eta() < 14 * 2500
+            t.inbox.post(handed_off("r1", "denoiser"))
+            assert await eta() == pytest.approx(2.0)  # the decode: what r0's took
 
 
 async def test_a_request_that_did_not_ask_hears_only_its_answer() -> None:

@@ -208,6 +208,16 @@ async def test_progress_follows_a_request_through_every_stage_and_step(start_clu
     assert all(p.steps == 10 for p in heard if p.steps) and len(steps) >= 3 and steps == sorted(steps)
     assert [p.elapsed_ms for p in heard] == sorted(p.elapsed_ms for p in heard)
     assert all(p.position == 0 for p in heard)  # nothing else ran: it never waited for a slot
+    assert heard[0].eta_ms is None  # the first request: nothing to estimate by
+
+    # The next is told at once about how long its work takes, and less and less after.
+    heard.clear()
+    with anyio.fail_after(30):
+        async with AsyncClient(cluster.config.daemon.client_endpoint) as client:
+            generation = await client.submit(params, on_progress=heard.append)
+    etas = [p.eta_ms for p in heard]
+    assert all(eta is not None for eta in etas) and etas[-1] < etas[0]
+    assert 0.5 < etas[0] / generation.result.total_ms < 1.5, (etas, generation.result.total_ms)
 
     # One more than the denoiser's capacity (3): the last one waits, and hears its place.
     capacity = cluster.config.workers.denoiser.capacity
@@ -222,5 +232,5 @@ async def test_progress_follows_a_request_through_every_stage_and_step(start_clu
     done = triptych("submit", "--prompt", "watched", "--steps", "10", "--progress", "--out", str(tmp_path),
                     config=cluster.config_path)
     assert done.returncode == 0, done.stderr
-    assert "denoising step" in done.stderr and "decoding" in done.stderr
-    assert wait_for(cluster, all_free).completed == capacity + 3
+    assert "denoising step" in done.stderr and "decoding" in done.stderr and "of work left" in done.stderr
+    assert wait_for(cluster, all_free).completed == capacity + 4
