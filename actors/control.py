@@ -150,6 +150,8 @@ class ControlActor:
             late_reports=negotiator.late_reports,
             retried=frontend.retried,
             replies_dropped=frontend.replies_dropped,
+            latency=tracker.latency,
+            handoff_bytes=tracker.handoff_bytes,
             mailboxes=mailboxes,
             mail_handled={owner: answer.mailbox.handled for owner, answer in answers.items()},
         )

@@ -17,6 +17,7 @@ import msgspec
 import structlog
 
 from actors.base import reply_once, serve_mailbox
+from actors.latency import LatencyBook
 from actors.mail import (
     AdmissionMail,
     Admit,
@@ -39,7 +40,7 @@ from actors.mail import (
 from actors.mailbox import Mailbox, MailboxCounts
 from actors.pace import Pace, pixels
 from actors.states import ACTIVE_BY_ROLE, WHERE, RequestState, check_move
-from transfer.protocol import Progress, Reason, Rejected, Result, StageTiming, next_role
+from transfer.protocol import Latency, Progress, Reason, Rejected, Result, StageTiming, next_role
 
 log = structlog.get_logger()
 
@@ -62,6 +63,8 @@ class TrackerStats(msgspec.Struct, frozen=True):
     by_state: dict[str, int]
     completed: int
     failed_by_reason: dict[str, int]
+    latency: dict[str, Latency]
+    handoff_bytes: dict[str, int]
     mailbox: MailboxCounts
 
 
@@ -84,6 +87,7 @@ class TrackerActor:
         self._failed: dict[str, int] = {}
         self._drained: anyio.Event | None = None
         self._pace = Pace()
+        self._latency = LatencyBook()
         self._log = log.bind(actor="tracker")
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
@@ -133,7 +137,8 @@ class TrackerActor:
                 by_state: dict[str, int] = {}
                 for entry in self._table.values():
                     by_state[entry.state] = by_state.get(entry.state, 0) + 1
-                reply_once(reply, TrackerStats(by_state, self._completed, dict(self._failed), self._inbox.counts()))
+                reply_once(reply, TrackerStats(by_state, self._completed, dict(self._failed), self._latency.latency(),
+                                               self._latency.handoff_bytes(), self._inbox.counts()))
 
     def _handed_off(self, mail: HandedOff) -> None:
         entry = self._table.get(mail.request_id)
@@ -141,18 +146,18 @@ class TrackerActor:
             return  # late news about a request that already ended
         now = time.monotonic()
         wall_ms = (now - entry.stage_started) * 1000
-        entry.stages.append(
-            StageTiming(
-                role=mail.role,
-                instance=mail.instance,
-                queued_ms=max(0.0, wall_ms - mail.compute_ms - mail.transfer_ms),
-                compute_ms=mail.compute_ms,
-                transfer_ms=mail.transfer_ms,
-                transfer_bytes=mail.nbytes,
-                fast_path=mail.fast_path,
-                via=mail.via,
-            )
+        timing = StageTiming(
+            role=mail.role,
+            instance=mail.instance,
+            queued_ms=max(0.0, wall_ms - mail.compute_ms - mail.transfer_ms),
+            compute_ms=mail.compute_ms,
+            transfer_ms=mail.transfer_ms,
+            transfer_bytes=mail.nbytes,
+            fast_path=mail.fast_path,
+            via=mail.via,
         )
+        entry.stages.append(timing)
+        self._latency.stage(timing)
         if mail.role == "encoder":
             self._pace.encoded(mail.compute_ms, mail.transfer_ms)
         else:
@@ -190,19 +195,16 @@ class TrackerActor:
             return
         now = time.monotonic()
         wall_ms = (now - entry.stage_started) * 1000
-        entry.stages.append(
-            StageTiming(
-                role="decoder",
-                instance=mail.instance,
-                queued_ms=max(0.0, wall_ms - mail.compute_ms),
-                compute_ms=mail.compute_ms,
-            )
-        )
+        timing = StageTiming(role="decoder", instance=mail.instance, queued_ms=max(0.0, wall_ms - mail.compute_ms),
+                             compute_ms=mail.compute_ms)
+        entry.stages.append(timing)
+        self._latency.stage(timing)
         self._pace.decoded(mail.compute_ms, px=entry.px)
         self._move(entry, RequestState.DONE)
         del self._table[rid]
         self._completed += 1
         total_ms = (now - entry.admitted_at) * 1000
+        self._latency.observe("request", total_ms)
         result = Result(request_id=rid, outputs=mail.outputs, stages=entry.stages, total_ms=total_ms)
         self._frontend.post(Deliver(request_id=rid, message=result, frames=mail.frames))
         self._log.info("request.done", request_id=rid, total_ms=round(total_ms, 3), stages=entry.stages)

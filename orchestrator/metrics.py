@@ -8,15 +8,22 @@ a slow or stuck scraper cannot touch it. A daemon that does not answer in time i
 
 from __future__ import annotations
 
+import itertools
 import signal
 from collections.abc import Callable, Iterator
 
 import structlog
 from prometheus_client import start_http_server
-from prometheus_client.core import CollectorRegistry, CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CollectorRegistry,
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 
 from orchestrator.rejection import Rejection
-from transfer.protocol import Stats
+from transfer.protocol import LATENCY_BOUNDS_MS, Latency, Stats
 
 log = structlog.get_logger()
 
@@ -42,6 +49,7 @@ class StatsCollector:
         up.add_metric([], 1)
         yield up
         yield from _daemon_metrics(stats)
+        yield from _latency_metrics(stats)
         yield from _instance_metrics(stats)
 
 
@@ -86,6 +94,35 @@ def _daemon_metrics(stats: Stats) -> Iterator[Metric]:
                     "actor", stats.mailboxes)
     yield _labelled(CounterMetricFamily, "triptych_mail_handled",
                     "Mail each actor has handled: the daemon's internal hops", "actor", stats.mail_handled)
+
+
+def _add_latency(family: HistogramMetricFamily, labels: list[str], latency: Latency) -> None:
+    """``latency``'s buckets as Prometheus's: cumulative, in seconds, the last one +Inf."""
+    bounds = [f"{bound / 1000:g}" for bound in LATENCY_BOUNDS_MS] + ["+Inf"]
+    family.add_metric(labels, list(zip(bounds, itertools.accumulate(latency.counts), strict=True)),
+                      sum_value=latency.total_ms / 1000)
+
+
+def _latency_metrics(stats: Stats) -> Iterator[Metric]:
+    request = HistogramMetricFamily("triptych_request_duration_seconds",
+                                    "Completed requests, from the daemon taking the submit to the result")
+    stages = HistogramMetricFamily("triptych_stage_duration_seconds",
+                                   "Each stage of each request: queued (for a slot, then for a compute thread) "
+                                   "and compute", labels=["role", "part"])
+    hops = HistogramMetricFamily("triptych_handoff_duration_seconds",
+                                 "Each hand-off's write from one stage's worker into the next's", labels=["hop"])
+    for key, latency in sorted(stats.latency.items()):
+        if key == "request":
+            _add_latency(request, [], latency)
+        elif "->" in key:
+            _add_latency(hops, [key], latency)
+        else:
+            role, part = key.split(".")
+            _add_latency(stages, [role, part], latency)
+    yield from (request, stages, hops)
+    yield _labelled(CounterMetricFamily, "triptych_handoff_bytes",
+                    "Bytes written worker to worker, by hop (over the hop's duration: its bandwidth)", "hop",
+                    stats.handoff_bytes)
 
 
 def _instance_metrics(stats: Stats) -> Iterator[Metric]:

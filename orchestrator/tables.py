@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from transfer.protocol import InstanceStats, Progress, StageLimits, Stats
+import itertools
+
+from transfer.protocol import LATENCY_BOUNDS_MS, InstanceStats, Latency, Progress, StageLimits, Stats
 
 
 def progress_line(progress: Progress) -> str:
@@ -24,6 +26,33 @@ def stats_table(stats: Stats) -> str:
         "",
         workers_table(stats.instances),
     ]
+    if stats.latency:
+        lines += ["", latency_table(stats.latency, stats.handoff_bytes)]
+    return "\n".join(lines)
+
+
+def _at_most(latency: Latency, quantile: float) -> str:
+    """The bucket bound that ``quantile`` of the observations stay within."""
+    need = quantile * sum(latency.counts)
+    for bound, seen in zip(LATENCY_BOUNDS_MS, itertools.accumulate(latency.counts), strict=False):
+        if seen >= need:
+            return f"<={bound:g}"
+    return f">{LATENCY_BOUNDS_MS[-1]:g}"
+
+
+def latency_table(latency: dict[str, Latency], handoff_bytes: dict[str, int]) -> str:
+    """Where the time goes: requests, each stage's wait and compute, each hop's write."""
+    kw = max(len(key) for key in latency)
+    lines = [f"{'time (ms)':<{kw}} {'count':>8} {'mean':>10} {'p50':>9} {'p99':>9}  bandwidth"]
+    order = ["request", *(f"{role}.{part}" for role in ("encoder", "denoiser", "decoder")
+                          for part in ("queued", "compute")), "encoder->denoiser", "denoiser->decoder"]
+    for key in sorted(latency, key=lambda k: order.index(k) if k in order else len(order)):
+        lat = latency[key]
+        count = sum(lat.counts)
+        moved = handoff_bytes.get(key)
+        rate = f"  {moved / lat.total_ms / 1000:.1f} MB/s" if moved and lat.total_ms > 0 else ""
+        lines.append(f"{key:<{kw}} {count:>8} {lat.total_ms / count:>10.2f} {_at_most(lat, 0.5):>9} "
+                     f"{_at_most(lat, 0.99):>9}{rate}")
     return "\n".join(lines)
 
 

@@ -220,6 +220,22 @@ class InstanceStats(Plain):
     limits: StageLimits | None = None
 
 
+# The upper bounds of the ``Latency`` buckets, in ms: from a sub-millisecond hand-off to a
+# minutes-long video denoise.
+LATENCY_BOUNDS_MS: tuple[float, ...] = (
+    0.5, 1, 2.5, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 30000, 60000, 300000,
+)
+
+
+class Latency(Plain):
+    """How long one kind of thing took, every time since the daemon started: ``counts[i]``
+    of them took at most ``LATENCY_BOUNDS_MS[i]`` and more than the bound before it; the
+    last count, longer than every bound. ``total_ms``: their sum."""
+
+    counts: list[NonNegative]
+    total_ms: float
+
+
 class Stats(Wire):
     """A snapshot gathered from the actors that own each number."""
 
@@ -244,6 +260,11 @@ class Stats(Wire):
     # Replies that could not be sent: the client had left, or was not reading with
     # daemon.client_send_hwm replies queued in ZMQ and client_held_bytes held by the daemon.
     replies_dropped: int = 0
+    # Completed requests ("request"), each stage's wait and compute ("encoder.queued",
+    # "denoiser.compute", ...), each hop's write ("encoder->denoiser", ...); and the bytes
+    # each hop moved, which over its latency's total_ms is its bandwidth.
+    latency: dict[str, Latency] = {}
+    handoff_bytes: dict[str, int] = {}
 
 
 class Workers(Wire):

@@ -154,6 +154,12 @@ async def test_completed_request_is_counted_and_leaves_the_table() -> None:
             await t.frontend.receive()
             stats = await t.stats()
             assert (stats.completed, stats.by_state, stats.failed_by_reason) == (1, {}, {})
+            # Its times went into the latency book: the request, and each stage and hop of it.
+            assert {key: sum(lat.counts) for key, lat in stats.latency.items()} == dict.fromkeys(
+                ["encoder.queued", "encoder.compute", "encoder->denoiser", "denoiser.queued", "denoiser.compute",
+                 "denoiser->decoder", "decoder.queued", "decoder.compute", "request"], 1)
+            assert stats.latency["decoder.compute"].total_ms == 2.0
+            assert stats.handoff_bytes == {"encoder->denoiser": 1024, "denoiser->decoder": 4096}
 
 
 async def test_request_done_is_logged_once_with_its_stages(logs: list[dict[str, Any]]) -> None:

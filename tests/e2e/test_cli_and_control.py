@@ -59,8 +59,17 @@ def test_submit_writes_the_png_and_stats_report_it(start_cluster: StartCluster, 
     assert "orchestrator.control_client" in imported and "torch" not in imported
     stats = json.loads(asked.stdout)
     assert stats["completed"] == 3 and len(stats["instances"]) == 3
+    # Where the time went: every stage of the three requests, and the bytes of each hop.
+    latency = {key: sum(lat["counts"]) for key, lat in stats["latency"].items()}
+    assert latency == {key: 3 for key in ("request", "encoder.queued", "encoder.compute", "encoder->denoiser",
+                                          "denoiser.queued", "denoiser.compute", "denoiser->decoder",
+                                          "decoder.queued", "decoder.compute")}
+    assert stats["latency"]["denoiser.compute"]["total_ms"] >= 3 * cluster.config.model.null.denoiser_ms * 0.9
+    assert stats["handoff_bytes"]["encoder->denoiser"] > 0 and stats["handoff_bytes"]["denoiser->decoder"] > 0
     table = triptych("stats", config=cluster.config_path).stdout
     assert "completed=3" in table and "denoiser" in table
+    assert [line.split()[:2] for line in table.splitlines() if line.startswith(("request ", "denoiser->decoder"))] \
+        == [["request", "3"], ["denoiser->decoder", "3"]] and "MB/s" in table
 
 
 def test_submit_reports_a_rejection_and_exits_nonzero(start_cluster: StartCluster, tmp_path) -> None:
@@ -146,6 +155,10 @@ def test_the_metrics_exporter_serves_the_daemons_stats_to_prometheus(start_clust
         assert_torch_free(exporter.pid)  # it runs beside the daemon for good, reading numbers
         assert "triptych_up 1.0" in page and "triptych_requests_completed_total 1.0" in page
         assert 'triptych_worker_served_total{instance="' in page and 'name="denoiser0"' in page
+        assert "triptych_request_duration_seconds_count 1.0" in page
+        assert 'triptych_stage_duration_seconds_count{part="compute",role="decoder"} 1.0' in page
+        assert 'triptych_handoff_duration_seconds_bucket{hop="denoiser->decoder",le="+Inf"} 1.0' in page
+        assert 'triptych_handoff_bytes_total{hop="encoder->denoiser"}' in page
         assert cluster.stop_daemon() == 0
         assert "triptych_up 0.0" in _scrape(url)  # the exporter outlives the daemon and says so
     finally:

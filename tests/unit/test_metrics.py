@@ -6,13 +6,24 @@ from prometheus_client import generate_latest
 from prometheus_client.core import CollectorRegistry
 
 from orchestrator.metrics import StatsCollector
-from transfer.protocol import InstanceStats, Stats
+from transfer.protocol import LATENCY_BOUNDS_MS, InstanceStats, Latency, Stats
+
+
+def latency(**at: int) -> Latency:
+    """Counts per bucket, by the index of its bound (``b3=2``: two of at most 5 ms)."""
+    counts = [0] * (len(LATENCY_BOUNDS_MS) + 1)
+    for bucket, count in at.items():
+        counts[int(bucket[1:])] = count
+    return Latency(counts=counts, total_ms=sum(counts) * 4.0)
+
 
 STATS = Stats(
     uptime_s=12.5, draining=False, queue_depths={"encoder": 0, "denoiser": 3, "decoder": 0}, handoffs_in_flight=1,
     fast_path={"encoder->denoiser": 7}, slow_path={"denoiser->decoder": 2}, requests_by_state={"denoising": 4},
     completed=40, failed_by_reason={"timed_out": 2}, late_reports=1, mailboxes={"tracker": 9},
     mail_handled={"tracker": 120}, retried=3,
+    latency={"request": latency(b3=2, b17=1), "decoder.compute": latency(b0=1), "encoder->denoiser": latency(b1=4)},
+    handoff_bytes={"encoder->denoiser": 4096},
     instances=[InstanceStats(instance="denoiser-2", role="denoiser", name="gpu3", address="tcp://h:1", session="h:2",
                              slots_free=0, slots_total=2, slots_finishing=1, prealloc_free=0, prealloc_total=2, served=17, failed=1,
                              alive=True, suspect=True)],
@@ -51,6 +62,16 @@ def test_every_stats_figure_becomes_a_labelled_sample() -> None:
         f"triptych_worker_served_total{{{worker}}} 17.0",
         f"triptych_worker_failed_total{{{worker}}} 1.0",
         f"triptych_worker_suspect{{{worker}}} 1.0",
+        # Histograms in seconds, cumulative: two requests within 5 ms, one past every bound.
+        'triptych_request_duration_seconds_bucket{le="0.0025"} 0.0',
+        'triptych_request_duration_seconds_bucket{le="0.005"} 2.0',
+        'triptych_request_duration_seconds_bucket{le="300"} 2.0',
+        'triptych_request_duration_seconds_bucket{le="+Inf"} 3.0',
+        "triptych_request_duration_seconds_count 3.0",
+        "triptych_request_duration_seconds_sum 0.012",
+        'triptych_stage_duration_seconds_bucket{le="0.0005",part="compute",role="decoder"} 1.0',
+        'triptych_handoff_duration_seconds_count{hop="encoder->denoiser"} 4.0',
+        'triptych_handoff_bytes_total{hop="encoder->denoiser"} 4096.0',
     } <= lines
 
 

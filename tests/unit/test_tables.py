@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import msgspec
 
-from orchestrator.tables import workers_report, workers_table
-from transfer.protocol import InstanceStats, StageLimits
+from orchestrator.tables import latency_table, workers_report, workers_table
+from transfer.protocol import LATENCY_BOUNDS_MS, InstanceStats, Latency, StageLimits
 
 
 def instance(n: int, name: str, suspect: bool = False, finishing: int = 0) -> InstanceStats:
@@ -32,3 +32,16 @@ def test_the_limits_each_worker_registered_follow_the_instances() -> None:
         "instance   model     width/height        steps images frames     pixels",
         "denoiser-2 tiny-sd15 64..512 step 8         50     16      1   16777216",
     ]  # none known for denoiser-1 (it left while the stats were gathered): no row
+
+
+def test_the_latency_table_gives_means_bucket_bounds_and_each_hops_bandwidth() -> None:
+    counts = [0] * (len(LATENCY_BOUNDS_MS) + 1)
+    counts[LATENCY_BOUNDS_MS.index(5)] = 98
+    counts[LATENCY_BOUNDS_MS.index(500)] = 1
+    counts[-1] = 1  # past every bound
+    hop = Latency(counts=counts, total_ms=400.0)
+    table = latency_table({"encoder->denoiser": hop, "request": hop}, {"encoder->denoiser": 40_000_000})
+    header, request, handoff = table.splitlines()
+    assert header.split() == ["time", "(ms)", "count", "mean", "p50", "p99", "bandwidth"]
+    assert request.split() == ["request", "100", "4.00", "<=5", "<=500"]  # 99 of 100 within 500 ms
+    assert handoff.split() == ["encoder->denoiser", "100", "4.00", "<=5", "<=500", "100.0", "MB/s"]
