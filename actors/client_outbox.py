@@ -11,7 +11,10 @@ after 1 ms, then at doubling intervals up to 100 ms while that connection takes 
 What one connection has held is bounded: a reply is dropped (logged, counted) once
 ``client_held_bytes`` are held for its connection already, so a client that never reads
 pins that much plus one reply, and a client that reads loses none, however large its
-replies. A reply to a connection that is gone is dropped at once, with all held for it.
+replies. So is what all of them have held: once ``client_held_total_bytes`` are held,
+a reply that would wait is dropped too, so many connections that never read cannot
+hold the daemon's memory without limit. A reply to a connection that is gone is dropped at
+once, with all held for it.
 """
 
 from __future__ import annotations
@@ -46,10 +49,13 @@ class _Held:
 
 
 class ClientOutbox:
-    def __init__(self, sock: zmq.Socket, *, held_bytes: int, log: structlog.typing.FilteringBoundLogger) -> None:
+    def __init__(self, sock: zmq.Socket, *, held_bytes: int, held_total_bytes: int,
+                 log: structlog.typing.FilteringBoundLogger) -> None:
         self._sock = sock
         self._held_bytes = held_bytes
+        self._held_total_bytes = held_total_bytes
         self._held: dict[bytes, _Held] = {}  # by connection identity
+        self._total = 0  # bytes held for every connection
         self._log = log
         self.dropped = 0  # replies never sent: their client was gone, or not reading
 
@@ -94,6 +100,7 @@ class ClientOutbox:
         for held in self._held.values():
             self._drop(len(held.replies), "the daemon stopped before its client took them", gone=False)
         self._held.clear()
+        self._total = 0
 
     def _send_from(self, held: _Held) -> bool:
         """Send ``held``'s replies until ZMQ has no room; True if any left. A connection that
@@ -107,9 +114,13 @@ class ClientOutbox:
                 if exc.errno != zmq.EAGAIN:
                     self._drop(len(held.replies), exc.strerror, gone=exc.errno == zmq.EHOSTUNREACH)
                     held.replies.clear()
+                    self._total -= held.nbytes
+                    held.nbytes = 0
                 return sent
             held.replies.popleft()
-            held.nbytes -= _nbytes(parts)
+            nbytes = _nbytes(parts)
+            held.nbytes -= nbytes
+            self._total -= nbytes
             sent = True
         return sent
 
@@ -117,8 +128,13 @@ class ClientOutbox:
         if held.nbytes >= self._held_bytes:
             self._drop(1, "client_held_bytes of its replies already waiting", gone=False)
             return
+        if self._total >= self._held_total_bytes:
+            self._drop(1, "client_held_total_bytes of replies to all clients already waiting", gone=False)
+            return
+        nbytes = _nbytes(parts)
         held.replies.append(parts)
-        held.nbytes += _nbytes(parts)
+        held.nbytes += nbytes
+        self._total += nbytes
 
     def _drop(self, count: int, why: str, *, gone: bool) -> None:
         self.dropped += count

@@ -112,7 +112,8 @@ class FrontendActor:
                           max_message_bytes=self._cfg.client_max_message_bytes,
                           close_linger_ms=FLUSH_ON_CLOSE_MS, plain=True, mandatory=True) as (sock, bound):
             self._pump = PlainPump(sock, self._on_frames, copy=True, hold=self._inbox.board.hold)
-            self._outbox = ClientOutbox(sock, held_bytes=self._cfg.client_held_bytes, log=self._log)
+            self._outbox = ClientOutbox(sock, held_bytes=self._cfg.client_held_bytes,
+                                        held_total_bytes=self._cfg.client_held_total_bytes, log=self._log)
             try:
                 await serve_mailbox(self._inbox, self._handle, pump=self._serve_socket, task_status=task_status,
                                     started=bound)

@@ -45,8 +45,9 @@ def sock() -> FakeRouter:
     return FakeRouter()
 
 
-def outbox(sock: FakeRouter, held_bytes: int = 1 << 20) -> ClientOutbox:
-    return ClientOutbox(sock, held_bytes=held_bytes, log=structlog.get_logger())  # type: ignore[arg-type]
+def outbox(sock: FakeRouter, held_bytes: int = 1 << 20, held_total_bytes: int = 1 << 30) -> ClientOutbox:
+    return ClientOutbox(sock, held_bytes=held_bytes, held_total_bytes=held_total_bytes,  # type: ignore[arg-type]
+                        log=structlog.get_logger())
 
 
 def test_replies_past_zmqs_room_wait_and_leave_in_order(sock: FakeRouter) -> None:
@@ -115,3 +116,23 @@ def test_what_is_still_held_when_the_daemon_stops_is_counted(sock: FakeRouter) -
     box.send(reply(b"a", 1), now=0.0)
     box.abandon()
     assert box.dropped == 2 and not box.holding
+
+
+def test_what_all_connections_hold_together_is_bounded_and_freed_as_they_read_or_go(sock: FakeRouter) -> None:
+    """Three connections that never read, 100-byte budget in all: the third's replies are
+    dropped at once; once one connection takes its replies and another is gone, there is
+    room again."""
+    box = outbox(sock, held_bytes=1000, held_total_bytes=100)
+    for identity in (b"a", b"b", b"c"):
+        sock.room[identity] = 0
+    box.send(reply(b"a", 0, size=40), now=0.0)
+    box.send(reply(b"b", 0, size=40), now=0.0)
+    box.send(reply(b"b", 1, size=40), now=0.0)  # 120 bytes held after it: the budget is spent
+    box.send(reply(b"c", 0, size=10), now=0.0)
+    assert box.dropped == 1
+    sock.room[b"a"] = 1
+    sock.gone.add(b"b")
+    box.resend(now=1.0)
+    assert [m[2] for m in sock.sent] == [b"reply 0"] and box.dropped == 3  # b's two went with it
+    box.send(reply(b"c", 1, size=10), now=1.0)  # nothing is held now: c's reply waits again
+    assert box.holding and box.dropped == 3
