@@ -9,7 +9,16 @@ from __future__ import annotations
 
 import bisect
 
-from transfer.protocol import LATENCY_BOUNDS_MS, Latency, StageTiming, hop_name, next_role
+from transfer.protocol import LATENCY_BOUNDS_MS, ROLES, Latency, Role, StageTiming, hop_name, next_role
+
+
+def _stage_keys(role: Role) -> tuple[str, str, str | None]:
+    following = next_role(role)
+    return f"{role}.queued", f"{role}.compute", hop_name(role, following) if following is not None else None
+
+
+# Made once: the tracker records every stage of every request.
+STAGE_KEYS: dict[Role, tuple[str, str, str | None]] = {role: _stage_keys(role) for role in ROLES}
 
 
 class LatencyBook:
@@ -28,11 +37,10 @@ class LatencyBook:
 
     def stage(self, timing: StageTiming) -> None:
         """One stage of one request, its hand-off to the next stage included."""
-        self.observe(f"{timing.role}.queued", timing.queued_ms)
-        self.observe(f"{timing.role}.compute", timing.compute_ms)
-        following = next_role(timing.role)
-        if following is not None:
-            hop = hop_name(timing.role, following)
+        queued, compute, hop = STAGE_KEYS[timing.role]
+        self.observe(queued, timing.queued_ms)
+        self.observe(compute, timing.compute_ms)
+        if hop is not None:
             self.observe(hop, timing.transfer_ms)
             self._bytes[hop] = self._bytes.get(hop, 0) + timing.transfer_bytes
 
