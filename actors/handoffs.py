@@ -284,18 +284,16 @@ class Handoffs:
         current instance's stage ended (None: the request ended elsewhere).
         """
         rid = flight.request_id
+        ack = None
         running = self._links.get(flight.instance) if flight.state == FlightState.RUNNING and outcome is None else None
         if running is not None:
             # Its stage may compute on (a pass cannot stop early, a loop stops at its next
             # step): the slot stays taken until the worker answers this Abort's ack.
             ack = next(self._acks)
             running.finishing[ack] = rid
-            self._pools[flight.role].post(Release(request_id=rid, instance=flight.instance, ok=outcome,
-                                                  finishing=True))
-            self._order(flight.role, flight.instance, Abort(request_id=rid, ack=ack))
-        else:
-            self._pools[flight.role].post(Release(request_id=rid, instance=flight.instance, ok=outcome))
-            self._order(flight.role, flight.instance, Abort(request_id=rid))
+        self._pools[flight.role].post(Release(request_id=rid, instance=flight.instance, ok=outcome,
+                                              finishing=ack is not None))
+        self._order(flight.role, flight.instance, Abort(request_id=rid, ack=ack))
         self._recycle_input(flight)
         if flight.receiver is not None:
             self._pools[flight.receiver_role].post(Release(request_id=rid, instance=flight.receiver, ok=None))
