@@ -11,8 +11,12 @@ def progress_line(progress: Progress) -> str:
     steps = f" step {progress.step}/{progress.steps}" if progress.steps else ""
     waiting = f" (waiting, number {progress.position} in line)" if progress.position else ""
     why = f": {progress.why}" if progress.why else ""
-    eta = f", about {progress.eta_ms / 1000:.1f} s of work left" if progress.eta_ms is not None else ""
+    eta = f", about {_duration(progress.eta_ms)} of work left" if progress.eta_ms is not None else ""
     return f"  {progress.elapsed_ms:9.1f} ms  {progress.state}{steps}{waiting}{eta}{why}"
+
+
+def _duration(ms: float) -> str:
+    return f"{ms:.0f} ms" if ms < 1000 else f"{ms / 1000:.1f} s"
 
 
 def stats_table(stats: Stats) -> str:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import msgspec
 
-from orchestrator.tables import latency_table, workers_report, workers_table
-from transfer.protocol import LATENCY_BOUNDS_MS, InstanceStats, Latency, StageLimits
+from orchestrator.tables import latency_table, progress_line, workers_report, workers_table
+from transfer.protocol import LATENCY_BOUNDS_MS, InstanceStats, Latency, Progress, StageLimits
 
 
 def instance(n: int, name: str, suspect: bool = False, finishing: int = 0) -> InstanceStats:
@@ -45,3 +45,13 @@ def test_the_latency_table_gives_means_bucket_bounds_and_each_hops_bandwidth() -
     assert header.split() == ["time", "(ms)", "count", "mean", "p50", "p99", "bandwidth"]
     assert request.split() == ["request", "100", "4.00", "<=5", "<=500"]  # 99 of 100 within 500 ms
     assert handoff.split() == ["encoder->denoiser", "100", "4.00", "<=5", "<=500", "100.0", "MB/s"]
+
+
+def test_a_progress_line_says_the_work_left_in_ms_below_a_second_and_in_s_above() -> None:
+    def line(eta_ms: float | None) -> str:
+        return progress_line(Progress(request_id="r", state="denoising", elapsed_ms=12.0, step=3, steps=20,
+                                      eta_ms=eta_ms))
+
+    assert line(None).split() == ["12.0", "ms", "denoising", "step", "3/20"]
+    assert line(30.4).endswith("denoising step 3/20, about 30 ms of work left")
+    assert line(2345.0).endswith("denoising step 3/20, about 2.3 s of work left")
