@@ -21,6 +21,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
+import structlog
 import zmq
 
 from actors.flight import Flight, FlightState
@@ -63,6 +64,8 @@ from transfer.protocol import (
     next_role,
 )
 from transfer.specs import check_frames
+
+log = structlog.get_logger()
 
 
 class Handoffs:
@@ -171,7 +174,7 @@ class Handoffs:
         rid = msg.request_id
         flight = self._reported(rid, FlightState.RUNNING, link)
         if flight is None:
-            self._free_late(link, rid)
+            self._free_late(link, msg)
             return
         following = next_role(link.role)
         bad = [s.name for s in msg.manifest if s.offset + s.nbytes > msg.nbytes]
@@ -187,7 +190,7 @@ class Handoffs:
     def allocated(self, link: Link, msg: Allocated) -> None:
         flight = self._reported(msg.request_id, FlightState.ALLOCATING, link, by_receiver=True)
         if flight is None:
-            self._free_late(link, msg.request_id)
+            self._free_late(link, msg)
             return
         if not link.holds(msg.address, flight.nbytes):
             self._fail(flight, Reason.TRANSFER_FAILED, f"{link.instance} allocated outside its pool")
@@ -198,14 +201,14 @@ class Handoffs:
     def alloc_rejected(self, link: Link, msg: AllocRejected) -> None:
         flight = self._reported(msg.request_id, FlightState.ALLOCATING, link, by_receiver=True)
         if flight is None:
-            self.late += 1
+            self._late(link, msg)
             return
         self._fail(flight, Reason.TRANSFER_FAILED, f"{link.instance} cannot fit {flight.nbytes} bytes: {msg.message}")
 
     def pushed(self, link: Link, msg: Pushed) -> None:
         flight = self._reported(msg.request_id, FlightState.PUSHING, link)
         if flight is None:
-            self.late += 1
+            self._late(link, msg)
             return
         rid = flight.request_id
         if flight.doomed:
@@ -234,7 +237,7 @@ class Handoffs:
     def done(self, link: Link, msg: Done, frames: list[zmq.Frame]) -> None:
         flight = self._reported(msg.request_id, FlightState.RUNNING, link)
         if flight is None:
-            self.late += 1
+            self._late(link, msg)
             return
         rid = flight.request_id
         if not msg.ok:
@@ -260,7 +263,7 @@ class Handoffs:
     def step(self, link: Link, msg: Step) -> None:
         flight = self._reported(msg.request_id, FlightState.RUNNING, link)
         if flight is None:
-            self.late += 1
+            self._late(link, msg)
             return
         self._tracker.post(Stepped(request_id=msg.request_id, step=msg.step, steps=msg.steps))
 
@@ -270,7 +273,7 @@ class Handoffs:
             del link.finishing[msg.ack]
             self._pools[link.role].post(RunEnded(instance=link.instance))
         else:
-            self.late += 1  # not an ack this worker owes: repeated or forged
+            self._late(link, msg)  # not an ack this worker owes: repeated or forged
 
     # ------------------------------------------------------------------ ends
 
@@ -333,15 +336,22 @@ class Handoffs:
             return None
         return flight if (flight.receiver if by_receiver else flight.instance) == link.instance else None
 
-    def _free_late(self, link: Link, rid: str) -> None:
-        """A late report says ``link`` holds memory for ``rid``: have it freed there, unless the
-        request is live on that worker (a repeated report), where the memory is in use.
+    def _late(self, link: Link, msg: Staged | Allocated | AllocRejected | Pushed | Done | Step | Stopped) -> None:
+        """Count ``msg`` as late (or not ``link``'s to make), and say so to a debug log."""
+        self.late += 1
+        log.debug("worker.late_report", report=type(msg).__name__, request_id=msg.request_id,
+                  instance=link.instance)
+
+    def _free_late(self, link: Link, msg: Staged | Allocated) -> None:
+        """A late report says ``link`` holds memory for its request: have it freed there, unless
+        the request is live on that worker (a repeated report), where the memory is in use.
 
         A doomed flight's sender may be aborted again (an abort never frees a block that is
         being pushed), but not its receiver: that would free an allocation a write may still
         land in. The receiver is aborted when its memory is released.
         """
-        self.late += 1
+        self._late(link, msg)
+        rid = msg.request_id
         flight = self._flights.get(rid)
         involved = flight is not None and link.instance in (flight.instance, flight.receiver)
         if not involved or (flight.doomed and link.instance == flight.instance):

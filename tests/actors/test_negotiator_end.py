@@ -114,7 +114,7 @@ async def test_forget_while_the_encoder_runs_releases_and_aborts_it(ctx: zmq.asy
 
 
 async def test_only_the_worker_owing_an_ack_frees_a_slot_with_it_and_only_once(
-    ctx: zmq.asyncio.Context, tmp_path: Path
+    ctx: zmq.asyncio.Context, tmp_path: Path, logs: list[dict[str, Any]]
 ) -> None:
     with anyio.fail_after(5):
         async with (
@@ -135,6 +135,10 @@ async def test_only_the_worker_owing_an_ack_frees_a_slot_with_it_and_only_once(
             await encoder.report(Stopped(request_id="r1", ack=1))
             await wait_late(n, 3)
             n.assert_silent()
+    # Each late report says, at debug level, what it was and whose.
+    late = [(e["report"], e["request_id"], e["instance"]) for e in logs if e["event"] == "worker.late_report"]
+    assert late == [("Stopped", "r1", denoiser.instance), ("Stopped", "r2", encoder.instance),
+                    ("Stopped", "r1", encoder.instance)]
 
 
 async def test_forget_while_running_at_a_receiver_recycles_its_input_slot(
