@@ -12,7 +12,7 @@ What one connection has held is bounded: a reply is dropped (logged, counted) on
 ``client_held_bytes`` are held for its connection already, so a client that never reads
 pins that much plus one reply, and a client that reads loses none, however large its
 replies. So is what all of them have held: once ``client_held_total_bytes`` are held,
-a reply that would wait is dropped too, so many connections that never read cannot
+a reply that would wait is dropped too (so at most that plus one reply is held), so many connections that never read cannot
 hold the daemon's memory without limit. A reply to a connection that is gone is dropped at
 once, with all held for it.
 """

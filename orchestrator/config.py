@@ -106,8 +106,8 @@ class DaemonConfig(Section):
     # daemon; once this many bytes are held for it, its next replies are dropped. A burst
     # of replies to a client that reads gets through whole, however large they are.
     client_held_bytes: PositiveInt = 64 * MiB
-    # What the daemon holds for all client connections together: past it, any reply that
-    # would wait is dropped, so many connections that never read cannot pin memory without
+    # What the daemon holds for all client connections together (plus one reply): past it,
+    # any reply that would wait is dropped, so many connections that never read cannot pin memory without
     # bound (clients are trusted, but a buggy one may open connections in a loop).
     client_held_total_bytes: PositiveInt = 1024 * MiB
     # A peer sending a larger frame is disconnected unread (ZMQ_MAXMSGSIZE). A Submit is at

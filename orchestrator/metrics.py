@@ -112,6 +112,8 @@ def _latency_metrics(stats: Stats) -> Iterator[Metric]:
     hops = HistogramMetricFamily("triptych_handoff_duration_seconds",
                                  "Each hand-off's write from one stage's worker into the next's", labels=["hop"])
     for key, latency in sorted(stats.latency.items()):
+        if len(latency.counts) != len(LATENCY_BOUNDS_MS) + 1:
+            continue  # a daemon with other bounds: its buckets would be mislabelled here
         if key == "request":
             _add_latency(request, [], latency)
         elif "->" in key:

@@ -46,13 +46,15 @@ def _at_most(latency: Latency, quantile: float) -> str:
 
 def latency_table(latency: dict[str, Latency], handoff_bytes: dict[str, int]) -> str:
     """Where the time goes: requests, each stage's wait and compute, each hop's write."""
-    kw = max(len(key) for key in latency)
+    kw = max([len("time (ms)"), *(len(key) for key in latency)])
     lines = [f"{'time (ms)':<{kw}} {'count':>8} {'mean':>10} {'p50':>9} {'p99':>9}  bandwidth"]
     order = ["request", *(f"{role}.{part}" for role in ("encoder", "denoiser", "decoder")
                           for part in ("queued", "compute")), "encoder->denoiser", "denoiser->decoder"]
     for key in sorted(latency, key=lambda k: order.index(k) if k in order else len(order)):
         lat = latency[key]
         count = sum(lat.counts)
+        if count == 0:
+            continue  # nothing observed: no mean to give
         moved = handoff_bytes.get(key)
         rate = f"  {moved / lat.total_ms / 1000:.1f} MB/s" if moved and lat.total_ms > 0 else ""
         lines.append(f"{key:<{kw}} {count:>8} {lat.total_ms / count:>10.2f} {_at_most(lat, 0.5):>9} "

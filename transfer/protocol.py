@@ -204,14 +204,14 @@ class InstanceStats(Plain):
     session: str
     slots_free: int
     slots_total: int
-    # Taken by a stage run whose request ended (cancelled, timed out, failed elsewhere)
-    # while it computed: held until the worker says the run is over.
-    slots_finishing: int
     prealloc_free: int
     prealloc_total: int
     served: int
     failed: int
     alive: bool
+    # Taken by a stage run whose request ended (cancelled, timed out, failed elsewhere)
+    # while it computed: held until the worker says the run is over.
+    slots_finishing: int = 0
     # No new work: not yet reached by its Probe, or silent 2 heartbeats, or a push into it
     # failed, and not heard from since.
     suspect: bool = False
@@ -258,7 +258,8 @@ class Stats(Wire):
     # (daemon.retries); the failed attempt also counts in failed_by_reason.
     retried: int = 0
     # Replies that could not be sent: the client had left, or was not reading with
-    # daemon.client_send_hwm replies queued in ZMQ and client_held_bytes held by the daemon.
+    # daemon.client_send_hwm replies queued in ZMQ and client_held_bytes held by the daemon
+    # (or client_held_total_bytes held for all clients together).
     replies_dropped: int = 0
     # Completed requests ("request"), each stage's wait and compute ("encoder.queued",
     # "denoiser.compute", ...), each hop's write ("encoder->denoiser", ...); and the bytes

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 from prometheus_client import generate_latest
 from prometheus_client.core import CollectorRegistry
 
@@ -80,3 +81,8 @@ def test_a_daemon_that_does_not_answer_is_down_and_nothing_else() -> None:
         raise TimeoutError("no reply")
 
     assert scrape(silent) == {"triptych_up 0.0"}
+
+
+def test_buckets_of_other_bounds_than_these_are_left_out_not_mislabelled() -> None:
+    other = msgspec.structs.replace(STATS, latency={"request": Latency(counts=[1, 2], total_ms=3.0)})
+    assert not any("duration_seconds" in line for line in scrape(lambda: other))

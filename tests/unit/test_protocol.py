@@ -167,3 +167,12 @@ def test_next_role_follows_the_pipeline() -> None:
 
 def test_hop_name_joins_sender_and_receiver() -> None:
     assert p.hop_name("encoder", "denoiser") == "encoder->denoiser"
+
+
+def test_stats_from_a_daemon_before_finishing_slots_still_decode() -> None:
+    """Control messages carry no version: a field added to Stats needs a default, or a newer
+    `triptych stats` or exporter cannot read an older daemon."""
+    old = {"instance": "decoder-1", "role": "decoder", "name": "d", "address": "a", "session": "s",
+           "slots_free": 1, "slots_total": 1, "prealloc_free": 0, "prealloc_total": 0, "served": 0, "failed": 0,
+           "alive": True}
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(old), type=p.InstanceStats).slots_finishing == 0

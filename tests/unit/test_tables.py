@@ -55,3 +55,9 @@ def test_a_progress_line_says_the_work_left_in_ms_below_a_second_and_in_s_above(
     assert line(None).split() == ["12.0", "ms", "denoising", "step", "3/20"]
     assert line(30.4).endswith("denoising step 3/20, about 30 ms of work left")
     assert line(2345.0).endswith("denoising step 3/20, about 2.3 s of work left")
+
+
+def test_the_latency_table_skips_what_has_no_observation_and_takes_an_empty_book() -> None:
+    empty = Latency(counts=[0] * (len(LATENCY_BOUNDS_MS) + 1), total_ms=0.0)
+    assert latency_table({"request": empty}, {}).splitlines()[1:] == []
+    assert latency_table({}, {}).split() == ["time", "(ms)", "count", "mean", "p50", "p99", "bandwidth"]
