@@ -11,10 +11,10 @@ after 1 ms, then at doubling intervals up to 100 ms while that connection takes 
 What one connection has held is bounded: a reply is dropped (logged, counted) once
 ``client_held_bytes`` are held for its connection already, so a client that never reads
 pins that much plus one reply, and a client that reads loses none, however large its
-replies. So is what all of them have held: once ``client_held_total_bytes`` are held,
-a reply that would wait is dropped too (so at most that plus one reply is held), so many connections that never read cannot
-hold the daemon's memory without limit. A reply to a connection that is gone is dropped at
-once, with all held for it.
+replies. So is what all of them have held: once ``client_held_total_bytes`` are held, a
+reply that would wait is dropped too (at most that plus one reply is held), so connections
+that never read, however many, cannot hold the daemon's memory without limit. A reply to a
+connection that is gone is dropped at once, with all held for it.
 """
 
 from __future__ import annotations
