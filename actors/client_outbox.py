@@ -14,12 +14,14 @@ pins that much plus one reply, and a client that reads loses none, however large
 replies. So is what all of them have held: once ``client_held_total_bytes`` are held, a
 reply that would wait is dropped too (at most that plus one reply is held), so connections
 that never read, however many, cannot hold the daemon's memory without limit. A reply to a
-connection that is gone is dropped at once, with all held for it.
+connection that is gone is dropped at once, with all held for it, and its owner hears that
+the connection is gone (``on_gone``): ZMQ says so only when a send finds no way to it.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,8 +52,9 @@ class _Held:
 
 class ClientOutbox:
     def __init__(self, sock: zmq.Socket, *, held_bytes: int, held_total_bytes: int,
-                 log: structlog.typing.FilteringBoundLogger) -> None:
+                 on_gone: Callable[[bytes], None], log: structlog.typing.FilteringBoundLogger) -> None:
         self._sock = sock
+        self._on_gone = on_gone
         self._held_bytes = held_bytes
         self._held_total_bytes = held_total_bytes
         self._held: dict[bytes, _Held] = {}  # by connection identity
@@ -74,7 +77,7 @@ class ClientOutbox:
             send_frames(self._sock, parts, NOBLOCK, copy=False)
         except zmq.ZMQError as exc:
             if exc.errno != zmq.EAGAIN:
-                self._drop(1, exc.strerror, gone=exc.errno == zmq.EHOSTUNREACH)
+                self._unsendable(parts[0], 1, exc)
                 return False
             self._held[parts[0]] = held = _Held(due=now + RESEND_FIRST_S)
             self._hold(held, parts)
@@ -87,7 +90,7 @@ class ClientOutbox:
         for identity, held in list(self._held.items()):
             if held.due > now:
                 continue
-            sent = self._send_from(held)
+            sent = self._send_from(identity, held)
             if not held.replies:
                 del self._held[identity]
                 continue
@@ -102,7 +105,7 @@ class ClientOutbox:
         self._held.clear()
         self._total = 0
 
-    def _send_from(self, held: _Held) -> bool:
+    def _send_from(self, identity: bytes, held: _Held) -> bool:
         """Send ``held``'s replies until ZMQ has no room; True if any left. A connection that
         is gone has all of them dropped."""
         sent = False
@@ -112,10 +115,11 @@ class ClientOutbox:
                 send_frames(self._sock, parts, NOBLOCK, copy=False)
             except zmq.ZMQError as exc:
                 if exc.errno != zmq.EAGAIN:
-                    self._drop(len(held.replies), exc.strerror, gone=exc.errno == zmq.EHOSTUNREACH)
+                    count = len(held.replies)
                     held.replies.clear()
                     self._total -= held.nbytes
                     held.nbytes = 0
+                    self._unsendable(identity, count, exc)
                 return sent
             held.replies.popleft()
             nbytes = _nbytes(parts)
@@ -135,6 +139,12 @@ class ClientOutbox:
         held.replies.append(parts)
         held.nbytes += nbytes
         self._total += nbytes
+
+    def _unsendable(self, identity: bytes, count: int, exc: zmq.ZMQError) -> None:
+        gone = exc.errno == zmq.EHOSTUNREACH
+        self._drop(count, exc.strerror, gone=gone)
+        if gone:
+            self._on_gone(identity)
 
     def _drop(self, count: int, why: str, *, gone: bool) -> None:
         self.dropped += count

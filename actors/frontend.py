@@ -6,7 +6,12 @@ on. The decoder's output frames are relayed exactly as they arrived from the wor
 (``copy=False``): never decoded, re-encoded or copied here.
 
 It also remembers who asked for each in-flight request, which makes it the natural place to
-refuse duplicates, to shed load past ``max_in_flight`` and to refuse work while draining.
+refuse duplicates, to shed load past ``max_in_flight`` and to refuse work while draining,
+and to cancel what a client asked for once its connection is found gone. This ZMQ build
+has no disconnect notice on a ROUTER (ROUTER_NOTIFY is a draft option), so a connection is
+found gone when a reply to it finds no way (EHOSTUNREACH): a request that asked for
+progress hears from the daemon at each stage and, while denoising, every
+``progress_interval_s``, so a client that vanished stops its denoiser within about that.
 """
 
 from __future__ import annotations
@@ -100,6 +105,7 @@ class FrontendActor:
         self._keys = itertools.count()
         self._clients: dict[str, Asked] = {}  # internal key -> who asked
         self._in_flight: dict[str, str] = {}  # client's id -> internal key
+        self._of_connection: dict[bytes, set[str]] = {}  # client connection -> its internal keys
         self._door = DoorLimits()
         self._draining = False
         self._retried = 0
@@ -113,7 +119,8 @@ class FrontendActor:
                           close_linger_ms=FLUSH_ON_CLOSE_MS, plain=True, mandatory=True) as (sock, bound):
             self._pump = PlainPump(sock, self._on_frames, copy=True, hold=self._inbox.board.hold)
             self._outbox = ClientOutbox(sock, held_bytes=self._cfg.client_held_bytes,
-                                        held_total_bytes=self._cfg.client_held_total_bytes, log=self._log)
+                                        held_total_bytes=self._cfg.client_held_total_bytes,
+                                        on_gone=self._connection_gone, log=self._log)
             try:
                 await serve_mailbox(self._inbox, self._handle, pump=self._serve_socket, task_status=task_status,
                                     started=bound)
@@ -146,7 +153,8 @@ class FrontendActor:
         or a connection starts holding (``_flush``), or for good while nothing is held."""
         assert self._outbox is not None and self._pump is not None
         while True:
-            due = self._outbox.resend(time.monotonic())
+            with self._inbox.board.hold():  # what a gone connection cancels waits for the resends
+                due = self._outbox.resend(time.monotonic())
             self._pump.after_send()
             if due is None and until_empty:
                 return
@@ -204,6 +212,7 @@ class FrontendActor:
         key = f"{asked.request_id}#{next(self._keys)}"
         self._clients[key] = asked
         self._in_flight[asked.request_id] = key
+        self._of_connection.setdefault(asked.identity, set()).add(key)
         self._tracker.post(Admit(request_id=key, params=asked.params, timeout_s=timeout_s, priority=asked.priority,
                                  progress=asked.progress, submitted_at=asked.submitted_at, avoid=asked.avoid))
 
@@ -246,6 +255,7 @@ class FrontendActor:
                 asked = self._clients.pop(key, None)
                 if asked is not None:
                     del self._in_flight[asked.request_id]
+                    self._ended(asked.identity, key)
                     if not self._retry(asked, message, avoid):
                         self._send(asked.identity, self._explained(message, asked.request_id), frames)
             case SetDraining():
@@ -258,6 +268,22 @@ class FrontendActor:
                 assert self._outbox is not None
                 reply_once(reply, FrontendStats(len(self._clients), self._draining, self._retried,
                                                 self._outbox.dropped, self._inbox.counts()))
+
+    def _ended(self, identity: bytes, key: str) -> None:
+        keys = self._of_connection.get(identity)
+        if keys is not None:  # None: its connection is gone, and the request was cancelled
+            keys.discard(key)
+            if not keys:
+                del self._of_connection[identity]
+
+    def _connection_gone(self, identity: bytes) -> None:
+        """A reply found no way to ``identity``: cancel what that connection still waits for
+        (each ends as any cancel does, its reply dropped and counted)."""
+        keys = self._of_connection.pop(identity, ())
+        if keys:
+            self._log.info("client.gone", cancelled=sorted(self._clients[key].request_id for key in keys))
+        for key in keys:
+            self._tracker.post(CancelRequest(request_id=key, why="its client's connection closed"))
 
     def _explained(self, message: ClientReply, rid: str) -> ClientReply:
         """``message`` under the client's id; a timeout also says which roles no worker

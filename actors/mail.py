@@ -128,6 +128,7 @@ class Failed(Mail):
 
 class CancelRequest(Mail):
     request_id: str
+    why: str = "cancelled by the client"
 
 
 class Queued(Mail):

@@ -112,8 +112,8 @@ class TrackerActor:
                 self._finished(mail)
             case Failed(request_id=rid, reason=reason, message=message, avoid=avoid):
                 self._fail(rid, reason, message, avoid)
-            case CancelRequest(request_id=rid):
-                self._fail(rid, Reason.CANCELLED, "cancelled by the client")
+            case CancelRequest(request_id=rid, why=why):
+                self._fail(rid, Reason.CANCELLED, why)
             case Stepped(request_id=rid, step=step, steps=steps):
                 entry = self._table.get(rid)
                 if entry is not None:

@@ -382,6 +382,41 @@ async def test_a_reply_to_a_client_that_left_is_dropped_and_counted(ctx: zmq.asy
             assert (stats.replies_dropped, stats.in_flight) == (1, 0)
 
 
+async def test_a_progress_reply_that_finds_its_client_gone_cancels_what_that_client_asked_for(
+    ctx: zmq.asyncio.Context, tmp_path: Path
+) -> None:
+    """Only that connection's requests: another client's goes on, and the cancelled ones
+    end as any cancel does (their replies dropped), without a second round of cancels."""
+    with anyio.fail_after(5):
+        async with running_frontend(ctx, tmp_path) as f:
+            other = ctx.socket(zmq.DEALER)
+            other.connect(f.cfg.client_endpoint)
+            try:
+                await other.send_multipart([b"", encode(Submit(protocol=PROTOCOL_VERSION, params=PARAMS,
+                                                               request_id="stays"))])
+                stays = (await f.tracker.receive()).request_id
+                watched = [await f.admitted(rid) for rid in ("a", "b")]
+                f.client.close(linger=0)
+                await anyio.sleep(0.3)  # the ROUTER hears the connection close
+                f.inbox.post(Deliver(request_id=watched[0], message=Progress(
+                    request_id=watched[0], state="denoising", elapsed_ms=1.0, step=1, steps=20)))
+                cancels = {await f.tracker.receive(), await f.tracker.receive()}
+                assert cancels == {CancelRequest(request_id=key, why="its client's connection closed")
+                                   for key in watched}
+                for key in watched:
+                    f.inbox.post(Deliver(request_id=key, message=Rejected(
+                        request_id=key, reason=Reason.CANCELLED, message="its client's connection closed")))
+                stats = await f.stats()
+                assert (stats.in_flight, stats.replies_dropped) == (1, 3)
+                assert_empty(f.tracker)
+                f.inbox.post(Deliver(request_id=stays, message=Result(request_id=stays, outputs=[], stages=[],
+                                                                      total_ms=1.0)))
+                empty, body = await other.recv_multipart()
+                assert CLIENT_REPLY.decode(body).request_id == "stays"
+            finally:
+                other.close(linger=0)
+
+
 async def test_a_client_watching_progress_hears_of_a_retry_and_why(ctx: zmq.asyncio.Context, tmp_path: Path) -> None:
     with anyio.fail_after(5):
         async with running_frontend(ctx, tmp_path) as f:

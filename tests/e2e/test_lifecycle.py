@@ -21,6 +21,7 @@ from orchestrator.client import AsyncClient, Client, Generation, Rejection
 from orchestrator.cluster import LocalCluster
 from tests.e2e.conftest import StartCluster, all_free, cluster_config, config_variant, wait_for
 from transfer.protocol import (
+    CLIENT_REPLY,
     DAEMON_TO_WORKER,
     PROTOCOL_VERSION,
     GenParams,
@@ -189,6 +190,36 @@ async def test_a_request_its_caller_abandons_is_cancelled_at_the_daemon(start_cl
             assert stats.failed_by_reason == {"cancelled": 1}
             generation = await client.submit(p(2), timeout_s=20)  # the client is still good
             assert generation.result.request_id
+
+
+def test_a_client_that_vanishes_while_watching_progress_has_its_request_cancelled(start_cluster: StartCluster) -> None:
+    """Its connection closes mid-denoise (as when its process dies): the next step report
+    finds no way to it, and the request is cancelled and its denoiser stopped, instead of
+    the denoiser finishing an image nobody will receive."""
+    cluster = start_cluster(layout={"encoder": 1, "denoiser": 1, "decoder": 1},
+                            **{"model.null": {"denoiser_ms": 3000.0}})
+    ctx = zmq.Context()
+    client = ctx.socket(zmq.DEALER)
+    try:
+        client.connect(cluster.config.daemon.client_endpoint)
+        client.send_multipart([b"", encode(Submit(protocol=PROTOCOL_VERSION, params=p(1), request_id="watched",
+                                                   progress=True))])
+        while True:  # its progress until it denoises
+            assert client.poll(10_000), "no progress from the daemon"
+            _, body = client.recv_multipart()
+            if CLIENT_REPLY.decode(body).state == "denoising":
+                break
+    finally:
+        client.close(linger=0)
+        ctx.term()
+    gone = time.monotonic()
+    stats = wait_for(cluster, all_free, timeout_s=2.5)  # progress_interval_s, and a step of the 3 s denoise
+    assert time.monotonic() - gone < 2.5
+    # Dropped: the step report that found it gone, and the request's Rejected(cancelled).
+    assert (stats.completed, stats.failed_by_reason, stats.replies_dropped) == (0, {"cancelled": 1}, 2)
+    assert "client.gone" in cluster.log_of("daemon")
+    stopped = [json.loads(line) for line in cluster.log_of("denoiser0").splitlines() if "worker.stage_stopped" in line]
+    assert len(stopped) == 1 and stopped[0]["ran_ms"] < 2500
 
 
 async def test_sigterm_drains_in_flight_work_and_refuses_new(start_cluster: StartCluster) -> None:

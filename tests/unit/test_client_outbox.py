@@ -21,6 +21,7 @@ class FakeRouter:
         self.room: dict[bytes, float] = {}
         self.gone: set[bytes] = set()
         self.sent: list[list[Any]] = []
+        self.heard_gone: list[bytes] = []  # what the outbox told its owner is gone
         self._message: list[Any] = []
 
     def send(self, part: Any, flags: int = 0, copy: bool = True) -> None:
@@ -46,8 +47,9 @@ def sock() -> FakeRouter:
 
 
 def outbox(sock: FakeRouter, held_bytes: int = 1 << 20, held_total_bytes: int = 1 << 30) -> ClientOutbox:
+    """An outbox on ``sock`` that adds each connection it finds gone to ``sock.heard_gone``."""
     return ClientOutbox(sock, held_bytes=held_bytes, held_total_bytes=held_total_bytes,  # type: ignore[arg-type]
-                        log=structlog.get_logger())
+                        on_gone=sock.heard_gone.append, log=structlog.get_logger())
 
 
 def test_replies_past_zmqs_room_wait_and_leave_in_order(sock: FakeRouter) -> None:
@@ -104,9 +106,18 @@ def test_replies_held_for_a_client_that_left_are_all_dropped(sock: FakeRouter) -
         box.send(reply(b"a", n), now=0.0)
     sock.gone.add(b"a")
     assert box.resend(now=1.0) is None and not box.holding
-    assert box.dropped == 3 and sock.sent == []
+    assert box.dropped == 3 and sock.sent == [] and sock.heard_gone == [b"a"]
     box.send(reply(b"a", 3), now=1.0)  # straight to a gone client: dropped at once, never held
-    assert box.dropped == 4 and not box.holding
+    assert box.dropped == 4 and not box.holding and sock.heard_gone == [b"a", b"a"]
+
+
+def test_a_connection_that_only_does_not_read_is_not_reported_gone(sock: FakeRouter) -> None:
+    box = outbox(sock, held_bytes=10)
+    sock.room[b"full"] = 0
+    box.send(reply(b"full", 0, size=20), now=0.0)  # no room: held
+    box.send(reply(b"full", 1), now=0.0)  # past client_held_bytes: dropped
+    box.resend(now=1.0)
+    assert box.dropped == 1 and box.holding and sock.heard_gone == []
 
 
 def test_what_is_still_held_when_the_daemon_stops_is_counted(sock: FakeRouter) -> None:
