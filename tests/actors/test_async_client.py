@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import numpy as np
 import pytest
 import zmq
 import zmq.asyncio
@@ -53,6 +54,11 @@ def fake_daemon(ctx: zmq.asyncio.Context, tmp_path: Path) -> Iterator[FakeDaemon
     daemon.close(linger=0)
 
 
+async def heard_at_least(heard: list, count: int) -> None:
+    while len(heard) < count:
+        await anyio.sleep(0.005)
+
+
 async def test_progress_comes_before_the_result_and_a_raising_listener_cancels_the_request(
     fake_daemon: FakeDaemon
 ) -> None:
@@ -77,6 +83,7 @@ async def test_progress_comes_before_the_result_and_a_raising_listener_cancels_t
                 assert isinstance(submit, Submit) and submit.progress and submit.request_id == "r1"
                 for step in (1, 2):
                     await reply(identity, progress("r1", step))
+                    await heard_at_least(heard, step)  # else the answer, once in, skips the rest
                 await reply(identity, Result(request_id="r1", outputs=[], stages=[], total_ms=3.0))
                 await reply(identity, progress("r1", 3))  # after the answer: nobody listens
 
@@ -116,6 +123,10 @@ async def test_a_submit_the_daemon_would_refuse_is_refused_at_once_and_never_sen
                 await client.submit(GenParams(prompt="p"), timeout_s=0)
             with pytest.raises(Rejection, match=r"not sent: can't serialize ints"):  # past msgpack's 64 bits
                 await client.submit(GenParams(prompt="p", seed=2**70), timeout_s=30)
+            with pytest.raises(Rejection, match="not sent: Encoding objects of type numpy.int64 is unsupported"):
+                await client.submit(GenParams(prompt="p", seed=np.int64(7)), timeout_s=30)
+            with pytest.raises(Rejection, match="not sent: 'utf-8' codec can't encode"):  # a lone surrogate
+                await client.submit(GenParams(prompt="a\ud800b"), timeout_s=30)
             for never_ending in (-1.0, math.inf, 0.0):
                 with pytest.raises(ValueError, match="timeout_s must be a positive number of seconds"):
                     await client.cancel("r", timeout_s=never_ending)
@@ -376,6 +387,7 @@ async def test_an_async_progress_listener_is_awaited(fake_daemon: FakeDaemon) ->
         for step in (1, 2):
             await daemon.send_multipart([identity, b"", encode(Progress(
                 request_id=rid, state="denoising", elapsed_ms=float(step), step=step, steps=2))])
+            await heard_at_least(streamed, step)
         await daemon.send_multipart([identity, b"", encode(Result(request_id=rid, outputs=[], stages=[],
                                                                   total_ms=3.0))])
 
@@ -384,3 +396,51 @@ async def test_an_async_progress_listener_is_awaited(fake_daemon: FakeDaemon) ->
             tg.start_soon(answer)
             generation = await client.submit(PARAMS, on_progress=stream)
     assert streamed == [1, 2] and generation.result.total_ms == 3.0
+
+
+async def test_a_slow_progress_listener_hears_the_newest_progress_and_never_costs_the_answer(
+    fake_daemon: FakeDaemon, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Progress that came while the listener was busy is skipped for the newest; once the
+    answer is in, the listener is not called again; and a deadline that runs out while it
+    is busy after the answer came returns the answer, not a TimeoutError."""
+    monkeypatch.setattr("orchestrator.client.GRACE_S", 0.0)
+    daemon, endpoint = fake_daemon
+
+    async def run(*, busy_s: float, answer_while_busy: bool) -> list[int]:
+        heard: list[int] = []
+        calls = [anyio.Event(), anyio.Event()]
+
+        async def slow(progress: Progress) -> None:
+            heard.append(progress.step)
+            calls[len(heard) - 1].set()
+            await anyio.sleep(busy_s)
+
+        async def answer() -> None:
+            identity, _, body = await daemon.recv_multipart()
+            rid = CLIENT_REQUEST.decode(body).request_id
+
+            async def send(message: object) -> None:
+                await daemon.send_multipart([identity, b"", encode(message)])
+
+            await send(Progress(request_id=rid, state="denoising", elapsed_ms=1.0, step=1, steps=9))
+            await calls[0].wait()
+            for step in range(2, 9):
+                await send(Progress(request_id=rid, state="denoising", elapsed_ms=float(step), step=step, steps=9))
+            if not answer_while_busy:
+                await calls[1].wait()
+            await send(Result(request_id=rid, outputs=[], stages=[], total_ms=3.0))
+
+        async with AsyncClient(endpoint) as client, anyio.create_task_group() as tg:
+            tg.start_soon(answer)
+            generation = await client.submit(PARAMS, timeout_s=0.3, on_progress=slow)
+        assert generation.result.total_ms == 3.0
+        return heard
+
+    with anyio.fail_after(10):
+        started = time.monotonic()
+        # Busy past the deadline, the answer came meanwhile: returned at once, heard no more.
+        assert await run(busy_s=0.6, answer_while_busy=True) == [1]
+        assert time.monotonic() - started < 1.0  # one call of the listener, not nine
+        # Busy while seven more came, no answer yet: it hears the newest, then the answer.
+        assert await run(busy_s=0.05, answer_while_busy=False) == [1, 8]
