@@ -68,6 +68,13 @@ from transfer.specs import check_frames
 log = structlog.get_logger()
 
 
+def largest_fit(link: Link, slots: list[SlotInfo]) -> int:
+    """The most a receiver could ever take in one hand-off: its largest preallocated slot, or
+    its pool past the slots (carved from its start; alignment takes a little of that)."""
+    slots_end = max((s.address + s.size for s in slots), default=link.pool_base)
+    return max([link.pool_base + link.pool_size - slots_end, *(s.size for s in slots)])
+
+
 class Handoffs:
     """Owns every flight, every receiver's preallocated slots, and the hand-off counters."""
 
@@ -88,6 +95,8 @@ class Handoffs:
         self._tracker = tracker
         self._push_failed_into = push_failed_into  # a receiver a write could not reach
         self._slots = SlotBook()
+        self._fits: dict[str, tuple[Role, int]] = {}  # receiver -> (its role, its largest_fit)
+        self._largest: dict[Role, int] = {}  # role -> the most any of its receivers takes
         self._flights: dict[str, Flight] = {}
         self.fast: dict[str, int] = {}  # hand-offs by hop
         self.slow: dict[str, int] = {}
@@ -97,12 +106,16 @@ class Handoffs:
 
     # ------------------------------------------------------------------ workers
 
-    def add_receiver(self, instance: str, slots: list[SlotInfo]) -> None:
-        self._slots.add_instance(instance, slots)
+    def add_receiver(self, link: Link, slots: list[SlotInfo]) -> None:
+        self._slots.add_instance(link.instance, slots)
+        self._fits[link.instance] = link.role, largest_fit(link, slots)
+        self._measure(link.role)
 
     def worker_lost(self, link: Link, why: str, *, gone: bool) -> None:
         """End every flight ``link`` takes part in. ``gone``: no write of its can still land."""
         self._slots.remove_instance(link.instance)
+        if self._fits.pop(link.instance, None) is not None:
+            self._measure(link.role)
         # Eviction is rare, so a pass over the flights is fine here (never on the hot path).
         for flight in [f for f in self._flights.values() if link.instance in (f.instance, f.receiver)]:
             sender_lost = flight.state == FlightState.PUSHING and flight.instance == link.instance
@@ -180,6 +193,12 @@ class Handoffs:
         bad = [s.name for s in msg.manifest if s.offset + s.nbytes > msg.nbytes]
         if following is None or bad:
             self._fail(flight, Reason.STAGE_FAILED, f"{link.instance} staged an invalid output {bad}", outcome=False)
+            return
+        largest = self._largest.get(following)  # None: no receiver yet, so the request waits for one
+        if largest is not None and msg.nbytes > largest:
+            # Retrying would only compute it again: no receiver registered can ever take it.
+            self._fail(flight, Reason.INVALID, f"its {msg.nbytes}-byte output fits no {following}'s memory pool "
+                                               f"(the most one takes is {largest} bytes)", outcome=True)
             return
         self._recycle_input(flight)
         flight.stage_output(msg.nbytes, msg.manifest, msg.compute_ms)
@@ -276,6 +295,13 @@ class Handoffs:
             self._late(link, msg)  # not an ack this worker owes: repeated or forged
 
     # ------------------------------------------------------------------ ends
+
+    def _measure(self, role: Role) -> None:
+        fits = [fit for of_role, fit in self._fits.values() if of_role == role]
+        if fits:
+            self._largest[role] = max(fits)
+        else:
+            self._largest.pop(role, None)
 
     def _end(self, flight: Flight, *, pushing: bool, outcome: bool | None = None) -> None:
         """Free everything ``flight`` holds, as soon as each piece is safe to free.

@@ -230,7 +230,7 @@ class TransferNegotiator:
         self._links[routing_id] = link
         self._by_instance[instance] = link
         if msg.role != "encoder":
-            self._handoffs.add_receiver(instance, msg.slots)
+            self._handoffs.add_receiver(link, msg.slots)
         key = secrets.token_bytes(16)
         self._pools[msg.role].post(Join(instance=instance, name=msg.name, work_address=msg.work_address,
                                          session=msg.session, key=key, capacity=msg.capacity))

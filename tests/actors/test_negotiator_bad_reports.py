@@ -16,6 +16,8 @@ from tests.actors.negotiator_harness import (
     MANIFEST,
     NBYTES,
     POOL_BASE,
+    POOL_SIZE,
+    SLOT_SIZE,
     Negotiator,
     aborted,
     encoder_and_denoiser,
@@ -42,6 +44,7 @@ from transfer.protocol import (
     Staged,
     Step,
     TensorSpec,
+    Work,
     encode,
 )
 from transfer.reports import REPORTS_PER_MESSAGE
@@ -151,6 +154,32 @@ async def test_a_decoder_output_unlike_its_header_fails_the_request(
             assert "frame has 11 bytes, header needs 12" in failed.message
             assert n.take("decoder") == [released("r1", decoder, ok=False), aborted("r1", decoder)]
             assert (await n.stats()).prealloc[decoder.instance] == PreallocCounts(1, 1)
+
+
+async def test_an_output_no_receiver_could_ever_take_is_invalid_and_not_handed_off(
+    ctx: zmq.asyncio.Context, tmp_path: Path
+) -> None:
+    """Nothing a retry could mend: the denoiser's pool past its two slots is the most it
+    takes, and one byte more fails the request as ``invalid`` at once, its sender's staged
+    output freed; the most it takes still goes on."""
+    largest = POOL_SIZE - 2 * SLOT_SIZE
+    with anyio.fail_after(5):
+        async with encoder_and_denoiser(ctx, tmp_path, slots=2) as (n, encoder, denoiser):
+            async def staged(rid: str, nbytes: int) -> None:
+                n.inbox.post(Placed(job=job(rid, "encoder"), instance=encoder.instance))
+                await next_order(n, "encoder", Work)
+                await encoder.report(Staged(request_id=rid, nbytes=nbytes, manifest=MANIFEST, compute_ms=1.0))
+
+            await staged("too-big", largest + 1)
+            assert await n.tracker.receive() == Failed(
+                request_id="too-big", reason=Reason.INVALID, avoid=frozenset({encoder.instance}),
+                message=f"its {largest + 1}-byte output fits no denoiser's memory pool "
+                        f"(the most one takes is {largest} bytes)")
+            assert n.take("encoder") == [released("too-big", encoder, ok=True), aborted("too-big", encoder)]
+            await staged("fits", largest)
+            assert await n.admission.receive() == Enqueue(job=job("fits", "denoiser"))
+            n.assert_silent()
+            assert (await n.stats()).prealloc[denoiser.instance] == PreallocCounts(2, 2)
 
 
 async def next_order(n: Negotiator, role: Role, kind: type) -> None:

@@ -439,19 +439,21 @@ def test_a_worker_taking_a_live_workers_name_under_another_role_is_refused_and_t
         assert client.submit(p(1), timeout_s=20).result.request_id
 
 
-def test_a_receiver_that_cannot_fit_a_transfer_says_so(start_cluster: StartCluster) -> None:
-    """The encoder's output is larger than the denoiser's whole pool: alloc_rejected, not silence."""
+def test_an_output_no_receiver_can_take_is_invalid_at_once_and_not_retried(start_cluster: StartCluster) -> None:
+    """The encoder's output is larger than every denoiser's whole pool: no retry can mend
+    that, so the request fails ``invalid`` as soon as the output is staged, without an
+    alloc round trip or a second encoder pass."""
     cluster = start_cluster(**{"model.null": {"embed_shape": [1, 1024, 1024]},  # 4 MiB of embeddings
                                "workers.encoder": {"pool_bytes": 16 * 2**20},
                                "workers.denoiser": {"pool_bytes": 2**20, "prealloc_slots": 0}})
     with Client(cluster.config.daemon.client_endpoint) as client:
         with pytest.raises(Rejection) as caught:
             client.submit(p(1), timeout_s=20)
-    assert caught.value.reason == Reason.TRANSFER_FAILED
-    assert "cannot fit" in caught.value.rejected.message
+    assert caught.value.reason == Reason.INVALID
+    assert caught.value.rejected.message == (f"its {4 * 2**20}-byte output fits no denoiser's memory pool "
+                                             f"(the most one takes is {2**20} bytes)")
     stats = wait_for(cluster, all_free)
-    # Tried again once (daemon.retries): room may lack only for the load of the moment.
-    assert (stats.slow_path, stats.retried) == ({"encoder->denoiser": 2}, 1)
+    assert (stats.slow_path, stats.fast_path, stats.retried) == ({}, {}, 0)
 
 
 def test_a_retry_goes_to_another_worker_than_the_one_that_failed_it(start_cluster: StartCluster, tmp_path: Path) -> None:
