@@ -39,8 +39,12 @@ def endpoint_problem(endpoint: str) -> str | None:
     """Why ``endpoint`` cannot be bound by the daemon (caught at load, naming its key), or None."""
     if endpoint.startswith("tcp://["):
         return "an IPv6 endpoint, which Triptych's sockets do not enable: give an IPv4 address or a host name"
-    if _ENDPOINT.fullmatch(endpoint) is None:
+    if (match := _ENDPOINT.fullmatch(endpoint)) is None:
         return "not tcp://host:port or ipc://path"
+    port = match.group(1)
+    if port is not None and port != "*" and not 1 <= int(port) <= 65535:
+        # ZMQ would bind port 0 and one past 65535 to a random port, where no peer looks.
+        return f"port {port}, not 1-65535 (or * for any)"
     return None
 
 

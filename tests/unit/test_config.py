@@ -116,6 +116,17 @@ def test_an_endpoint_that_cannot_be_bound_is_refused_at_load_naming_its_key(
         load_config(write(tmp_path, f'[daemon]\n{key} = "{endpoint}"\n'))
 
 
+@pytest.mark.parametrize("port", ["0", "65536", "99999"])
+def test_a_port_zmq_would_swap_for_a_random_one_is_refused_at_load(tmp_path: Path, port: str) -> None:
+    """ZMQ binds port 0, or one past 65535, to a random port: the daemon came up where no
+    worker or client would look."""
+    with pytest.raises(msgspec.ValidationError,
+                       match=rf"daemon\.client_endpoint \(tcp://127\.0\.0\.1:{port}\) is port {port}, not 1-65535"):
+        load_config(write(tmp_path, f'[daemon]\nclient_endpoint = "tcp://127.0.0.1:{port}"\n'))
+    for fine in ("1", "65535", "*"):
+        assert load_config(write(tmp_path, f'[daemon]\nclient_endpoint = "tcp://127.0.0.1:{fine}"\n'))
+
+
 @pytest.mark.parametrize(("section", "refused"), [
     ('[daemon]\npush_quarantine_s = 5.0\n', True),  # the default MC_TRANSFER_TIMEOUT is 5
     ('[daemon]\npush_quarantine_s = 6.0\n', False),
