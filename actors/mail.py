@@ -46,7 +46,10 @@ class Forget(Mail):
 
 
 class Tick(Mail):
-    """Time passed: check deadlines or liveness."""
+    """Time passed: check deadlines or liveness. ``late_s``: how much later than its period
+    this tick came, the time the event loop, and with it every socket's reader, stood still."""
+
+    late_s: float = 0.0
 
 
 # --------------------------------------------------------------------------- frontend

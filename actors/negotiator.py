@@ -301,8 +301,8 @@ class TransferNegotiator:
                 self._handoffs.placed(job, instance)
             case Forget(request_id=rid):
                 self._handoffs.forget(rid)
-            case Tick():
-                self._check_liveness(time.monotonic())
+            case Tick(late_s=late_s):
+                self._check_liveness(time.monotonic(), stalled_s=late_s)
             case Farewell():
                 self._farewell()
             case Stuck(instance=instance, message=message):
@@ -349,9 +349,11 @@ class TransferNegotiator:
         link.suspect, link.push_failed_at = False, None
         self._pools[link.role].post(Suspect(instance=link.instance, suspect=False))
 
-    def _check_liveness(self, now: float) -> None:
+    def _check_liveness(self, now: float, *, stalled_s: float = 0.0) -> None:
         heartbeat_s = self._cfg.heartbeat_s
         limit = heartbeat_s * self._cfg.heartbeat_misses
+        if stalled_s > heartbeat_s:
+            self._forgive_stall(now, stalled_s)
         for link in list(self._links.values()):
             silent_s = now - link.last_seen
             if silent_s > limit:
@@ -366,6 +368,19 @@ class TransferNegotiator:
             elif silent_s > SUSPECT_HEARTBEATS * heartbeat_s:
                 self._suspect(link)  # quiet: dead, frozen or cut off, work sent now would wait
         self._handoffs.expire_quarantine(now)
+
+    def _forgive_stall(self, now: float, stalled_s: float) -> None:
+        """The daemon stood still for ``stalled_s`` (stopped, a frozen VM, a long collection):
+        the heartbeats of that time wait unread in its socket, so it is no worker's silence.
+        Without this, every worker would be evicted on waking, and a denoiser or decoder would
+        then sit out ``push_quarantine_s`` before it could rejoin."""
+        for link in self._links.values():
+            link.last_seen = min(now, link.last_seen + stalled_s)
+            link.joined_at = min(now, link.joined_at + stalled_s)
+            if link.push_failed_at is not None:
+                link.push_failed_at = min(now, link.push_failed_at + stalled_s)
+        self._log.warning("daemon.stalled", stalled_s=round(stalled_s, 3),
+                          why="no worker's silence in that time counts against it")
 
     def _refuse_unreached(self, link: Link, limit_s: float) -> None:
         """Drop a worker whose work socket the daemon cannot reach, and tell it why: it was

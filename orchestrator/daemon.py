@@ -13,6 +13,7 @@ Mail flow for one request (fast path on both hops)::
 from __future__ import annotations
 
 import signal
+import time
 from typing import Any
 
 import anyio
@@ -41,9 +42,12 @@ END_ALL_FLUSH_S = 1.0  # for the answers to requests a timed-out drain ends, and
 
 
 async def _tick(outbox: Mailbox[Any], period_s: float) -> None:
+    due = time.monotonic() + period_s
     while True:
-        await anyio.sleep(period_s)
-        outbox.post(Tick())
+        await anyio.sleep(due - time.monotonic())
+        now = time.monotonic()
+        outbox.post(Tick(late_s=now - due))
+        due = now + period_s
 
 
 async def serve(cfg: Config, *, task_status: anyio.abc.TaskStatus[dict[str, str]] = anyio.TASK_STATUS_IGNORED) -> None:

@@ -387,3 +387,21 @@ async def test_a_registration_the_wire_refuses_is_answered_naming_the_field(ctx:
         async with running_negotiator(ctx, tmp_path) as n:
             reply = await refused(ctx, n, capacity=2000)
             assert reply.message.startswith("unreadable registration:") and "$.capacity" in reply.message
+
+
+async def test_a_stall_of_the_daemon_is_no_workers_silence(ctx: zmq.asyncio.Context, tmp_path: Path) -> None:
+    """The daemon's loop stood still past heartbeat_misses (a SIGSTOP, a frozen VM): the
+    heartbeats of that time wait unread, so nobody is evicted or suspected on waking. The
+    silence that follows still counts."""
+    with anyio.fail_after(5):
+        async with encoder_and_denoiser(ctx, tmp_path, slots=2, heartbeat_s=0.1,
+                                        heartbeat_misses=3) as (n, encoder, denoiser):
+            time.sleep(0.5)  # the loop stands still: no reader, no tick
+            n.inbox.post(Tick(late_s=0.45))  # handled before the socket is read again
+            await n.stats()
+            n.assert_silent()
+            await anyio.sleep(0.35)  # awake, and neither worker speaks: 3.5 heartbeats
+            n.inbox.post(Tick())
+            await n.stats()
+            for worker, role in ((encoder, "encoder"), (denoiser, "denoiser")):
+                assert [(type(mail), mail.instance) for mail in n.take(role)] == [(Leave, worker.instance)]

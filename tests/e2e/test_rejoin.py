@@ -74,6 +74,27 @@ async def test_an_evicted_worker_rejoins_in_the_same_process_holding_nothing(sta
     assert wait_for(cluster, all_free)
 
 
+async def test_a_daemon_stopped_past_every_workers_heartbeats_evicts_nobody_on_waking(
+    start_cluster: StartCluster
+) -> None:
+    """A pause of the daemon (SIGSTOP here; a frozen VM, a long collection) is not its
+    workers' silence: their heartbeats wait unread in its socket. Before, it evicted every
+    worker on waking, and the denoisers and decoder sat out push_quarantine_s (60 s)."""
+    cluster = start_cluster()
+    before = {i.name: i.instance for i in cluster.control.stats().instances}
+    assert cluster.daemon is not None
+    os.kill(cluster.daemon.pid, signal.SIGSTOP)
+    try:
+        await anyio.sleep(4.0)  # heartbeat_s * heartbeat_misses is 3 s here
+    finally:
+        os.kill(cluster.daemon.pid, signal.SIGCONT)
+    await anyio.sleep(1.0)  # awake for two heartbeats
+    assert {i.name: i.instance for i in cluster.control.stats().instances} == before
+    log = cluster.log_of("daemon")
+    assert "daemon.stalled" in log and "worker.evicted" not in log
+    await serve_correctly(cluster, 4)
+
+
 async def test_workers_rejoin_a_restarted_daemon(start_cluster: StartCluster) -> None:
     cluster = start_cluster(**QUICK_REJOIN)
     await serve_correctly(cluster, 2)
