@@ -25,6 +25,7 @@ import torch
 import zmq
 import zmq.asyncio
 
+from orchestrator.connection_watch import ConnectionWatch
 from orchestrator.deadlines import checked_s, poll_ms
 from orchestrator.rejection import Rejection
 from transfer import frames
@@ -60,6 +61,13 @@ class Generation:
 
     result: Result
     outputs: dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True, slots=True)
+class Lost:
+    """No answer can come to a waiting request (``ConnectionWatch.problem`` says why)."""
+
+    why: str
 
 
 Reply = Generation | Rejected | Cancelled | Progress  # what the client socket brings, decoded
@@ -125,22 +133,30 @@ class Client:
     def __init__(self, endpoint: str, *, ctx: zmq.Context | None = None) -> None:
         self.endpoint = endpoint
         self._ctx = ctx or zmq.Context.instance()
-        self._sock = self._connect()
+        self._sock, self._watch = self._connect()
 
-    def _connect(self) -> zmq.Socket:
+    def _connect(self) -> tuple[zmq.Socket, ConnectionWatch]:
         sock = self._ctx.socket(zmq.REQ)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(self.endpoint)
-        return sock
+        watch = ConnectionWatch(sock)
+        try:
+            sock.connect(self.endpoint)
+        except BaseException:
+            watch.close()
+            sock.close(linger=0)
+            raise
+        return sock, watch
 
     def submit(self, params: GenParams, *, request_id: str = "", timeout_s: float | None = None,
                priority: int = 0) -> Generation:
         """Generate, waiting for the answer up to ``timeout_s`` (the request's deadline at the
         daemon, 120 s by default) and a grace of 5 s. Raises ``Rejection`` (the daemon refused
         or failed it, or would have: a bad field, ``timeout_s`` included, is refused unsent;
-        see ``.reason``) or ``TimeoutError`` (no answer in time). A wait that times out or is
-        interrupted (Ctrl-C) cancels the request at the daemon, taking up to 1 s more; the
-        client stays usable after any of them."""
+        see ``.reason``), ``TimeoutError`` (no answer in time) or ``ConnectionError`` (no
+        answer can come: no daemon took a connection within 3 s, or the connection the
+        request went by closed). A wait that ends without an answer, or is interrupted
+        (Ctrl-C), cancels the request at the daemon, taking up to 1 s more; the client stays
+        usable after any of them."""
         rid = request_id or uuid.uuid4().hex  # known here, so an interrupted wait can cancel it
         body = _submit_body(params, rid, timeout_s, priority)
         try:
@@ -149,7 +165,7 @@ class Client:
             # Nobody will take the answer. Even past the request's deadline the daemon may
             # not have ended it: a stalled daemon reads a submit late, its deadline counting
             # from then.
-            with contextlib.suppress(TimeoutError, zmq.ZMQError, Rejection):
+            with contextlib.suppress(TimeoutError, ConnectionError, zmq.ZMQError, Rejection):
                 self.cancel(rid, timeout_s=CANCEL_SEND_S)
             raise
         if isinstance(reply, Rejected):
@@ -165,10 +181,12 @@ class Client:
         return reply.found
 
     def _request(self, parts: list[bytes], timeout_s: float) -> Reply:
-        wait_ms = poll_ms(timeout_s)
+        deadline = time.monotonic() + checked_s(timeout_s)
+        self._watch.read()
+        closes = self._watch.closes
         self._sock.send_multipart(parts)
         try:
-            answered = self._sock.poll(wait_ms)
+            answered = self._wait(deadline, closes)
         except BaseException:
             self._reset()
             raise
@@ -177,13 +195,32 @@ class Client:
             raise TimeoutError(f"no reply from {self.endpoint} within {timeout_s:.1f}s")
         return _decode_reply(self._sock.recv_multipart())
 
+    def _wait(self, deadline: float, closes: int) -> bool:
+        """Wait for the reply until ``deadline``; ``ConnectionError`` as soon as none can come."""
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._watch.monitor, zmq.POLLIN)
+        while True:
+            self._watch.read()
+            if self._sock.poll(0):
+                return True  # it came before the connection closed (a daemon that answered, then stopped)
+            if (problem := self._watch.problem(closes, self.endpoint)) is not None:
+                raise ConnectionError(problem)
+            now = time.monotonic()
+            if now >= deadline:
+                return False
+            until = min(deadline, self._watch.no_daemon_at() or deadline)
+            if self._sock in dict(poller.poll(poll_ms(max(until - now, 0.001)))):
+                return True
+
     def _reset(self) -> None:
         """A REQ socket that missed its reply (a timeout, an interrupted wait) cannot send
         again: start a fresh one."""
-        self._sock.close(linger=0)
-        self._sock = self._connect()
+        self.close()
+        self._sock, self._watch = self._connect()
 
     def close(self) -> None:
+        self._watch.close()
         self._sock.close(linger=0)
 
     def __enter__(self) -> Client:
@@ -198,20 +235,8 @@ class Client:
 OnProgress = Callable[[Progress], None | Awaitable[None]]
 
 # Progress messages waiting for a slow ``on_progress``; past it, the newest ones are dropped
-# (progress is advisory), and one place is always left for the final answer.
+# (progress is advisory). The answer never waits behind them (``AsyncClient._answers``).
 PROGRESS_BACKLOG = 16
-
-
-def _catch_up(rx: anyio.abc.ObjectReceiveStream[Reply], latest: Reply | None) -> Reply | None:
-    """The newest of ``latest`` and what waits behind it in ``rx``, stopping at the final
-    answer: a slow ``on_progress`` skips the progress it was too slow for, and none delays
-    an answer that is in."""
-    while latest is None or isinstance(latest, Progress):
-        try:
-            latest = rx.receive_nowait()
-        except anyio.WouldBlock:
-            break
-    return latest
 
 
 class AsyncClient:
@@ -220,9 +245,9 @@ class AsyncClient:
     is cancelled at the daemon too. ``submit``'s ``on_progress`` (a function or a coroutine
     function) gets the request's ``Progress`` messages, called (and awaited) in the task
     awaiting ``submit``; if it raises, the request is cancelled at the daemon and ``submit``
-    raises that. One that is slow hears only the newest progress each time it is free, and
-    ``submit`` returns once it is free after the answer came (or at the deadline, with the
-    answer, if the answer came before it).
+    raises that. Once the answer is in, progress still queued is skipped: a slow listener
+    delays the answer by at most the call under way, and a deadline that runs out in it
+    after the answer came returns the answer.
 
     Use as ``async with AsyncClient(endpoint) as client: await client.submit(...)``, opened
     and closed in one task: its reader runs in an anyio task group, which belongs to the
@@ -235,7 +260,9 @@ class AsyncClient:
         self.endpoint = endpoint
         self._ctx: zmq.asyncio.Context | None = None  # from opening to closing
         self._sock: zmq.asyncio.Socket | None = None
-        self._waiting: dict[str, anyio.abc.ObjectSendStream[Reply]] = {}
+        self._watch: ConnectionWatch | None = None
+        self._waiting: dict[str, anyio.abc.ObjectSendStream[Progress]] = {}  # requests waiting, their progress
+        self._answers: dict[str, Generation | Rejected | Lost] = {}  # taken ahead of any progress queued
         # Requests given up on, by id, until when an answer may still come: it must not reach
         # a new request that reuses the id.
         self._abandoned: dict[str, float] = {}
@@ -251,20 +278,24 @@ class AsyncClient:
         try:
             sock = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
+            watch = ConnectionWatch(sock)
             sock.connect(self.endpoint)  # a malformed endpoint raises here
             self._tg = anyio.create_task_group()
             await self._tg.__aenter__()
         except BaseException:
             self._ctx.destroy(linger=0)
             raise
-        self._sock = sock
+        self._sock, self._watch = sock, watch
         self._tg.start_soon(self._read)
+        self._tg.start_soon(self._watch_connection, watch)
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         assert self._tg is not None and self._ctx is not None and self._sock is not None
         self._tg.cancel_scope.cancel()
         await self._tg.__aexit__(None, None, None)
+        assert self._watch is not None
+        self._watch.close()
         sock, self._sock = self._sock, None
         # A request still waiting would be answered to nobody: cancel it at the daemon too.
         await _cancel_at_daemon(sock, list(self._waiting))
@@ -298,41 +329,71 @@ class AsyncClient:
                 continue
             if isinstance(reply, Progress):
                 waiter = self._waiting.get(reply.request_id)
-                if waiter is not None and waiter.statistics().current_buffer_used < PROGRESS_BACKLOG - 1:
+                if waiter is not None and waiter.statistics().current_buffer_used < PROGRESS_BACKLOG:
                     waiter.send_nowait(reply)
                 continue
             if isinstance(reply, Cancelled):
                 continue  # the ack of an abandoned request's Cancel: cancel() reads its own
             rid = reply.result.request_id if isinstance(reply, Generation) else reply.request_id
-            if self._abandoned.pop(rid, None) is not None:
-                continue  # the end of a request given up on
-            waiter = self._waiting.pop(rid, None)
-            if waiter is not None:
-                with waiter:
-                    waiter.send_nowait(reply)
+            if self._abandoned.pop(rid, None) is None:  # else the end of a request given up on
+                self._answer(rid, reply)
+
+    def _answer(self, rid: str, answer: Generation | Rejected | Lost) -> None:
+        """End ``rid``'s wait with ``answer``, if it waits."""
+        waiter = self._waiting.pop(rid, None)
+        if waiter is not None:
+            self._answers[rid] = answer
+            waiter.close()  # wakes a wait on an empty queue
+
+    async def _watch_connection(self, watch: ConnectionWatch) -> None:
+        """Fail the waiting requests that can get no answer, at once: when their connection
+        closes, or when no daemon has taken one for ``NO_DAEMON_S``."""
+        while True:
+            due = watch.no_daemon_at()
+            closes = watch.closes
+            with anyio.move_on_after(math.inf if due is None else due - time.monotonic()):
+                watch.heard(await watch.monitor.recv_multipart())
+                if watch.closes == closes:
+                    continue
+            if (why := watch.problem(closes, self.endpoint)) is not None:
+                await self._read_what_came()
+                for rid in list(self._waiting):
+                    self._answer(rid, Lost(why))
+                watch.wait_again()  # what is sent from now on waits for a daemon afresh
+
+    async def _read_what_came(self) -> None:
+        """Let the reader take the replies that came before a connection closed (a daemon
+        that answered, then stopped): they are answers, not losses."""
+        assert self._sock is not None
+        with anyio.move_on_after(1.0):
+            while True:
+                # Time for the reader: a reply ZMQ has handed to its pending receive is no
+                # longer on the socket, but not yet an answer either.
+                await anyio.sleep(0.01)
+                if not self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                    return
 
     async def _request(self, rid: str, body: bytes, wait_s: float,
-                       on_progress: OnProgress | None = None) -> Generation | Rejected | Cancelled:
+                       on_progress: OnProgress | None = None) -> Generation | Rejected:
         sock = self._open()
         now = time.monotonic()
         if rid in self._waiting or self._abandoned.get(rid, -math.inf) > now:
             raise ValueError(f"request id {rid!r} is in use on this client (in flight, or given up and not ended)")
-        tx, rx = anyio.create_memory_object_stream[Reply](PROGRESS_BACKLOG)
+        tx, rx = anyio.create_memory_object_stream[Progress](PROGRESS_BACKLOG)
         self._waiting[rid] = tx
         try:
             with rx:
                 try:
                     with anyio.fail_after(wait_s):
                         await sock.send_multipart([b"", body])
-                        while isinstance(reply := _catch_up(rx, await rx.receive()), Progress):
-                            if on_progress is not None and inspect.isawaitable(heard := on_progress(reply)):
-                                await heard
-                        return reply
+                        answer = await self._answer_to(rid, rx, on_progress)
                 except TimeoutError:
                     # The deadline ran out in a slow on_progress after the answer came: it stands.
-                    if (final := _catch_up(rx, None)) is not None and not isinstance(final, Progress):
-                        return final
-                    raise
+                    if (answer := self._answers.pop(rid, None)) is None:
+                        raise
+            if isinstance(answer, Lost):
+                raise ConnectionError(answer.why)
+            return answer
         except anyio.EndOfStream:
             raise ConnectionError(f"the client of {self.endpoint} was closed while {rid!r} waited") from None
         except BaseException as exc:
@@ -347,9 +408,25 @@ class AsyncClient:
                                    f"and {GRACE_S:g} s of grace)") from None
             raise
         finally:
+            self._answers.pop(rid, None)
             leftover = self._waiting.pop(rid, None)
             if leftover is not None:
                 leftover.close()
+
+    async def _answer_to(self, rid: str, rx: anyio.abc.ObjectReceiveStream[Progress],
+                         on_progress: OnProgress | None) -> Generation | Rejected | Lost:
+        """Hand ``rid``'s progress to ``on_progress``, in order, until its answer is in; the
+        answer does not wait for progress still queued. ``EndOfStream``: the client closed."""
+        while (answer := self._answers.pop(rid, None)) is None:
+            try:
+                progress = await rx.receive()
+            except anyio.EndOfStream:
+                if rid in self._answers:
+                    continue
+                raise
+            if on_progress is not None and inspect.isawaitable(heard := on_progress(progress)):
+                await heard
+        return answer
 
     def _abandon(self, rid: str, wait_s: float) -> None:
         now = time.monotonic()
@@ -361,7 +438,9 @@ class AsyncClient:
                      priority: int = 0, on_progress: OnProgress | None = None) -> Generation:
         """Generate; raises ``Rejection``, ``TimeoutError`` (the wait ran out: the request is
         cancelled at the daemon), ``ValueError`` for an id in use on this client, or
-        ``ConnectionError`` if the client is closed while the request waits."""
+        ``ConnectionError`` if the client is closed while the request waits or no answer can
+        come (no daemon took a connection within 3 s, or the connection closed: the request
+        is cancelled at the daemon should it get there)."""
         # The client picks the id so it can match the answer among many in flight.
         rid = request_id or uuid.uuid4().hex
         body = _submit_body(params, rid, timeout_s, priority, progress=on_progress is not None)

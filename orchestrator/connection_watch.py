@@ -1,0 +1,75 @@
+"""ConnectionWatch: whether a client's socket has a daemon at its other end.
+
+ZMQ hides connections: a REQ or DEALER socket queues what it sends until a peer is there,
+and says nothing when its peer goes. The daemon answers a connection (its ROUTER knows a
+client by it), so a request whose connection closed can never be answered, not even by the
+same daemon over the next connection; and a request sent where no daemon listens waits for
+one. The watch reads the socket's monitor so that the clients can say either at once,
+instead of waiting out the request's deadline in silence.
+"""
+
+from __future__ import annotations
+
+import time
+
+import zmq
+from zmq.utils.monitor import parse_monitor_message
+
+# How long a client waits for a connection to take before it says no daemon is there: as
+# long as the `triptych` commands' own check.
+NO_DAEMON_S = 3.0
+
+# A connection counts once ZMQ's handshake is done: a port that accepts TCP and speaks
+# something else (or a stopped process's) never gets that far.
+_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+
+
+class ConnectionWatch:
+    """The monitor of one client socket, and what its events say: connected or not since
+    when, and how many connections have closed."""
+
+    def __init__(self, sock: zmq.Socket) -> None:
+        self._sock = sock
+        self.monitor = sock.get_monitor_socket(_EVENTS)  # of the socket's own kind (asyncio or not)
+        self.connected = False
+        self.closes = 0  # connections lost so far: a request sent before one closed is lost with it
+        self._since = time.monotonic()  # when it last connected or lost its connection
+
+    def heard(self, frames: list[bytes]) -> None:
+        """Take in one monitor message."""
+        event = parse_monitor_message(frames)["event"]
+        if event == zmq.EVENT_HANDSHAKE_SUCCEEDED and not self.connected:
+            self.connected, self._since = True, time.monotonic()
+        elif event == zmq.EVENT_DISCONNECTED and self.connected:
+            # (A connection that closes before its handshake was never a daemon's: the wait
+            # for one goes on, its clock not restarted.)
+            self.connected, self._since = False, time.monotonic()
+            self.closes += 1
+
+    def read(self) -> None:
+        """Take in every monitor message waiting (a blocking socket's monitor)."""
+        while self.monitor.poll(0):
+            self.heard(self.monitor.recv_multipart())
+
+    def no_daemon_at(self) -> float | None:
+        """When, without a connection, the wait for one runs out (monotonic); None while connected."""
+        return None if self.connected else self._since + NO_DAEMON_S
+
+    def wait_again(self) -> None:
+        """Give a wait for a connection its full time again (requests sent from now on)."""
+        if not self.connected:
+            self._since = time.monotonic()
+
+    def problem(self, closes: int, endpoint: str) -> str | None:
+        """Why a request sent when ``closes`` connections had closed can get no answer, or None."""
+        if self.closes > closes:
+            return (f"the connection to the daemon at {endpoint} closed while the request waited: the daemon "
+                    "answers on the connection a request came by")
+        due = self.no_daemon_at()
+        if due is not None and time.monotonic() >= due:
+            return f"no daemon at {endpoint}: nothing there took a connection within {NO_DAEMON_S:g}s"
+        return None
+
+    def close(self) -> None:
+        self._sock.disable_monitor()
+        self.monitor.close(linger=0)

@@ -1,0 +1,147 @@
+"""Both clients against a daemon that is not there, or goes: a request that can get no answer
+fails at once with ConnectionError, never after its whole deadline in silence."""
+
+from __future__ import annotations
+
+import threading
+import time
+from functools import partial
+from pathlib import Path
+
+import anyio
+import pytest
+import zmq
+import zmq.asyncio
+
+from orchestrator.client import AsyncClient, Client
+from orchestrator.connection_watch import NO_DAEMON_S
+from transfer.protocol import CLIENT_REQUEST, Cancel, GenParams, Result, Submit, encode
+
+PARAMS = GenParams(prompt="p")
+
+
+def fake_daemon(ctx: zmq.Context | zmq.asyncio.Context, endpoint: str) -> zmq.Socket:
+    daemon = ctx.socket(zmq.ROUTER)
+    daemon.setsockopt(zmq.LINGER, 0)
+    daemon.bind(endpoint)
+    return daemon
+
+
+async def test_an_async_submit_where_no_daemon_listens_fails_after_the_wait_for_one(tmp_path: Path) -> None:
+    with anyio.fail_after(10):
+        async with AsyncClient(f"ipc://{tmp_path}/nobody") as client:
+            started = time.monotonic()
+            with pytest.raises(ConnectionError, match=rf"no daemon at ipc://.*/nobody: nothing there took a "
+                                                      rf"connection within {NO_DAEMON_S:g}s"):
+                await client.submit(PARAMS, timeout_s=60)
+            assert NO_DAEMON_S - 0.5 < time.monotonic() - started < NO_DAEMON_S + 1.5
+
+
+def test_a_blocking_submit_where_no_daemon_listens_fails_after_the_wait_for_one(tmp_path: Path) -> None:
+    with Client(f"ipc://{tmp_path}/nobody") as client:
+        started = time.monotonic()
+        with pytest.raises(ConnectionError, match="nothing there took a connection"):
+            client.submit(PARAMS, timeout_s=60)
+        # Its attempt to cancel the request afterwards waits at most 1 s more.
+        assert time.monotonic() - started < NO_DAEMON_S + 2.5
+
+
+async def test_an_async_request_whose_connection_closes_fails_at_once_and_the_client_carries_on(
+    ctx: zmq.asyncio.Context, tmp_path: Path
+) -> None:
+    """The daemon's ROUTER answers the connection a request came by: once it closes, the
+    answer cannot come, even from a daemon that is back on the same endpoint. The request
+    is cancelled there should it have arrived, and the client serves on."""
+    endpoint = f"ipc://{tmp_path}/daemon"
+    with anyio.fail_after(10):
+        async with AsyncClient(endpoint) as client, anyio.create_task_group() as tg:
+            daemon = fake_daemon(ctx, endpoint)
+            outcome: list[BaseException] = []
+
+            async def submit() -> None:
+                with pytest.raises(ConnectionError) as caught:
+                    await client.submit(PARAMS, request_id="lost", timeout_s=60)
+                outcome.append(caught.value)
+
+            tg.start_soon(submit)
+            _, _, body = await daemon.recv_multipart()
+            assert CLIENT_REQUEST.decode(body).request_id == "lost"
+            closed = time.monotonic()
+            daemon.close(linger=0)
+            while not outcome:
+                await anyio.sleep(0.01)
+            assert time.monotonic() - closed < 1.0
+            assert "closed while the request waited" in str(outcome[0])
+            daemon = fake_daemon(ctx, endpoint)  # back: it hears the Cancel, then serves
+            try:
+                tg.start_soon(partial(client.submit, PARAMS, request_id="next", timeout_s=60))
+                heard = []
+                while len(heard) < 2:
+                    identity, _, body = await daemon.recv_multipart()
+                    heard.append(CLIENT_REQUEST.decode(body))
+                assert [(type(m), m.request_id) for m in heard] == [(Cancel, "lost"), (Submit, "next")]
+                await daemon.send_multipart([identity, b"", encode(Result(request_id="next", outputs=[], stages=[],
+                                                                          total_ms=1.0))])
+            finally:
+                daemon.close(linger=0)
+
+
+def test_a_blocking_request_whose_connection_closes_fails_at_once(tmp_path: Path) -> None:
+    endpoint = f"ipc://{tmp_path}/daemon"
+    ctx = zmq.Context()
+    daemon = fake_daemon(ctx, endpoint)
+    try:
+        with Client(endpoint, ctx=ctx) as client:
+            def close_on_submit() -> None:
+                daemon.recv_multipart()
+                daemon.close(linger=0)
+
+            closer = threading.Thread(target=close_on_submit)
+            closer.start()
+            started = time.monotonic()
+            with pytest.raises(ConnectionError, match="closed while the request waited"):
+                client.submit(PARAMS, timeout_s=60)
+            closer.join()
+            assert time.monotonic() - started < 2.5  # at once, then up to 1 s trying to cancel
+    finally:
+        daemon.close(linger=0)
+        ctx.term()
+
+
+def answered(frames: list[bytes], total_ms: float) -> list[bytes]:
+    """The fake daemon's Result for the Submit that came as ``frames``."""
+    identity, _, body = frames
+    return [identity, b"", encode(Result(request_id=CLIENT_REQUEST.decode(body).request_id, outputs=[], stages=[],
+                                         total_ms=total_ms))]
+
+
+async def answer_then_stop(daemon: zmq.asyncio.Socket) -> None:
+    await daemon.send_multipart(answered(await daemon.recv_multipart(), 1.0))
+    daemon.close(linger=1000)
+
+
+def answer_then_stop_blocking(daemon: zmq.Socket) -> None:
+    daemon.send_multipart(answered(daemon.recv_multipart(), 2.0))
+    daemon.close(linger=1000)
+
+
+async def test_an_answer_that_came_just_before_its_connection_closed_is_an_answer(
+    ctx: zmq.asyncio.Context, tmp_path: Path
+) -> None:
+    """A draining daemon answers, then stops at once: the answer stands for either client,
+    whichever the client hears of first."""
+    endpoint = f"ipc://{tmp_path}/daemon"
+    for _ in range(5):
+        async with AsyncClient(endpoint) as client, anyio.create_task_group() as tg:
+            tg.start_soon(answer_then_stop, fake_daemon(ctx, endpoint))
+            with anyio.fail_after(5):
+                assert (await client.submit(PARAMS, timeout_s=60)).result.total_ms == 1.0
+        blocking_ctx = zmq.Context()
+        answering = threading.Thread(target=answer_then_stop_blocking, args=(fake_daemon(blocking_ctx, endpoint),))
+        answering.start()
+        try:
+            with Client(endpoint, ctx=blocking_ctx) as blocking:
+                assert blocking.submit(PARAMS, timeout_s=60).result.total_ms == 2.0
+        finally:
+            answering.join()
+            blocking_ctx.term()
