@@ -9,6 +9,7 @@ import math
 import os
 import sys
 import uuid
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
@@ -17,6 +18,7 @@ import msgspec
 import zmq
 
 from orchestrator.config import load_config
+from orchestrator.connection_watch import NO_DAEMON_S
 from transfer.binding import EndpointUnusable
 from transfer.protocol import GenParams, Progress
 
@@ -25,17 +27,18 @@ if TYPE_CHECKING:
     from orchestrator.control_client import Control
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "local.toml"
-# How long a command waits for its daemon to take a connection before saying it is not there.
-DAEMON_CONNECT_S = 3.0
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from orchestrator.early_signals import keep
+
+    early = keep()  # kept since the process started (orchestrator/entry.py), or from now on
     from orchestrator.daemon import serve
     from orchestrator.log import configure_logging
 
     cfg = load_config(args.config)
     configure_logging(cfg.log.level, json=cfg.log.json, daemon="orchestrator")
-    return _run_logged(serve, cfg, ordinary=(EndpointUnusable,))
+    return _run_logged(partial(serve, early=early), cfg, ordinary=(EndpointUnusable,))
 
 
 def _worker(args: argparse.Namespace) -> NoReturn:
@@ -165,7 +168,7 @@ def _control(args: argparse.Namespace) -> Control:
 
 def _daemon_at(endpoint: str) -> str:
     """``endpoint``, once something there took a ZMQ connection (see ``_check_endpoint``)."""
-    return _check_endpoint(endpoint, answered_within_s=DAEMON_CONNECT_S)
+    return _check_endpoint(endpoint, answered_within_s=NO_DAEMON_S)
 
 def _stats(args: argparse.Namespace) -> int:
     from orchestrator.tables import stats_table

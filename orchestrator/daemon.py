@@ -31,6 +31,7 @@ from actors.negotiator import TransferNegotiator
 from actors.pools import PoolActor
 from actors.tracker import TrackerActor
 from orchestrator.config import Config
+from orchestrator.early_signals import STOP_SIGNALS
 from transfer.protocol import ROLES
 from transfer.reports import REPORTS_PER_MESSAGE
 from transfer.sockets import PUMP_BATCH
@@ -50,8 +51,10 @@ async def _tick(outbox: Mailbox[Any], period_s: float) -> None:
         due = now + period_s
 
 
-async def serve(cfg: Config, *, task_status: anyio.abc.TaskStatus[dict[str, str]] = anyio.TASK_STATUS_IGNORED) -> None:
-    """Run until drained (signal or ``Drain``) or cancelled. Reports bound endpoints when ready."""
+async def serve(cfg: Config, *, early: list[signal.Signals] | None = None,
+                task_status: anyio.abc.TaskStatus[dict[str, str]] = anyio.TASK_STATUS_IGNORED) -> None:
+    """Run until drained (signal or ``Drain``) or cancelled. Reports bound endpoints when ready.
+    ``early``: stop signals kept since the process started (``early_signals.keep``)."""
     drain_requested = anyio.Event()
     # A second signal cuts the drain short: what is still in flight is answered and the
     # workers are told, as when the drain runs out of time.
@@ -60,7 +63,7 @@ async def serve(cfg: Config, *, task_status: anyio.abc.TaskStatus[dict[str, str]
         # Signals are watched until the actors have stopped, their sockets' last answers
         # sent: a second signal during that (bounded) teardown is one more "stop at once",
         # not the end of the process before its answers leave.
-        signals.start_soon(_watch_signals, drain_requested, drain_wait)
+        signals.start_soon(_watch_signals, drain_requested, drain_wait, early or [])
         await _serve(cfg, drain_requested, drain_wait, task_status=task_status)
         signals.cancel_scope.cancel()
 
@@ -107,14 +110,24 @@ async def _serve(cfg: Config, drain_requested: anyio.Event, drain_wait: anyio.Ca
     log.info("daemon.stopped")
 
 
-async def _watch_signals(drain_requested: anyio.Event, drain_wait: anyio.CancelScope) -> None:
-    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+async def _watch_signals(drain_requested: anyio.Event, drain_wait: anyio.CancelScope,
+                         early: list[signal.Signals]) -> None:
+    def heard(signum: int) -> bool:
+        """Act on a stop signal; True once there is nothing left to act on."""
+        log.info("daemon.signal", signal=signal.Signals(signum).name)
+        if drain_requested.is_set():
+            drain_wait.cancel()  # second signal: stop waiting for the work in flight
+            return True
+        drain_requested.set()
+        return False
+
+    with anyio.open_signal_receiver(*STOP_SIGNALS) as signals:
+        # Those kept before this receiver opened count as if they came now.
+        if any(heard(signum) for signum in early):
+            return
         async for signum in signals:
-            log.info("daemon.signal", signal=signal.Signals(signum).name)
-            if drain_requested.is_set():
-                drain_wait.cancel()  # second signal: stop waiting for the work in flight
+            if heard(signum):
                 return
-            drain_requested.set()
 
 
 async def _drain_on_request(

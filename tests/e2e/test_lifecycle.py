@@ -485,6 +485,21 @@ def test_a_taken_port_stops_the_daemon_loudly(start_cluster: StartCluster) -> No
     cluster.control.stats()  # the first daemon is unaffected
 
 
+@pytest.mark.parametrize("delay_s", [0.1, 0.3])
+def test_a_stop_signal_during_start_up_is_a_drain_of_nothing(tmp_path: Path, delay_s: float) -> None:
+    """SIGTERM while the daemon still imports and reads its config: before, the default
+    disposition killed it (exit 143, not a line logged)."""
+    config_path, _ = cluster_config(tmp_path)
+    daemon = subprocess.Popen([sys.executable, "-m", "orchestrator", "serve", "--config", str(config_path)],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    time.sleep(delay_s)
+    daemon.send_signal(signal.SIGTERM)
+    output, _ = daemon.communicate(timeout=60)
+    assert daemon.returncode == 0, output
+    events = [json.loads(line)["event"] for line in output.splitlines() if line.startswith("{")]
+    assert "daemon.signal" in events and events[-1] == "daemon.stopped"
+
+
 async def test_allocs_and_pushes_are_answered_while_the_worker_computes(start_cluster: StartCluster) -> None:
     """One denoiser busy for 1.5 s still takes the next request's input at once (slow path)."""
     cluster = start_cluster(layout={"encoder": 1, "denoiser": 1, "decoder": 1}, **SLOW,

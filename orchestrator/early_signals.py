@@ -1,0 +1,32 @@
+"""Stop signals that come before the daemon's event loop watches for them.
+
+From the process's start until the daemon opens its signal receiver (imports, the config,
+logging: about a third of a second), SIGTERM would kill it outright (exit 143, no line
+logged) and SIGINT would raise KeyboardInterrupt. Kept from the first moment
+(``orchestrator/entry.py``), the daemon acts on them once it watches: a stop during
+start-up is a drain of nothing, exit 0.
+"""
+
+from __future__ import annotations
+
+import signal
+from types import FrameType
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+_heard: list[signal.Signals] | None = None
+
+
+def keep() -> list[signal.Signals]:
+    """Keep every stop signal from now on, in the list returned (the same list each call)."""
+    global _heard
+    if _heard is None:
+        heard: list[signal.Signals] = []
+
+        def kept(signum: int, _frame: FrameType | None) -> None:
+            heard.append(signal.Signals(signum))
+
+        for signum in STOP_SIGNALS:
+            signal.signal(signum, kept)
+        _heard = heard
+    return _heard
