@@ -150,6 +150,9 @@ class TransferNegotiator:
             return  # a routing frame with no body
         routing_id = frames[0].bytes
         link = self._links.get(routing_id)
+        if link is None and len(frames) == 3 and len(frames[1]) == 0:
+            self._answer_a_req_peer(routing_id)
+            return
         first = self._decode(frames[1], answer=None if link is not None or self._stopping else routing_id)
         if first is None:
             return
@@ -194,10 +197,19 @@ class TransferNegotiator:
                 self._reply(answer, RegisterRefused(message=f"unreadable registration: {exc}"))
             return None
 
-    def _reply(self, routing_id: bytes, msg: Registered | RegisterRefused) -> None:
+    def _answer_a_req_peer(self, routing_id: bytes) -> None:
+        """``[routing_id, b"", body]`` is a REQ socket's envelope (workers speak DEALER, with no
+        empty frame): a client or control command at the wrong endpoint. Answered in that
+        envelope, or its REQ socket drops the answer and waits out its deadline."""
+        self._peer_log.warning("worker.not_a_worker", why="a REQ socket's message on the worker socket")
+        self._reply(routing_id, RegisterRefused(
+            message="this is the daemon's worker socket; clients and control commands have endpoints of their own "
+                    "(daemon.client_endpoint, daemon.control_endpoint)"), envelope=[b""])
+
+    def _reply(self, routing_id: bytes, msg: Registered | RegisterRefused, *, envelope: list[bytes] | None = None) -> None:
         assert self._sock is not None and self._pump is not None
         # A ROUTER drops a reply to a peer that is gone or not reading; it never blocks.
-        self._sock.send_multipart([routing_id, encode(msg)], flags=NOBLOCK)
+        self._sock.send_multipart([routing_id, *(envelope or []), encode(msg)], flags=NOBLOCK)
         # Replies also leave from a Tick or the farewell, outside the socket's reader.
         self._pump.after_send()
 

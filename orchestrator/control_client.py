@@ -14,12 +14,15 @@ from orchestrator.deadlines import poll_ms
 from orchestrator.rejection import Rejection
 from transfer.protocol import (
     CONTROL_REPLY,
+    DAEMON_TO_WORKER,
+    DECODE_ERRORS,
     ControlReply,
     ControlRequest,
     Drain,
     Draining,
     GetStats,
     ListWorkers,
+    RegisterRefused,
     Rejected,
     Stats,
     Workers,
@@ -43,9 +46,13 @@ class Control:
             sock.send(encode(request))
             if not sock.poll(self._timeout_ms):
                 raise TimeoutError(f"no reply from control socket {self.endpoint} within {self._timeout_ms / 1000:.1f}s")
-            reply = CONTROL_REPLY.decode(sock.recv())
+            body = sock.recv()
         finally:
             sock.close(linger=0)
+        try:
+            reply = CONTROL_REPLY.decode(body)
+        except DECODE_ERRORS:
+            raise ValueError(f"{self.endpoint} is not a control socket: {_what_answered(body)}") from None
         if isinstance(reply, Rejected):
             raise Rejection(reply)
         return reply
@@ -64,3 +71,13 @@ class Control:
         reply = self._ask(Drain())
         assert isinstance(reply, Draining)
         return reply
+
+
+def _what_answered(body: bytes) -> str:
+    """What a socket that is not a control socket answered a control request with: the
+    worker socket's refusal says which socket it is."""
+    try:
+        answer = DAEMON_TO_WORKER.decode(body)
+    except DECODE_ERRORS:
+        return "its answer is no control reply"
+    return answer.message if isinstance(answer, RegisterRefused) else "it answered as a worker socket"

@@ -83,6 +83,12 @@ def test_submit_reports_a_rejection_and_exits_nonzero(start_cluster: StartCluste
     lost = triptych("stats", "--endpoint", cluster.config.daemon.client_endpoint, config=cluster.config_path)
     assert lost.returncode == 2 and lost.stderr.startswith("triptych stats: rejected (invalid)")
     assert "Traceback" not in lost.stderr
+    # ...and at the worker socket: its answer says which socket it is, at once.
+    started = time.monotonic()
+    astray = triptych("stats", "--endpoint", cluster.config.daemon.worker_endpoint, config=cluster.config_path)
+    assert astray.returncode == 1 and time.monotonic() - started < 5
+    assert astray.stderr.startswith(f"triptych stats: {cluster.config.daemon.worker_endpoint} is not a control "
+                                    "socket: this is the daemon's worker socket")
 
 
 @pytest.mark.parametrize("progress", [False, True], ids=["req", "dealer"])
