@@ -248,11 +248,14 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="triptych", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    def command(name: str, func, help: str) -> argparse.ArgumentParser:
-        p = sub.add_parser(name, help=help)
+    def command(name: str, func, help: str, epilog: str | None = None) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help, description=help[0].upper() + help[1:] + ".", epilog=epilog)
         p.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="cluster TOML (default: %(default)s)")
         p.set_defaults(func=func)
         return p
+
+    def endpoint(p: argparse.ArgumentParser, key: str) -> None:
+        p.add_argument("--endpoint", default="", help=f"the daemon's socket (default: daemon.{key} in --config)")
 
     command("serve", _serve, "run the orchestrator daemon")
     p = command("worker", _worker, "run one stage worker")
@@ -263,8 +266,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--encoders", type=int, default=1)
     p.add_argument("--denoisers", type=int, default=2)
     p.add_argument("--decoders", type=int, default=1)
-    p = command("submit", _submit, "generate and write the outputs")
-    p.add_argument("--endpoint", default="")
+    p = command("submit", _submit, "generate and write the outputs",
+                epilog="Exit status: 0 written; 2 the daemon refused or failed the request, or the command "
+                       "line is wrong (either way the reason is printed); 1 another error (no daemon, a "
+                       "timeout, a bad config); 130 interrupted, the request cancelled.")
+    endpoint(p, "client_endpoint")
     p.add_argument("--prompt", required=True)
     p.add_argument("--negative-prompt", default="")
     p.add_argument("--width", type=int, default=64)
@@ -278,17 +284,17 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--priority", type=int, default=0, help="-100..100; higher is served first")
     p.add_argument("--timeout", type=_positive_seconds, default=None, help="seconds; 120 when not given")
     p.add_argument("--progress", action="store_true", help="print where the request stands while it runs")
-    p.add_argument("--out", default="out")
+    p.add_argument("--out", default="out", help="directory the outputs are written to (default: %(default)s)")
     p = command("stats", _stats, "print the daemon's stats")
-    p.add_argument("--endpoint", default="")
-    p.add_argument("--json", action="store_true")
+    endpoint(p, "control_endpoint")
+    p.add_argument("--json", action="store_true", help="the Stats message as JSON instead of a table")
     p = command("workers", _workers, "list the registered worker instances")
-    p.add_argument("--endpoint", default="")
-    p.add_argument("--json", action="store_true")
+    endpoint(p, "control_endpoint")
+    p.add_argument("--json", action="store_true", help="as JSON instead of a table")
     p = command("drain", _drain, "stop admitting, finish the work in flight, then exit the daemon")
-    p.add_argument("--endpoint", default="")
+    endpoint(p, "control_endpoint")
     p = command("metrics", _metrics, "serve the daemon's stats as Prometheus metrics over HTTP")
-    p.add_argument("--endpoint", default="")
+    endpoint(p, "control_endpoint")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=_port, default=9464, help="0: any free port")
     p.add_argument("--scrape-timeout", type=_positive_seconds, default=2.0,
