@@ -283,6 +283,8 @@ class FrontendActor:
         if keys:
             self._log.info("client.gone", cancelled=sorted(self._clients[key].request_id for key in keys))
         for key in keys:
+            # Nor started again: its failure may be on its way here already (worker_lost).
+            self._clients[key].retries_left = 0
             self._tracker.post(CancelRequest(request_id=key, why="its client's connection closed"))
 
     def _explained(self, message: ClientReply, rid: str) -> ClientReply:

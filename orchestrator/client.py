@@ -138,11 +138,14 @@ class Client:
     def _connect(self) -> tuple[zmq.Socket, ConnectionWatch]:
         sock = self._ctx.socket(zmq.REQ)
         sock.setsockopt(zmq.LINGER, 0)
-        watch = ConnectionWatch(sock)
         try:
-            sock.connect(self.endpoint)
+            watch = ConnectionWatch(sock)
+            try:
+                sock.connect(self.endpoint)
+            except BaseException:
+                watch.close()
+                raise
         except BaseException:
-            watch.close()
             sock.close(linger=0)
             raise
         return sock, watch
@@ -181,12 +184,13 @@ class Client:
         return reply.found
 
     def _request(self, parts: list[bytes], timeout_s: float) -> Reply:
-        deadline = time.monotonic() + checked_s(timeout_s)
+        sent_at = time.monotonic()
+        deadline = sent_at + checked_s(timeout_s)
         self._watch.read()
         closes = self._watch.closes
         self._sock.send_multipart(parts)
         try:
-            answered = self._wait(deadline, closes)
+            answered = self._wait(sent_at, deadline, closes)
         except BaseException:
             self._reset()
             raise
@@ -195,7 +199,7 @@ class Client:
             raise TimeoutError(f"no reply from {self.endpoint} within {timeout_s:.1f}s")
         return _decode_reply(self._sock.recv_multipart())
 
-    def _wait(self, deadline: float, closes: int) -> bool:
+    def _wait(self, sent_at: float, deadline: float, closes: int) -> bool:
         """Wait for the reply until ``deadline``; ``ConnectionError`` as soon as none can come."""
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
@@ -204,12 +208,12 @@ class Client:
             self._watch.read()
             if self._sock.poll(0):
                 return True  # it came before the connection closed (a daemon that answered, then stopped)
-            if (problem := self._watch.problem(closes, self.endpoint)) is not None:
+            if (problem := self._watch.problem(sent_at, closes, self.endpoint)) is not None:
                 raise ConnectionError(problem)
             now = time.monotonic()
             if now >= deadline:
                 return False
-            until = min(deadline, self._watch.no_daemon_at() or deadline)
+            until = min(deadline, self._watch.no_daemon_at(sent_at) or deadline)
             if self._sock in dict(poller.poll(poll_ms(max(until - now, 0.001)))):
                 return True
 
@@ -221,7 +225,7 @@ class Client:
 
     def close(self) -> None:
         self._watch.close()
-        self._sock.close(linger=0)
+        self._sock.close(linger=0)  # (again: nothing)
 
     def __enter__(self) -> Client:
         return self
@@ -237,6 +241,8 @@ OnProgress = Callable[[Progress], None | Awaitable[None]]
 # Progress messages waiting for a slow ``on_progress``; past it, the newest ones are dropped
 # (progress is advisory). The answer never waits behind them (``AsyncClient._answers``).
 PROGRESS_BACKLOG = 16
+# How often an AsyncClient with no daemon connected looks for requests that waited NO_DAEMON_S.
+WATCH_S = 0.25
 
 
 class AsyncClient:
@@ -263,6 +269,7 @@ class AsyncClient:
         self._watch: ConnectionWatch | None = None
         self._waiting: dict[str, anyio.abc.ObjectSendStream[Progress]] = {}  # requests waiting, their progress
         self._answers: dict[str, Generation | Rejected | Lost] = {}  # taken ahead of any progress queued
+        self._sent: dict[str, tuple[float, int]] = {}  # waiting requests: when sent, connections closed by then
         # Requests given up on, by id, until when an answer may still come: it must not reach
         # a new request that reuses the id.
         self._abandoned: dict[str, float] = {}
@@ -349,17 +356,15 @@ class AsyncClient:
         """Fail the waiting requests that can get no answer, at once: when their connection
         closes, or when no daemon has taken one for ``NO_DAEMON_S``."""
         while True:
-            due = watch.no_daemon_at()
-            closes = watch.closes
-            with anyio.move_on_after(math.inf if due is None else due - time.monotonic()):
+            # Unconnected, it looks again every WATCH_S: a request sent since may come due.
+            with anyio.move_on_after(math.inf if watch.connected else WATCH_S):
                 watch.heard(await watch.monitor.recv_multipart())
-                if watch.closes == closes:
-                    continue
-            if (why := watch.problem(closes, self.endpoint)) is not None:
+            lost = {rid: why for rid, (sent_at, closes) in self._sent.items()
+                    if (why := watch.problem(sent_at, closes, self.endpoint)) is not None}
+            if lost:
                 await self._read_what_came()
-                for rid in list(self._waiting):
+                for rid, why in lost.items():
                     self._answer(rid, Lost(why))
-                watch.wait_again()  # what is sent from now on waits for a daemon afresh
 
     async def _read_what_came(self) -> None:
         """Let the reader take the replies that came before a connection closed (a daemon
@@ -368,9 +373,10 @@ class AsyncClient:
         with anyio.move_on_after(1.0):
             while True:
                 # Time for the reader: a reply ZMQ has handed to its pending receive is no
-                # longer on the socket, but not yet an answer either.
+                # longer on the socket, but not yet an answer either. (``get``, not
+                # ``getsockopt``: pyzmq's asyncio socket must see the edge it consumes.)
                 await anyio.sleep(0.01)
-                if not self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                if not self._sock.get(zmq.EVENTS) & zmq.POLLIN:
                     return
 
     async def _request(self, rid: str, body: bytes, wait_s: float,
@@ -385,6 +391,8 @@ class AsyncClient:
             with rx:
                 try:
                     with anyio.fail_after(wait_s):
+                        assert self._watch is not None
+                        self._sent[rid] = time.monotonic(), self._watch.closes
                         await sock.send_multipart([b"", body])
                         answer = await self._answer_to(rid, rx, on_progress)
                 except TimeoutError:
@@ -408,6 +416,7 @@ class AsyncClient:
                                    f"and {GRACE_S:g} s of grace)") from None
             raise
         finally:
+            self._sent.pop(rid, None)
             self._answers.pop(rid, None)
             leftover = self._waiting.pop(rid, None)
             if leftover is not None:

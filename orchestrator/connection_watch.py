@@ -51,25 +51,25 @@ class ConnectionWatch:
         while self.monitor.poll(0):
             self.heard(self.monitor.recv_multipart())
 
-    def no_daemon_at(self) -> float | None:
-        """When, without a connection, the wait for one runs out (monotonic); None while connected."""
-        return None if self.connected else self._since + NO_DAEMON_S
+    def no_daemon_at(self, sent_at: float) -> float | None:
+        """When a request sent at ``sent_at`` has waited ``NO_DAEMON_S`` with no daemon
+        connected (monotonic); None while one is."""
+        return None if self.connected else max(self._since, sent_at) + NO_DAEMON_S
 
-    def wait_again(self) -> None:
-        """Give a wait for a connection its full time again (requests sent from now on)."""
-        if not self.connected:
-            self._since = time.monotonic()
-
-    def problem(self, closes: int, endpoint: str) -> str | None:
-        """Why a request sent when ``closes`` connections had closed can get no answer, or None."""
+    def problem(self, sent_at: float, closes: int, endpoint: str) -> str | None:
+        """Why a request sent at ``sent_at``, when ``closes`` connections had closed, can get
+        no answer; None while it still can."""
         if self.closes > closes:
             return (f"the connection to the daemon at {endpoint} closed while the request waited: the daemon "
                     "answers on the connection a request came by")
-        due = self.no_daemon_at()
+        due = self.no_daemon_at(sent_at)
         if due is not None and time.monotonic() >= due:
             return f"no daemon at {endpoint}: nothing there took a connection within {NO_DAEMON_S:g}s"
         return None
 
     def close(self) -> None:
-        self._sock.disable_monitor()
-        self.monitor.close(linger=0)
+        """Stop watching (again: nothing)."""
+        if not self.monitor.closed:
+            if not self._sock.closed:
+                self._sock.disable_monitor()
+            self.monitor.close(linger=0)

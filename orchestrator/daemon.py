@@ -63,7 +63,7 @@ async def serve(cfg: Config, *, early: list[signal.Signals] | None = None,
         # Signals are watched until the actors have stopped, their sockets' last answers
         # sent: a second signal during that (bounded) teardown is one more "stop at once",
         # not the end of the process before its answers leave.
-        signals.start_soon(_watch_signals, drain_requested, drain_wait, early or [])
+        signals.start_soon(_watch_signals, drain_requested, drain_wait, [] if early is None else early)
         await _serve(cfg, drain_requested, drain_wait, task_status=task_status)
         signals.cancel_scope.cancel()
 
