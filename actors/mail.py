@@ -46,10 +46,11 @@ class Forget(Mail):
 
 
 class Tick(Mail):
-    """Time passed: check deadlines or liveness. ``late_s``: how much later than its period
-    this tick came, the time the event loop, and with it every socket's reader, stood still."""
+    """Time passed: check deadlines or liveness. ``gap_s``: the time since the previous tick
+    (0: not measured); far past its period, the event loop, and with it every socket's
+    reader, stood still for up to that long."""
 
-    late_s: float = 0.0
+    gap_s: float = 0.0
 
 
 # --------------------------------------------------------------------------- frontend

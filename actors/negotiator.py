@@ -313,8 +313,8 @@ class TransferNegotiator:
                 self._handoffs.placed(job, instance)
             case Forget(request_id=rid):
                 self._handoffs.forget(rid)
-            case Tick(late_s=late_s):
-                self._check_liveness(time.monotonic(), stalled_s=late_s)
+            case Tick(gap_s=gap_s):
+                self._check_liveness(time.monotonic(), stalled_s=gap_s)
             case Farewell():
                 self._farewell()
             case Stuck(instance=instance, message=message):
@@ -364,7 +364,7 @@ class TransferNegotiator:
     def _check_liveness(self, now: float, *, stalled_s: float = 0.0) -> None:
         heartbeat_s = self._cfg.heartbeat_s
         limit = heartbeat_s * self._cfg.heartbeat_misses
-        if stalled_s > heartbeat_s:
+        if stalled_s > heartbeat_s:  # the negotiator ticks every half heartbeat (daemon.py)
             self._forgive_stall(now, stalled_s)
         for link in list(self._links.values()):
             silent_s = now - link.last_seen
@@ -382,8 +382,10 @@ class TransferNegotiator:
         self._handoffs.expire_quarantine(now)
 
     def _forgive_stall(self, now: float, stalled_s: float) -> None:
-        """The daemon stood still for ``stalled_s`` (stopped, a frozen VM, a long collection):
-        the heartbeats of that time wait unread in its socket, so it is no worker's silence.
+        """The daemon stood still for up to ``stalled_s`` (stopped, a frozen VM, a long
+        collection; it may have begun any time after the last tick, so all of it is
+        forgiven): the heartbeats of that time wait unread in its socket, so it is no
+        worker's silence.
         Without this, every worker would be evicted on waking, and a denoiser or decoder would
         then sit out ``push_quarantine_s`` before it could rejoin."""
         for link in self._links.values():

@@ -43,12 +43,12 @@ END_ALL_FLUSH_S = 1.0  # for the answers to requests a timed-out drain ends, and
 
 
 async def _tick(outbox: Mailbox[Any], period_s: float) -> None:
-    due = time.monotonic() + period_s
+    last = time.monotonic()
     while True:
-        await anyio.sleep(due - time.monotonic())
+        await anyio.sleep(last + period_s - time.monotonic())
         now = time.monotonic()
-        outbox.post(Tick(late_s=now - due))
-        due = now + period_s
+        outbox.post(Tick(gap_s=now - last))
+        last = now
 
 
 async def serve(cfg: Config, *, early: list[signal.Signals] | None = None,

@@ -397,7 +397,7 @@ async def test_a_stall_of_the_daemon_is_no_workers_silence(ctx: zmq.asyncio.Cont
         async with encoder_and_denoiser(ctx, tmp_path, slots=2, heartbeat_s=0.1,
                                         heartbeat_misses=3) as (n, encoder, denoiser):
             time.sleep(0.5)  # the loop stands still: no reader, no tick
-            n.inbox.post(Tick(late_s=0.45))  # handled before the socket is read again
+            n.inbox.post(Tick(gap_s=0.5))  # handled before the socket is read again
             await n.stats()
             n.assert_silent()
             await anyio.sleep(0.35)  # awake, and neither worker speaks: 3.5 heartbeats
