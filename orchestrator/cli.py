@@ -18,7 +18,7 @@ import msgspec
 import zmq
 
 from orchestrator.config import load_config
-from orchestrator.connection_watch import NO_DAEMON_S
+from orchestrator.connection_watch import NO_DAEMON_S, ConnectionWatch
 from transfer.binding import EndpointUnusable
 from transfer.protocol import GenParams, Progress
 
@@ -199,15 +199,14 @@ def _check_endpoint(endpoint: str, *, answered_within_s: float = 0.0) -> str:
     that time (a command would otherwise wait out its whole timeout for a daemon that is not
     running)."""
     sock = zmq.Context.instance().socket(zmq.DEALER)
-    monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED) if answered_within_s else None
+    watch = ConnectionWatch(sock) if answered_within_s else None
     try:
         sock.connect(endpoint)
-        if monitor is not None and not monitor.poll(int(answered_within_s * 1000)):
+        if watch is not None and not watch.wait_connected(answered_within_s):
             raise TimeoutError(f"no daemon at {endpoint}: nothing there took a connection within {answered_within_s:g}s")
     finally:
-        if monitor is not None:
-            sock.disable_monitor()
-            monitor.close(linger=0)
+        if watch is not None:
+            watch.close()
         sock.close(linger=0)
     return endpoint
 

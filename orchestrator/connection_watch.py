@@ -51,6 +51,14 @@ class ConnectionWatch:
         while self.monitor.poll(0):
             self.heard(self.monitor.recv_multipart())
 
+    def wait_connected(self, timeout_s: float) -> bool:
+        """Whether a daemon takes the connection within ``timeout_s`` (a blocking socket's monitor)."""
+        deadline = time.monotonic() + timeout_s
+        while not self.connected and (left_s := deadline - time.monotonic()) > 0:
+            if self.monitor.poll(max(1, round(left_s * 1000))):
+                self.heard(self.monitor.recv_multipart())
+        return self.connected
+
     def no_daemon_at(self, sent_at: float) -> float | None:
         """When a request sent at ``sent_at`` has waited ``NO_DAEMON_S`` with no daemon
         connected (monotonic); None while one is."""
