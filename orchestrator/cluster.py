@@ -1,8 +1,10 @@
 """A local cluster of real processes: the daemon plus N workers per role, on this machine.
 
 Used by the demo, the benchmark and the end-to-end tests; the benchmark can swap the workers
-for one process of zero-work protocol peers (orchestrator/instant_workers.py). Each process logs to its own
-file; every wait has a deadline and a failure names the process and its log.
+for one process of zero-work protocol peers (orchestrator/instant_workers.py). Workers are forked
+from a server that has imported their runtime once (orchestrator/fork_server.py); the daemon is
+started as a process of its own. Each process logs to its own file; every wait has a deadline
+and a failure names the process and its log.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from pathlib import Path
 
 from orchestrator.config import Config, load_config
 from orchestrator.control_client import Control
+from orchestrator.fork_server import ForkedProcess, ForkServer
 from transfer.protocol import Role, Stats
 
 DEFAULT_LAYOUT: dict[Role, int] = {"encoder": 1, "denoiser": 2, "decoder": 1}
@@ -31,7 +34,7 @@ class LocalCluster:
     """Start with ``with LocalCluster(path) as cluster:``; stops everything on exit."""
 
     def __init__(self, config_path: Path, *, layout: dict[Role, int] | None = None, log_dir: Path,
-                 env: dict[str, str] | None = None, instant: bool = False) -> None:
+                 env: dict[str, str] | None = None, instant: bool = False, forks: ForkServer | None = None) -> None:
         self.config_path = Path(config_path)
         self.config: Config = load_config(self.config_path)
         self.layout = layout or DEFAULT_LAYOUT
@@ -40,22 +43,38 @@ class LocalCluster:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self._env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.daemon: subprocess.Popen | None = None
-        self.workers: dict[str, subprocess.Popen] = {}
+        self.workers: dict[str, subprocess.Popen | ForkedProcess] = {}
+        # A fork server given is shared with other clusters (the test suite's); one started
+        # here, at the first worker, is this cluster's to close.
+        self._forks = forks
+        self._own_forks: ForkServer | None = None
         self._spawned: set[str] = set()
         self.control = Control(self.config.daemon.control_endpoint)
 
-    def _spawn(self, name: str, *args: str, config_path: Path | None = None) -> subprocess.Popen:
-        # A process started again under the same name (a restart) appends: its log keeps the
-        # story. A first start replaces whatever an earlier cluster left there.
-        mode = "ab" if name in self._spawned else "wb"
+    def _log_path(self, name: str) -> tuple[Path, bool]:
+        """Process ``name``'s log, and whether to append to it: a process started again under
+        the same name (a restart) appends, so its log keeps the story; a first start replaces
+        whatever an earlier cluster left there."""
+        append = name in self._spawned
         self._spawned.add(name)
-        log = open(self.log_dir / f"{name}.log", mode)  # lives as long as the process
+        return self.log_dir / f"{name}.log", append
+
+    def _spawn(self, name: str, *args: str, config_path: Path | None = None) -> subprocess.Popen:
+        path, append = self._log_path(name)
+        log = open(path, "ab" if append else "wb")  # lives as long as the process
         try:
             config = str(config_path or self.config_path)
             return subprocess.Popen([sys.executable, "-m", "orchestrator", *args, "--config", config],
                                     stdout=log, stderr=subprocess.STDOUT, env=self._env, start_new_session=True)
         finally:
             log.close()
+
+    def _fork_server(self) -> ForkServer:
+        if self._forks is None:
+            diffusers = ("orchestrator.stages.diffusion",) if self.config.model.kind == "diffusers" else ()
+            self._forks = self._own_forks = ForkServer(self.log_dir / "fork-server.log", env=self._env,
+                                                       preload=diffusers)
+        return self._forks
 
     def log_of(self, name: str) -> str:
         return (self.log_dir / f"{name}.log").read_text(errors="replace")
@@ -76,11 +95,14 @@ class LocalCluster:
         self.daemon = self._spawn("daemon", "serve")
 
     def start_worker(self, role: Role, index: int, *, config_path: Path | None = None,
-                     name: str | None = None) -> subprocess.Popen:
+                     name: str | None = None) -> ForkedProcess:
         """Start worker ``<role><index>`` (its key and log name; its ``--name`` too, unless
         ``name`` is given), with its own config file if given (else the cluster's)."""
         key = f"{role}{index}"
-        proc = self._spawn(key, "worker", "--role", role, "--name", name or key, config_path=config_path)
+        log, append = self._log_path(key)
+        config = str(config_path or self.config_path)
+        proc = self._fork_server().spawn(["worker", "--role", role, "--name", name or key, "--config", config],
+                                         log=log, append=append)
         self.workers[key] = proc
         return proc
 
@@ -131,12 +153,15 @@ class LocalCluster:
                 codes[name], was_killed = self._reap(proc, timeout_s)
                 if was_killed:
                     killed.append(name)
+        if self._own_forks is not None:
+            self._own_forks.close()
+            self._forks = self._own_forks = None
         if killed:
             raise ClusterError(f"{', '.join(killed)} did not exit within {timeout_s}s of SIGTERM; killed")
         return codes
 
     @staticmethod
-    def _reap(proc: subprocess.Popen, timeout_s: float) -> tuple[int, bool]:
+    def _reap(proc: subprocess.Popen | ForkedProcess, timeout_s: float) -> tuple[int, bool]:
         """Wait ``timeout_s`` for ``proc`` (already told to stop), then kill it: (exit code, killed).
         Never a second SIGTERM: to the daemon that means "stop at once", cutting its drain short."""
         try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -12,6 +13,7 @@ import pytest
 from orchestrator.client import Client, Reply
 from orchestrator.cluster import ClusterError, LocalCluster
 from orchestrator.config import Config, load_config
+from orchestrator.fork_server import ForkServer
 from transfer.protocol import Role, Stats
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -48,14 +50,24 @@ def _write_with(path: Path, raw: dict, sections: dict[str, dict]) -> None:
 StartCluster = Callable[..., LocalCluster]
 
 
+@pytest.fixture(scope="session")
+def forks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ForkServer]:
+    """One fork server for every cluster of the session: each imports torch (and diffusers)
+    once in all, not once per worker."""
+    server = ForkServer(tmp_path_factory.mktemp("forks") / "fork-server.log",
+                        env={**os.environ, "PYTHONUNBUFFERED": "1"}, preload=("orchestrator.stages.diffusion",))
+    yield server
+    server.close()
+
+
 @pytest.fixture
-def start_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StartCluster]:
+def start_cluster(tmp_path_factory: pytest.TempPathFactory, forks: ForkServer) -> Iterator[StartCluster]:
     started: list[LocalCluster] = []
 
     def start(layout: dict[Role, int] | None = None, *, instant: bool = False, **sections: dict) -> LocalCluster:
         tmp = tmp_path_factory.mktemp("c")  # short: ipc paths are limited to ~100 bytes
         path, _ = cluster_config(tmp, **sections)
-        cluster = LocalCluster(path, layout=layout, log_dir=tmp / "logs", instant=instant)
+        cluster = LocalCluster(path, layout=layout, log_dir=tmp / "logs", instant=instant, forks=forks)
         started.append(cluster)
         cluster.start(timeout_s=120)
         return cluster

@@ -12,6 +12,7 @@ import zmq
 
 from orchestrator.client import AsyncClient, Client, Rejection
 from orchestrator.cluster import LocalCluster
+from orchestrator.fork_server import ForkServer
 from orchestrator.stages.null import expected_outputs
 from tests.e2e.conftest import RawClient, StartCluster, all_free, assert_torch_free, config_variant, wait_for
 from transfer.protocol import PROTOCOL_VERSION, GenParams, GetStats, Progress, Reason, Rejected, Submit, encode
@@ -20,12 +21,12 @@ HOPS = ("encoder->denoiser", "denoiser->decoder")
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory):
+def cluster(tmp_path_factory: pytest.TempPathFactory, forks: ForkServer):
     from tests.e2e.conftest import assert_no_crash, cluster_config
 
     tmp = tmp_path_factory.mktemp("p")
     path, _ = cluster_config(tmp)
-    with LocalCluster(path, log_dir=tmp / "logs") as running:
+    with LocalCluster(path, log_dir=tmp / "logs", forks=forks) as running:
         yield running
     assert_no_crash(running)
 
