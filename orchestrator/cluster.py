@@ -19,7 +19,7 @@ from pathlib import Path
 
 from orchestrator.config import Config, load_config
 from orchestrator.control_client import Control
-from orchestrator.fork_server import ForkedProcess, ForkServer
+from orchestrator.fork_server import ForkedProcess, ForkServer, ForkServerError
 from transfer.protocol import Role, Stats
 
 DEFAULT_LAYOUT: dict[Role, int] = {"encoder": 1, "denoiser": 2, "decoder": 1}
@@ -34,14 +34,14 @@ class LocalCluster:
     """Start with ``with LocalCluster(path) as cluster:``; stops everything on exit."""
 
     def __init__(self, config_path: Path, *, layout: dict[Role, int] | None = None, log_dir: Path,
-                 env: dict[str, str] | None = None, instant: bool = False, forks: ForkServer | None = None) -> None:
+                 instant: bool = False, forks: ForkServer | None = None) -> None:
         self.config_path = Path(config_path)
         self.config: Config = load_config(self.config_path)
         self.layout = layout or DEFAULT_LAYOUT
         self.instant = instant  # one process of zero-work protocol peers instead of real workers
         self.log_dir = Path(log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        self._env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self._env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.daemon: subprocess.Popen | None = None
         self.workers: dict[str, subprocess.Popen | ForkedProcess] = {}
         # A fork server given is shared with other clusters (the test suite's); one started
@@ -130,8 +130,7 @@ class LocalCluster:
     def stop_daemon(self, *, timeout_s: float = 30.0) -> int:
         """SIGTERM the daemon and wait for it to drain and exit; returns its exit code."""
         assert self.daemon is not None
-        if self.daemon.poll() is None:
-            self.daemon.send_signal(signal.SIGTERM)
+        self.daemon.send_signal(signal.SIGTERM)  # a no-op if it has ended
         code, killed = self._reap(self.daemon, timeout_s)
         if killed:
             raise ClusterError(f"the daemon did not exit within {timeout_s}s of SIGTERM; killed")
@@ -140,24 +139,31 @@ class LocalCluster:
     def stop(self, *, timeout_s: float = 30.0) -> dict[str, int]:
         """Stop the daemon (it drains), then the workers; exit codes by process name. Every
         process is stopped, one that outlives ``timeout_s`` after SIGTERM killed, and those
-        killed are named in the ``ClusterError`` raised at the end: the workers run in their
-        own sessions, so one left behind would outlive the caller."""
+        killed, or whose exit status was lost with their fork server, are named in the
+        ``ClusterError`` raised at the end: the workers run in their own sessions, so one left
+        behind would outlive the caller."""
         codes: dict[str, int] = {}
+        problems: list[str] = []
         killed: list[str] = []
         # The daemon first, so it drains while its workers still serve; the workers together.
         for procs in ({"daemon": self.daemon} if self.daemon else {}, self.workers):
             for proc in procs.values():
-                if proc.poll() is None:
-                    proc.send_signal(signal.SIGTERM)
+                proc.send_signal(signal.SIGTERM)  # a no-op if it has ended
             for name, proc in procs.items():
-                codes[name], was_killed = self._reap(proc, timeout_s)
+                try:
+                    codes[name], was_killed = self._reap(proc, timeout_s)
+                except ForkServerError as exc:  # it has ended, but how went with its fork server
+                    problems.append(f"{name}: {exc}")
+                    continue
                 if was_killed:
                     killed.append(name)
         if self._own_forks is not None:
             self._own_forks.close()
             self._forks = self._own_forks = None
         if killed:
-            raise ClusterError(f"{', '.join(killed)} did not exit within {timeout_s}s of SIGTERM; killed")
+            problems.insert(0, f"{', '.join(killed)} did not exit within {timeout_s}s of SIGTERM; killed")
+        if problems:
+            raise ClusterError("; ".join(problems))
         return codes
 
     @staticmethod

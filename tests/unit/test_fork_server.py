@@ -7,14 +7,20 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
+from orchestrator import cli, fork_server
+from orchestrator.cluster import ClusterError, LocalCluster
 from orchestrator.fork_server import ForkServer, ForkServerError
-from tests.e2e.conftest import cluster_config
+from tests.e2e.conftest import CONFIGS, cluster_config
+
+CONFIG = CONFIGS / "test.toml"
 
 
 def start_server(tmp_path: Path) -> ForkServer:
@@ -74,8 +80,9 @@ def test_the_exit_status_and_output_of_a_failing_command_come_back(server: ForkS
     assert log.read_text().count("No such file") == 2  # a restart's log keeps the story
 
 
-def test_the_server_exits_when_closed_though_a_child_still_runs(tmp_path: Path) -> None:
-    """The children hold none of the server's pipes: its end is seen at once."""
+def test_closing_the_server_ends_its_children_and_says_their_exit_status_is_lost(tmp_path: Path) -> None:
+    """The children hold none of the server's plumbing, so its end is seen at once; they get
+    SIGTERM as it ends (a server killed, or whose parent died, leaves no worker behind)."""
     own = start_server(tmp_path)
     log = tmp_path / "worker.log"
     child = own.spawn(waiting_worker(tmp_path), log=log, append=False)
@@ -83,9 +90,76 @@ def test_the_server_exits_when_closed_though_a_child_still_runs(tmp_path: Path) 
     started = time.monotonic()
     own.close()
     assert time.monotonic() - started < 5
-    os.kill(child.pid, 0)  # alive: stopping its workers is the cluster's job, done before this
-    with pytest.raises(ForkServerError, match="exited before worker"):
-        child.poll()
+    with pytest.raises(ForkServerError, match="exited before worker .* exit status is lost"):
+        child.wait(timeout=30)
+    assert "worker.signal" in events(log)  # SIGTERM: it stopped as told, not killed
+    assert not alive(child.pid)
     with pytest.raises(ForkServerError, match="is closed"):
         own.spawn(waiting_worker(tmp_path), log=log, append=True)
-    os.kill(child.pid, signal.SIGKILL)
+
+
+def test_a_cluster_whose_fork_server_was_killed_still_stops_every_worker_and_names_them(tmp_path: Path) -> None:
+    own = start_server(tmp_path)
+    cluster = LocalCluster(CONFIG, log_dir=tmp_path, forks=own)
+    workers = [cluster.start_worker("encoder", i, config_path=Path(waiting_worker(tmp_path)[-1])) for i in range(2)]
+    for i in range(2):
+        wait_for_event(tmp_path / f"encoder{i}.log", "worker.waiting_for_daemon")
+    os.kill(own.pid, signal.SIGKILL)  # as the kernel's OOM killer would
+    with pytest.raises(ClusterError, match=r"^encoder0: .*exit status is lost.*; encoder1: .*exit status is lost"):
+        cluster.stop(timeout_s=10)
+    assert not any(alive(worker.pid) for worker in workers)
+    own.close()
+
+
+def test_a_spawn_given_up_on_is_killed_when_it_comes_and_the_next_spawn_gets_its_own_child(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Answers are matched to spawns by id: a late one is not the next spawn's. The server's
+    imports print on its stdout, which is not the channel: nothing breaks."""
+    (tmp_path / "slow_preload.py").write_text("import time\ntime.sleep(3)\nprint('a stray line')\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
+    own = ForkServer(tmp_path / "fork-server.log", env=env, preload=("slow_preload",))
+    monkeypatch.setattr(fork_server, "SPAWN_TIMEOUT_S", 1.0)
+    with pytest.raises(ForkServerError, match="did not answer a spawn within 1s"):
+        own.spawn(waiting_worker(tmp_path), log=tmp_path / "abandoned.log", append=False)
+    monkeypatch.setattr(fork_server, "SPAWN_TIMEOUT_S", 60.0)
+    child = own.spawn(["stats", "--config", str(tmp_path / "missing.toml")], log=tmp_path / "stats.log", append=False)
+    assert child.wait(timeout=30) == 1
+    children = Path(f"/proc/{own.pid}/task/{own.pid}/children")
+    deadline = time.monotonic() + 10
+    while children.read_text().strip():  # the abandoned worker, killed and reaped
+        assert time.monotonic() < deadline, children.read_text()
+        time.sleep(0.05)
+    own.close()
+    assert "a stray line" in (tmp_path / "fork-server.log").read_text()
+
+
+@pytest.mark.parametrize(("outcome", "status", "printed"), [
+    (lambda: None, 0, ""),
+    (lambda: 3, 3, ""),
+    (lambda: sys.exit(), 0, ""),
+    (lambda: sys.exit(4), 4, ""),
+    (lambda: sys.exit("cannot go on"), 1, "cannot go on"),
+    (lambda: 1 / 0, 1, "ZeroDivisionError"),
+])
+def test_a_child_exits_with_the_status_the_interpreter_would_give(
+    outcome: Callable[[], object], status: int, printed: str, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(cli, "main", lambda argv: outcome())
+    assert fork_server._run([]) == status
+    assert printed in capsys.readouterr().err
+
+
+def test_a_child_draws_fresh_seeds_rather_than_the_servers() -> None:
+    before = torch.initial_seed()
+    fork_server._reseed()
+    assert torch.initial_seed() != before
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
