@@ -26,6 +26,7 @@ import itertools
 import os
 import select
 import selectors
+import shlex
 import signal
 import socket
 import subprocess
@@ -35,6 +36,7 @@ import traceback
 from pathlib import Path
 
 import msgspec
+import setproctitle
 
 SPAWN_TIMEOUT_S = 60.0  # the first spawn waits for the server's own imports
 CLOSE_TIMEOUT_S = 10.0
@@ -293,6 +295,8 @@ def _fork(spawn: Spawn, plumbing: tuple[selectors.BaseSelector, socket.socket, i
         os.close(log)
         os.close(devnull)
         _reseed()
+        # What ``ps`` and ``pgrep -f`` show: the command it runs, not the server's.
+        setproctitle.setproctitle(shlex.join([sys.executable, "-m", "orchestrator", *spawn.argv]))
         sys.argv = [sys.argv[0], *spawn.argv]
         code = _run(spawn.argv)
     except BaseException:  # before the command ran: it goes to the server's log

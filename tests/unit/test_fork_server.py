@@ -58,6 +58,7 @@ def test_a_child_runs_the_command_in_a_session_of_its_own_and_its_death_by_signa
     child = server.spawn(waiting_worker(tmp_path), log=log, append=False)
     wait_for_event(log, "worker.waiting_for_daemon")
     assert os.getsid(child.pid) == child.pid  # a signal to the test's process group misses it
+    assert Path(f"/proc/{child.pid}/cmdline").read_text().startswith(f"{sys.executable} -m orchestrator worker --role")
     assert child.poll() is None
     with pytest.raises(subprocess.TimeoutExpired):
         child.wait(timeout=0.1)
