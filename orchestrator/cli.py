@@ -132,11 +132,11 @@ def _submit(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:  # both clients cancel a request whose wait is interrupted
         print(f"interrupted: request {rid} cancelled", file=sys.stderr)
         return 130
-    for name, tensor in generation.outputs.items():
-        suffix = "" if name.endswith(".png") else ".bin"
-        path = out / f"{_file_stem(rid)}-{name}{suffix}"
-        path.write_bytes(tensor.numpy().tobytes())
-        print(path if suffix == "" else f"{path}  {str(tensor.dtype).removeprefix('torch.')} {tuple(tensor.shape)}")
+    for spec, data in zip(generation.result.outputs, generation.frames, strict=True):
+        suffix = "" if spec.name.endswith(".png") else ".bin"
+        path = out / f"{_file_stem(rid)}-{spec.name}{suffix}"
+        path.write_bytes(data)
+        print(path if suffix == "" else f"{path}  {spec.dtype} {tuple(spec.shape)}")
     for stage in generation.result.stages:
         print(f"  {stage.role:<9} {stage.instance:<12} queued {stage.queued_ms:8.2f} ms  compute "
               f"{stage.compute_ms:8.2f} ms  transfer {stage.transfer_ms:7.2f} ms  {stage.transfer_bytes} B"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import inspect
 import math
 import threading
@@ -17,18 +18,17 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import anyio
 import msgspec
 import structlog
-import torch
 import zmq
 import zmq.asyncio
 
 from orchestrator.connection_watch import ConnectionWatch
 from orchestrator.deadlines import checked_s, poll_ms
 from orchestrator.rejection import Rejection
-from transfer import frames
 from transfer.protocol import (
     CLIENT_REPLY,
     CLIENT_REQUEST,
@@ -44,6 +44,10 @@ from transfer.protocol import (
     Submit,
     encode,
 )
+from transfer.specs import check_frames
+
+if TYPE_CHECKING:
+    import torch
 
 log = structlog.get_logger()
 
@@ -55,12 +59,20 @@ DEFAULT_TIMEOUT_S = 120.0
 CANCEL_SEND_S = 1.0
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class Generation:
-    """A finished request: its header and its output tensors by name."""
+    """A finished request: its header and its outputs, as received."""
 
     result: Result
-    outputs: dict[str, torch.Tensor]
+    frames: list[bytes]  # each ``result.outputs`` tensor's bytes, checked against its header
+
+    @functools.cached_property
+    def outputs(self) -> dict[str, torch.Tensor]:
+        """The output tensors by name. Torch is imported here, on first use: a caller that
+        only writes the bytes out, as ``triptych submit`` does, starts without it (~2 s)."""
+        from transfer.frames import from_frames
+
+        return from_frames(self.result.outputs, self.frames)
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,7 +124,8 @@ def _decode_reply(parts: list[bytes]) -> Reply:
     header = CLIENT_REPLY.decode(parts[0])
     if isinstance(header, Result):
         try:
-            return Generation(header, frames.from_frames(header.outputs, parts[1:]))
+            check_frames(header.outputs, parts[1:])
+            return Generation(header, parts[1:])
         except ValueError as exc:
             return Rejected(request_id=header.request_id, reason=Reason.INVALID, message=f"unreadable Result: {exc}")
     return header

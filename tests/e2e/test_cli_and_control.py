@@ -29,12 +29,21 @@ def triptych(*args: str, config) -> subprocess.CompletedProcess[str]:
                           capture_output=True, text=True, timeout=60)
 
 
+def triptych_importing(*args: str, config) -> tuple[subprocess.CompletedProcess[str], set[str]]:
+    """``triptych(*args)``, and the modules it imported."""
+    done = subprocess.run([sys.executable, "-X", "importtime", "-m", "orchestrator", *args, "--config", str(config)],
+                          capture_output=True, text=True, timeout=60)
+    return done, {line.rsplit("|", 1)[1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")}
+
+
 def test_submit_writes_the_png_and_stats_report_it(start_cluster: StartCluster, tmp_path) -> None:
     cluster = start_cluster(layout=SMALL)
     out = tmp_path / "out"
-    done = triptych("submit", "--prompt", "a harbour", "--seed", "4", "--width", "32", "--height", "24",
-                    "--request-id", "cli-1", "--priority", "5", "--out", str(out), config=cluster.config_path)
+    done, imported = triptych_importing("submit", "--prompt", "a harbour", "--seed", "4", "--width", "32", "--height",
+                                        "24", "--request-id", "cli-1", "--priority", "5", "--out", str(out),
+                                        config=cluster.config_path)
     assert done.returncode == 0, done.stderr
+    assert "orchestrator.client" in imported and "torch" not in imported  # it writes bytes: no torch to load
     png = (out / "cli-1-image_0.png").read_bytes()
     expected = expected_outputs(GenParams(prompt="a harbour", seed=4, width=32, height=24, output="raw"),
                                 cluster.config.model.null)["images"][0]
@@ -51,25 +60,29 @@ def test_submit_writes_the_png_and_stats_report_it(start_cluster: StartCluster, 
                        config=cluster.config_path)
     assert longest.returncode == 0, longest.stderr
     assert len(list(out.iterdir())) == 3
+    # Raw tensors land as their bytes, their dtype and shape said beside the file's name.
+    raw = triptych("submit", "--prompt", "a harbour", "--seed", "4", "--width", "32", "--height", "24", "--output",
+                   "raw", "--request-id", "cli-raw", "--out", str(out), config=cluster.config_path)
+    assert raw.returncode == 0, raw.stderr
+    assert f"{out / 'cli-raw-images.bin'}  uint8 (1, 24, 32, 3)" in raw.stdout.splitlines()
+    assert (out / "cli-raw-images.bin").read_bytes() == expected.numpy().tobytes()
 
     # An operator's command that reads numbers starts without torch (2.5 s of CPU before).
-    asked = subprocess.run([sys.executable, "-X", "importtime", "-m", "orchestrator", "stats", "--json", "--config",
-                            str(cluster.config_path)], capture_output=True, text=True, timeout=60)
-    imported = {line.rsplit("|", 1)[1].strip() for line in asked.stderr.splitlines() if line.startswith("import time:")}
+    asked, imported = triptych_importing("stats", "--json", config=cluster.config_path)
     assert "orchestrator.control_client" in imported and "torch" not in imported
     stats = json.loads(asked.stdout)
-    assert stats["completed"] == 3 and len(stats["instances"]) == 3
+    assert stats["completed"] == 4 and len(stats["instances"]) == 3
     # Where the time went: every stage of the three requests, and the bytes of each hop.
     latency = {key: sum(lat["counts"]) for key, lat in stats["latency"].items()}
-    assert latency == {key: 3 for key in ("request", "encoder.queued", "encoder.compute", "encoder->denoiser",
+    assert latency == {key: 4 for key in ("request", "encoder.queued", "encoder.compute", "encoder->denoiser",
                                           "denoiser.queued", "denoiser.compute", "denoiser->decoder",
                                           "decoder.queued", "decoder.compute")}
-    assert stats["latency"]["denoiser.compute"]["total_ms"] >= 3 * cluster.config.model.null.denoiser_ms * 0.9
+    assert stats["latency"]["denoiser.compute"]["total_ms"] >= 4 * cluster.config.model.null.denoiser_ms * 0.9
     assert stats["handoff_bytes"]["encoder->denoiser"] > 0 and stats["handoff_bytes"]["denoiser->decoder"] > 0
     table = triptych("stats", config=cluster.config_path).stdout
-    assert "completed=3" in table and "denoiser" in table
+    assert "completed=4" in table and "denoiser" in table
     assert [line.split()[:2] for line in table.splitlines() if line.startswith(("request ", "denoiser->decoder"))] \
-        == [["request", "3"], ["denoiser->decoder", "3"]] and "MB/s" in table
+        == [["request", "4"], ["denoiser->decoder", "4"]] and "MB/s" in table
 
 
 def test_submit_reports_a_rejection_and_exits_nonzero(start_cluster: StartCluster, tmp_path) -> None:
