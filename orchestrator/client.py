@@ -283,6 +283,9 @@ class AsyncClient:
         self._waiting: dict[str, anyio.abc.ObjectSendStream[Progress]] = {}  # requests waiting, their progress
         self._answers: dict[str, Generation | Rejected | Lost] = {}  # taken ahead of any progress queued
         self._sent: dict[str, tuple[float, int]] = {}  # waiting requests: when sent, connections closed by then
+        # Sends under way: a DEALER queues SNDHWM messages (1,000) for a daemon that is not
+        # there, and past that a send waits. A request failed meanwhile stops its send.
+        self._sending: dict[str, anyio.CancelScope] = {}
         # Requests given up on, by id, until when an answer may still come: it must not reach
         # a new request that reuses the id.
         self._abandoned: dict[str, float] = {}
@@ -364,6 +367,8 @@ class AsyncClient:
         if waiter is not None:
             self._answers[rid] = answer
             waiter.close()  # wakes a wait on an empty queue
+            if (sending := self._sending.get(rid)) is not None:
+                sending.cancel()
 
     async def _watch_connection(self, watch: ConnectionWatch) -> None:
         """Fail the waiting requests that can get no answer, at once: when their connection
@@ -400,13 +405,17 @@ class AsyncClient:
             raise ValueError(f"request id {rid!r} is in use on this client (in flight, or given up and not ended)")
         tx, rx = anyio.create_memory_object_stream[Progress](PROGRESS_BACKLOG)
         self._waiting[rid] = tx
+        sending = self._sending[rid] = anyio.CancelScope()
+        sent = False
         try:
             with rx:
                 try:
                     with anyio.fail_after(wait_s):
                         assert self._watch is not None
                         self._sent[rid] = time.monotonic(), self._watch.closes
-                        await sock.send_multipart([b"", body])
+                        with sending:
+                            await sock.send_multipart([b"", body])
+                            sent = True
                         answer = await self._answer_to(rid, rx, on_progress)
                 except TimeoutError:
                     # The deadline ran out in a slow on_progress after the answer came: it stands.
@@ -420,16 +429,20 @@ class AsyncClient:
         except BaseException as exc:
             # The caller gave up on the request (cancelled, its on_progress raised, or the
             # wait ran out): so should the daemon, rather than keep GPUs busy on work nobody
-            # awaits. Its answers, the ack included, are dropped when they come.
-            self._abandon(rid, wait_s)
-            if not sock.closed:  # closed: the client is gone, and the daemon's deadline ends it
-                await _cancel_at_daemon(sock, [rid])
+            # awaits. Its answers, the ack included, are dropped when they come. (One never
+            # sent has nothing to cancel and no answer to come; a closed socket's client is
+            # gone, and the daemon's deadline ends the request.)
+            if sent:
+                self._abandon(rid, wait_s)
+                if not sock.closed:
+                    await _cancel_at_daemon(sock, [rid])
             if isinstance(exc, TimeoutError):
                 raise TimeoutError(f"no reply from {self.endpoint} for {rid!r} within {wait_s:.1f}s (its deadline "
                                    f"and {GRACE_S:g} s of grace)") from None
             raise
         finally:
             self._sent.pop(rid, None)
+            self._sending.pop(rid, None)
             self._answers.pop(rid, None)
             leftover = self._waiting.pop(rid, None)
             if leftover is not None:

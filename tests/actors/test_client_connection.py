@@ -44,6 +44,53 @@ async def test_an_async_submit_where_no_daemon_listens_fails_after_the_wait_for_
             assert NO_DAEMON_S - 0.2 < time.monotonic() - started < NO_DAEMON_S + 1.5
 
 
+async def test_submits_past_what_zmq_queues_for_an_absent_daemon_fail_as_soon_as_the_others(
+    ctx: zmq.asyncio.Context, tmp_path: Path
+) -> None:
+    """A DEALER queues 1,000 messages for a daemon not there; a send past that waits. Such a
+    submit fails like the others, after the wait for a daemon, not at its deadline; it was
+    never sent, so it leaves no Cancel behind and its id is free at once."""
+    endpoint = f"ipc://{tmp_path}/later"
+    with anyio.fail_after(20):
+        async with AsyncClient(endpoint) as client:
+            failed: list[float] = []
+            started = time.monotonic()
+
+            async def submit(rid: str) -> None:
+                with pytest.raises(ConnectionError, match="nothing there took a connection"):
+                    await client.submit(PARAMS, request_id=rid, timeout_s=60)
+                failed.append(time.monotonic() - started)
+
+            async with anyio.create_task_group() as tg:
+                for i in range(1100):
+                    tg.start_soon(submit, f"r{i}")
+            assert len(failed) == 1100 and max(failed) < NO_DAEMON_S + 2.0
+            daemon = fake_daemon(ctx, endpoint)  # back: it hears what was queued, nothing more
+            try:
+                heard: list[tuple[type, str]] = []
+                with anyio.move_on_after(2.0):
+                    while True:
+                        _, _, body = await daemon.recv_multipart()
+                        message = CLIENT_REQUEST.decode(body)
+                        heard.append((type(message), message.request_id))
+                submitted = {rid for kind, rid in heard if kind is Submit}
+                cancelled = {rid for kind, rid in heard if kind is Cancel}
+                assert len(heard) == 1000 and submitted and cancelled <= submitted
+                unsent = next(f"r{i}" for i in range(1100) if f"r{i}" not in submitted)
+                with pytest.raises(ValueError, match="in use"):  # a sent one may still be answered
+                    await client.submit(PARAMS, request_id=next(iter(submitted)), timeout_s=60)
+                async with anyio.create_task_group() as tg:  # an unsent one's id is free
+                    tg.start_soon(partial(client.submit, PARAMS, request_id=unsent, timeout_s=60))
+                    while True:
+                        identity, _, body = await daemon.recv_multipart()
+                        if CLIENT_REQUEST.decode(body).request_id == unsent:
+                            break
+                    await daemon.send_multipart([identity, b"", encode(Result(request_id=unsent, outputs=[],
+                                                                              stages=[], total_ms=1.0))])
+            finally:
+                daemon.close(linger=0)
+
+
 def test_a_blocking_submit_where_no_daemon_listens_fails_after_the_wait_for_one(tmp_path: Path) -> None:
     """The wait counts from the request's sending; and closing the client twice is fine."""
     with Client(f"ipc://{tmp_path}/nobody") as client:
