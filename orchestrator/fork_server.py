@@ -33,6 +33,7 @@ import subprocess
 import sys
 import threading
 import traceback
+import weakref
 from pathlib import Path
 
 import msgspec
@@ -111,15 +112,18 @@ class ForkServer:
                 self._changed.notify_all()
 
     def _heard(self, event: Event, fds: list[int]) -> None:
+        for fd in fds:
+            os.set_inheritable(fd, False)  # SCM_RIGHTS gives none the close-on-exec flag
         with self._changed:
             match event:
                 case Spawned(id=spawn_id) if spawn_id in self._abandoned:
-                    self._abandoned.discard(spawn_id)
                     with contextlib.suppress(ProcessLookupError):
                         signal.pidfd_send_signal(fds[0], signal.SIGKILL)
                     os.close(fds[0])
                 case Spawned(id=spawn_id, pid=pid):
                     self._answers[spawn_id] = (pid, fds[0])
+                case SpawnFailed(id=spawn_id) | Exited(id=spawn_id) if spawn_id in self._abandoned:
+                    self._abandoned.discard(spawn_id)  # its last word
                 case SpawnFailed(id=spawn_id, error=error):
                     self._answers[spawn_id] = error
                 case Exited(id=spawn_id, code=code):
@@ -161,10 +165,17 @@ class ForkServer:
                 return self._codes.pop(child.spawn_id)
             if not self._gone:
                 return None
-        ended, _, _ = select.select([child.pidfd], [], [], timeout_s)  # readable once it has ended
-        if ended:
+        ended = select.poll()
+        ended.register(child.pidfd, select.POLLIN)  # readable once it has ended
+        if ended.poll(None if timeout_s is None else timeout_s * 1000):
             raise self._failure(f"exited before worker {child.pid} did: its exit status is lost")
         return None
+
+    def _forget(self, spawn_id: int, pidfd: int) -> None:
+        """A child's handle is done with: its pidfd closes, an exit code left unread goes."""
+        os.close(pidfd)
+        with self._changed:
+            self._codes.pop(spawn_id, None)
 
     def close(self) -> None:
         """Stop the server. Its children get SIGTERM: stop them first, to learn how they end."""
@@ -190,25 +201,34 @@ class ForkedProcess:
         self.pid = pid
         self.pidfd = pidfd
         self.returncode: int | None = None
+        self._lost: ForkServerError | None = None  # it ended after its server: how is unknown
+        # Its pidfd closes when its end is known, or when the handle goes unwaited.
+        self._release = weakref.finalize(self, server._forget, spawn_id, pidfd)
 
     def poll(self) -> int | None:
-        return self._ended(self._server.wait(self, 0)) if self.returncode is None else self.returncode
+        self._learn(0)
+        return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
-        if self.returncode is None:
-            self._ended(self._server.wait(self, timeout))
+        self._learn(timeout)
         if self.returncode is None:
             raise subprocess.TimeoutExpired(f"worker {self.pid}", timeout or 0.0)
         return self.returncode
 
-    def _ended(self, code: int | None) -> int | None:
-        if code is not None:
-            self.returncode = code
-            os.close(self.pidfd)
-        return code
+    def _learn(self, timeout_s: float | None) -> None:
+        """Wait up to ``timeout_s`` to learn how it ended; raises if that is lost."""
+        if self.returncode is None and self._lost is None:
+            try:
+                self.returncode = self._server.wait(self, timeout_s)
+            except ForkServerError as exc:
+                self._lost = exc
+            if self.returncode is not None or self._lost is not None:
+                self._release()
+        if self._lost is not None:
+            raise self._lost
 
     def send_signal(self, sig: int) -> None:
-        if self.returncode is None:  # the pidfd names this process only: no reused pid is hit
+        if self._release.alive:  # the pidfd names this process only: no reused pid is hit
             with contextlib.suppress(ProcessLookupError):  # ended; its exit is on its way
                 signal.pidfd_send_signal(self.pidfd, sig)
 
@@ -260,14 +280,11 @@ def _serve(channel: socket.socket, preload: list[str]) -> None:
 
 
 def _report_exits(channel: socket.socket, children: dict[int, int]) -> None:
-    while True:
-        try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
-        channel.send(msgspec.msgpack.encode(Exited(children.pop(pid), os.waitstatus_to_exitcode(status))))
+    # Each of its own by pid: a child some imported library started is that library's to reap.
+    for pid in list(children):
+        reaped, status = os.waitpid(pid, os.WNOHANG)
+        if reaped:
+            channel.send(msgspec.msgpack.encode(Exited(children.pop(pid), os.waitstatus_to_exitcode(status))))
 
 
 def _fork(spawn: Spawn, plumbing: tuple[selectors.BaseSelector, socket.socket, int, int]) -> int:

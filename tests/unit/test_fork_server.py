@@ -3,6 +3,7 @@ parent learns how each one ends."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
@@ -109,6 +110,9 @@ def test_a_cluster_whose_fork_server_was_killed_still_stops_every_worker_and_nam
     with pytest.raises(ClusterError, match=r"^encoder0: .*exit status is lost.*; encoder1: .*exit status is lost"):
         cluster.stop(timeout_s=10)
     assert not any(alive(worker.pid) for worker in workers)
+    with pytest.raises(ForkServerError, match="exit status is lost"):
+        workers[0].poll()  # as often as asked
+    assert not any(is_pidfd(worker.pidfd) for worker in workers)
     own.close()
 
 
@@ -116,19 +120,23 @@ def test_a_spawn_given_up_on_is_killed_when_it_comes_and_the_next_spawn_gets_its
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Answers are matched to spawns by id: a late one is not the next spawn's. The server's
-    imports print on its stdout, which is not the channel: nothing breaks."""
-    (tmp_path / "slow_preload.py").write_text("import time\ntime.sleep(3)\nprint('a stray line')\n")
+    imports print on its stdout, which is not the channel, and start a process of their own,
+    which is theirs to reap: nothing breaks."""
+    (tmp_path / "slow_preload.py").write_text("import subprocess, time\nhelper = subprocess.Popen(['true'])\n"
+                                              "time.sleep(3)\nprint('a stray line')\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
     own = ForkServer(tmp_path / "fork-server.log", env=env, preload=("slow_preload",))
     monkeypatch.setattr(fork_server, "SPAWN_TIMEOUT_S", 1.0)
     with pytest.raises(ForkServerError, match="did not answer a spawn within 1s"):
         own.spawn(waiting_worker(tmp_path), log=tmp_path / "abandoned.log", append=False)
     monkeypatch.setattr(fork_server, "SPAWN_TIMEOUT_S", 60.0)
-    child = own.spawn(["stats", "--config", str(tmp_path / "missing.toml")], log=tmp_path / "stats.log", append=False)
+    command = ["stats", "--config", str(tmp_path / "missing.toml")]
+    child = own.spawn(command, log=tmp_path / "stats.log", append=False)
     assert child.wait(timeout=30) == 1
+    assert own.spawn(command, log=tmp_path / "stats.log", append=True).wait(timeout=30) == 1  # it serves on
     children = Path(f"/proc/{own.pid}/task/{own.pid}/children")
     deadline = time.monotonic() + 10
-    while children.read_text().strip():  # the abandoned worker, killed and reaped
+    while any(alive(int(pid)) for pid in children.read_text().split()):  # the abandoned worker, killed
         assert time.monotonic() < deadline, children.read_text()
         time.sleep(0.05)
     own.close()
@@ -156,6 +164,23 @@ def test_a_child_draws_fresh_seeds_rather_than_the_servers() -> None:
     before = torch.initial_seed()
     fork_server._reseed()
     assert torch.initial_seed() != before
+
+
+def test_a_handle_dropped_unwaited_closes_its_pidfd(server: ForkServer, tmp_path: Path) -> None:
+    child = server.spawn(["stats", "--config", str(tmp_path / "missing.toml")], log=tmp_path / "stats.log",
+                         append=False)
+    pidfd = child.pidfd
+    assert is_pidfd(pidfd)
+    del child
+    gc.collect()
+    assert not is_pidfd(pidfd)
+
+
+def is_pidfd(fd: int) -> bool:
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}") == "anon_inode:[pidfd]"
+    except FileNotFoundError:
+        return False
 
 
 def alive(pid: int) -> bool:
