@@ -64,12 +64,13 @@ class Generation:
     """A finished request: its header and its outputs, as received."""
 
     result: Result
-    frames: list[bytes]  # each ``result.outputs`` tensor's bytes, checked against its header
+    frames: list[bytearray]  # each ``result.outputs`` tensor's bytes, in that order, checked against it
 
     @functools.cached_property
     def outputs(self) -> dict[str, torch.Tensor]:
-        """The output tensors by name. Torch is imported here, on first use: a caller that
-        only writes the bytes out, as ``triptych submit`` does, starts without it (~2 s)."""
+        """The output tensors by name, over the frames' memory. Torch is imported here, on
+        first use: a caller that only writes the bytes out, as ``triptych submit`` does,
+        starts without it (~2 s)."""
         from transfer.frames import from_frames
 
         return from_frames(self.result.outputs, self.frames)
@@ -125,7 +126,7 @@ def _decode_reply(parts: list[bytes]) -> Reply:
     if isinstance(header, Result):
         try:
             check_frames(header.outputs, parts[1:])
-            return Generation(header, parts[1:])
+            return Generation(header, [bytearray(part) for part in parts[1:]])  # writable, for torch
         except ValueError as exc:
             return Rejected(request_id=header.request_id, reason=Reason.INVALID, message=f"unreadable Result: {exc}")
     return header
@@ -284,7 +285,8 @@ class AsyncClient:
         self._answers: dict[str, Generation | Rejected | Lost] = {}  # taken ahead of any progress queued
         self._sent: dict[str, tuple[float, int]] = {}  # waiting requests: when sent, connections closed by then
         # Sends under way: a DEALER queues SNDHWM messages (1,000) for a daemon that is not
-        # there, and past that a send waits. A request failed meanwhile stops its send.
+        # there, and past that a send waits. A request failed meanwhile, or a client closed,
+        # stops its send.
         self._sending: dict[str, anyio.CancelScope] = {}
         # Requests given up on, by id, until when an answer may still come: it must not reach
         # a new request that reuses the id.
@@ -320,8 +322,11 @@ class AsyncClient:
         assert self._watch is not None
         self._watch.close()
         sock, self._sock = self._sock, None
-        # A request still waiting would be answered to nobody: cancel it at the daemon too.
-        await _cancel_at_daemon(sock, list(self._waiting))
+        for sending in self._sending.values():
+            sending.cancel()
+        # A request still waiting would be answered to nobody: cancel it at the daemon too
+        # (one whose send is still waiting was never sent: it has nothing to cancel).
+        await _cancel_at_daemon(sock, [rid for rid in self._waiting if rid not in self._sending])
         for waiter in self._waiting.values():
             waiter.close()  # a submit still waiting raises ConnectionError now, not at its deadline
         # The Cancels (these, and those of requests given up on) get CANCEL_SEND_S to leave,
@@ -405,7 +410,6 @@ class AsyncClient:
             raise ValueError(f"request id {rid!r} is in use on this client (in flight, or given up and not ended)")
         tx, rx = anyio.create_memory_object_stream[Progress](PROGRESS_BACKLOG)
         self._waiting[rid] = tx
-        sending = self._sending[rid] = anyio.CancelScope()
         sent = False
         try:
             with rx:
@@ -413,9 +417,16 @@ class AsyncClient:
                     with anyio.fail_after(wait_s):
                         assert self._watch is not None
                         self._sent[rid] = time.monotonic(), self._watch.closes
-                        with sending:
-                            await sock.send_multipart([b"", body])
-                            sent = True
+                        sending = self._sending[rid] = anyio.CancelScope()
+                        queued = sock.send_multipart([b"", body])
+                        try:
+                            with sending:
+                                await queued
+                        finally:
+                            del self._sending[rid]
+                            # From the send itself, not from the await's return: a
+                            # cancellation can land after ZMQ took the message.
+                            sent = queued.done() and not queued.cancelled() and queued.exception() is None
                         answer = await self._answer_to(rid, rx, on_progress)
                 except TimeoutError:
                     # The deadline ran out in a slow on_progress after the answer came: it stands.
@@ -442,7 +453,6 @@ class AsyncClient:
             raise
         finally:
             self._sent.pop(rid, None)
-            self._sending.pop(rid, None)
             self._answers.pop(rid, None)
             leftover = self._waiting.pop(rid, None)
             if leftover is not None:

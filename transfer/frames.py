@@ -123,15 +123,16 @@ def to_frames(tensors: Mapping[str, torch.Tensor]) -> tuple[list[TensorSpec], li
     return specs, buffers
 
 
-def from_frames(specs: Sequence[TensorSpec], frames: Sequence[bytes | memoryview]) -> dict[str, torch.Tensor]:
+def from_frames(specs: Sequence[TensorSpec], frames: Sequence[bytes | bytearray | memoryview]) -> dict[str, torch.Tensor]:
     """Tensors built from received frames; checks count and sizes.
 
-    Each frame is copied once: ZMQ frames are read-only and torch wants writable memory.
+    A ``bytearray`` frame is used in place, the tensor sharing its memory; any other is
+    copied once: ZMQ frames are read-only and torch wants writable memory.
     """
     check_frames(specs, frames)
     out: dict[str, torch.Tensor] = {}
     for spec, frame in zip(specs, frames, strict=True):
-        buf = memoryview(frame)
-        raw = torch.frombuffer(bytearray(buf), dtype=torch.uint8) if buf.nbytes else torch.empty(0, dtype=torch.uint8)
+        data = frame if isinstance(frame, bytearray) else bytearray(frame)
+        raw = torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
         out[spec.name] = raw.view(torch_dtype(spec.dtype)).reshape(spec.shape)
     return out

@@ -91,6 +91,26 @@ async def test_submits_past_what_zmq_queues_for_an_absent_daemon_fail_as_soon_as
                 daemon.close(linger=0)
 
 
+async def test_closing_the_client_under_a_send_that_waits_fails_that_submit_as_every_other(tmp_path: Path) -> None:
+    """A submit whose send waits behind ZMQ's full queue, when the client closes, raises
+    ConnectionError as the queued ones do (pyzmq cancelled its send: a bare CancelledError)."""
+    outcomes: list[type[BaseException]] = []
+
+    async def submit(client: AsyncClient, rid: str) -> None:
+        try:
+            await client.submit(PARAMS, request_id=rid, timeout_s=60)
+        except Exception as exc:  # a CancelledError is not one: it would go missing here
+            outcomes.append(type(exc))
+
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            async with AsyncClient(f"ipc://{tmp_path}/nobody") as client:
+                for i in range(1005):
+                    tg.start_soon(submit, client, f"r{i}")
+                await anyio.sleep(NO_DAEMON_S / 4)
+    assert outcomes == [ConnectionError] * 1005
+
+
 def test_a_blocking_submit_where_no_daemon_listens_fails_after_the_wait_for_one(tmp_path: Path) -> None:
     """The wait counts from the request's sending; and closing the client twice is fine."""
     with Client(f"ipc://{tmp_path}/nobody") as client:

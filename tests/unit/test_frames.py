@@ -117,6 +117,17 @@ def test_frames_survive_the_wire_header() -> None:
     assert_same(from_frames(wire_specs, [bytes(b) for b in buffers]), tensors)
 
 
+def test_a_writable_frame_is_used_in_place_and_a_read_only_one_copied() -> None:
+    """A client keeps its bytearray frames: tensors over them hold the outputs once, not twice."""
+    specs, buffers = to_frames({"a": torch.arange(4, dtype=torch.uint8)})
+    writable, read_only = bytearray(buffers[0]), bytes(buffers[0])
+    over, copied = from_frames(specs, [writable])["a"], from_frames(specs, [read_only])["a"]
+    writable[0] = 9
+    assert over[0] == 9 and copied[0] == 0
+    copied[1] = 7  # writable, without touching the bytes
+    assert read_only[1] == 1
+
+
 def test_frame_count_mismatch_is_refused() -> None:
     specs, buffers = to_frames({"a": torch.zeros(2), "b": torch.zeros(2)})
     with pytest.raises(ValueError, match="2 tensor headers but 1 frames"):
