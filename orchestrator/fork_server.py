@@ -102,7 +102,10 @@ class ForkServer:
         decoder = msgspec.msgpack.Decoder(Event)
         try:
             while True:
-                data, fds, _, _ = socket.recv_fds(self._socket, MAX_MESSAGE, 1)
+                try:
+                    data, fds, _, _ = socket.recv_fds(self._socket, MAX_MESSAGE, 1)
+                except ConnectionResetError:  # it ended with spawns unread
+                    return
                 if not data:
                     return
                 self._heard(decoder.decode(data), fds)
@@ -136,8 +139,10 @@ class ForkServer:
             if self._closed:
                 raise self._failure("is closed")
             spawn_id = next(self._ids)
-        try:
-            self._socket.send(msgspec.msgpack.encode(Spawn(spawn_id, argv, str(log), append)))
+        try:  # never waiting: the server reads as fast as spawns come, or is stuck
+            self._socket.send(msgspec.msgpack.encode(Spawn(spawn_id, argv, str(log), append)), socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            raise self._failure("is not reading its spawns") from None
         except OSError:
             raise self._failure("is gone") from None
         with self._changed:

@@ -143,6 +143,30 @@ def test_a_spawn_given_up_on_is_killed_when_it_comes_and_the_next_spawn_gets_its
     assert "a stray line" in (tmp_path / "fork-server.log").read_text()
 
 
+def test_a_spawn_to_a_stuck_server_fails_at_once_once_its_socket_is_full(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    own = start_server(tmp_path)
+    command = ["stats", "--config", str(tmp_path / "missing.toml")]
+    assert own.spawn(command, log=tmp_path / "stats.log", append=False).wait(timeout=30) == 1
+    os.kill(own.pid, signal.SIGSTOP)  # a debugger, a frozen machine
+    monkeypatch.setattr(fork_server, "SPAWN_TIMEOUT_S", 0.001)
+    try:
+        for _ in range(10_000):
+            try:
+                own.spawn(command, log=tmp_path / "stats.log", append=True)
+            except ForkServerError as exc:
+                if "is not reading its spawns" in str(exc):
+                    break
+                assert "did not answer" in str(exc)
+        else:
+            pytest.fail("10,000 spawns went into the socket of a stopped server")
+    finally:
+        os.kill(own.pid, signal.SIGKILL)  # before it forks what it was sent
+        os.kill(own.pid, signal.SIGCONT)
+        own.close()
+
+
 @pytest.mark.parametrize(("outcome", "status", "printed"), [
     (lambda: None, 0, ""),
     (lambda: 3, 3, ""),
