@@ -417,8 +417,8 @@ class AsyncClient:
                     with anyio.fail_after(wait_s):
                         assert self._watch is not None
                         self._sent[rid] = time.monotonic(), self._watch.closes
-                        sending = self._sending[rid] = anyio.CancelScope()
                         queued = sock.send_multipart([b"", body])
+                        sending = self._sending[rid] = anyio.CancelScope()
                         try:
                             with sending:
                                 await queued
