@@ -1,5 +1,6 @@
 """AdmissionActor: one queue per role (highest priority first, FIFO within a priority),
-drained as that role's capacity frees.
+drained as that role's capacity frees. A job whose deadline has passed is dropped, never
+started.
 
 It never looks at instances. Pools send ``Credit`` when slots free up (or vanish with a
 worker) and admission hands the first waiting job to the pool for each credit, so a
@@ -10,6 +11,7 @@ for progress and that has to wait is reported to the tracker with how many wait 
 from __future__ import annotations
 
 import bisect
+import time
 from collections import OrderedDict
 
 import anyio
@@ -128,5 +130,10 @@ class AdmissionActor:
     def _dispatch(self, role: Role) -> None:
         queue = self._queues[role]
         while queue and self._credits[role] > 0:
+            job = queue.pop()
+            if job.deadline <= time.monotonic():
+                # Past its deadline: the tracker's next tick ends it (its Forget finds
+                # nothing here). Starting it would only spend a worker on an abort.
+                continue
             self._credits[role] -= 1
-            self._pools[role].post(Dispatch(job=queue.pop()))
+            self._pools[role].post(Dispatch(job=job))

@@ -37,6 +37,7 @@ class Flight:
     params: GenParams
     role: Role
     instance: str
+    deadline: float  # Job.deadline, carried into the next stage's job
     priority: int = 0  # carried into the next stage's job
     progress: bool = False  # its client wants progress: every stage's order says so
     avoid: frozenset[str] = frozenset()  # Job.avoid, carried into the next stage's job

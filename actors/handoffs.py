@@ -146,7 +146,8 @@ class Handoffs:
         rid = job.request_id
         if job.role == "encoder":
             self._flights[rid] = Flight(request_id=rid, params=job.params, role="encoder", instance=instance,
-                                        priority=job.priority, progress=job.progress, avoid=job.avoid)
+                                        deadline=job.deadline, priority=job.priority, progress=job.progress,
+                                        avoid=job.avoid)
             self._order("encoder", instance, Work(request_id=rid, params=job.params, progress=job.progress))
             return
         flight = self._flights.get(rid)
@@ -203,8 +204,8 @@ class Handoffs:
         self._recycle_input(flight)
         flight.stage_output(msg.nbytes, msg.manifest, msg.compute_ms)
         self._admission.post(Enqueue(job=Job(request_id=rid, role=following, params=flight.params,
-                                             priority=flight.priority, progress=flight.progress,
-                                             avoid=flight.avoid)))
+                                             deadline=flight.deadline, priority=flight.priority,
+                                             progress=flight.progress, avoid=flight.avoid)))
 
     def allocated(self, link: Link, msg: Allocated) -> None:
         flight = self._reported(msg.request_id, FlightState.ALLOCATING, link, by_receiver=True)

@@ -25,6 +25,9 @@ class Job(msgspec.Struct, frozen=True, kw_only=True):
     request_id: str
     role: Role
     params: GenParams
+    # When the tracker will time it out (time.monotonic()): a job still queued then is
+    # never started, even in the moments before the tracker's next tick ends it.
+    deadline: float
     priority: int = 0  # Submit.priority: higher is served first at every role
     progress: bool = False  # Submit.progress: the workers report their steps
     # For a retry: the instances its failed attempts involved. The pools place it elsewhere

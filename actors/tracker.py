@@ -103,8 +103,8 @@ class TrackerActor:
                                                  pixels(params), params.steps)
                 heapq.heappush(self._deadlines, (deadline, rid))
                 self._compact_deadlines()
-                self._admission.post(Enqueue(job=Job(request_id=rid, role="encoder", params=params, priority=priority,
-                                                     progress=progress, avoid=avoid)))
+                self._admission.post(Enqueue(job=Job(request_id=rid, role="encoder", params=params, deadline=deadline,
+                                                     priority=priority, progress=progress, avoid=avoid)))
                 self._tell_progress(rid, entry, now)
             case HandedOff():
                 self._handed_off(mail)

@@ -59,8 +59,13 @@ SLOT_SIZE = 1024
 HOP = "encoder->denoiser"
 
 
+# Far off, and the same in every job: each Enqueue compared with ``job`` checks that the
+# next stage's job carries its request's deadline.
+DEADLINE = 1e9
+
+
 def job(rid: str, role: Role, priority: int = 0) -> Job:
-    return Job(request_id=rid, role=role, params=PARAMS, priority=priority)
+    return Job(request_id=rid, role=role, params=PARAMS, deadline=DEADLINE, priority=priority)
 
 
 @dataclass

@@ -3,6 +3,8 @@ drops the request from the queues and passes on to every pool."""
 
 from __future__ import annotations
 
+import math
+import time
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
@@ -10,6 +12,7 @@ from functools import partial
 from typing import Any
 
 import anyio
+import pytest
 from anyio.streams.memory import MemoryObjectReceiveStream
 
 from actors.admission import AdmissionActor, AdmissionStats
@@ -55,8 +58,8 @@ class Admission:
         return out
 
 
-def job(rid: str, role: Role = "encoder") -> Job:
-    return Job(request_id=rid, role=role, params=PARAMS)
+def job(rid: str, role: Role = "encoder", deadline: float = math.inf) -> Job:
+    return Job(request_id=rid, role=role, params=PARAMS, deadline=deadline)
 
 
 @asynccontextmanager
@@ -97,6 +100,23 @@ async def test_spare_credit_dispatches_a_later_job_at_once() -> None:
             a.inbox.post(Credit(role="encoder", delta=1))
             await a.enqueue("r1")
             assert await a.dispatched() == ["r1"]
+
+
+@pytest.mark.parametrize("role", ROLES)
+async def test_a_job_whose_deadline_passed_while_it_waited_is_dropped_not_dispatched(role: Role) -> None:
+    """It is dropped when its turn comes, even before the tracker's tick ends it: no worker
+    starts a request only to abort it. The credit goes to the next job in line."""
+    with anyio.fail_after(5):
+        async with running_admission() as a:
+            a.inbox.post(Enqueue(job=job("late", role, deadline=time.monotonic())))
+            await a.enqueue("r1", role=role)
+            a.inbox.post(Credit(role=role, delta=2))
+            assert await a.dispatched(role) == ["r1"]
+            stats = await a.stats()
+            assert (stats.queue_depths[role], stats.credits[role]) == (0, 1)
+            a.inbox.post(Forget(request_id="late"))  # the tracker's, at its tick
+            assert await a.posted(role) == [Forget(request_id="late")]
+            assert (await a.stats()).credits[role] == 1
 
 
 async def test_credit_is_per_role() -> None:
@@ -199,7 +219,8 @@ async def test_a_higher_priority_job_goes_out_before_older_ones() -> None:
     with anyio.fail_after(5):
         async with running_admission() as a:
             await a.enqueue("old1", "old2")
-            a.inbox.post(Enqueue(job=Job(request_id="urgent", role="encoder", params=PARAMS, priority=5)))
+            a.inbox.post(Enqueue(job=Job(request_id="urgent", role="encoder", params=PARAMS, deadline=math.inf,
+                                         priority=5)))
             a.inbox.post(Credit(role="encoder", delta=2))
             assert await a.dispatched() == ["urgent", "old1"]
 
@@ -207,7 +228,7 @@ async def test_a_higher_priority_job_goes_out_before_older_ones() -> None:
 async def test_a_job_that_asked_for_progress_and_must_wait_hears_its_place_in_line() -> None:
     with anyio.fail_after(5):
         async with running_admission() as a:
-            watched = partial(Job, role="denoiser", params=PARAMS, progress=True)
+            watched = partial(Job, role="denoiser", params=PARAMS, deadline=math.inf, progress=True)
             a.inbox.post(Credit(role="denoiser", delta=1))
             a.inbox.post(Enqueue(job=watched(request_id="first")))  # a free slot: no wait, no news
             a.inbox.post(Enqueue(job=watched(request_id="second")))

@@ -12,6 +12,7 @@ which the pool would pass on and which could end a newer request reusing the id.
 
 from __future__ import annotations
 
+import math
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -46,7 +47,7 @@ async def test_placed_for_an_ended_request_frees_the_reserved_slot(tmp_path: Pat
             )
             async with anyio.create_task_group() as tg:
                 await tg.start(negotiator.run)
-                job = Job(request_id="ended", role="denoiser", params=GenParams(prompt="p"))
+                job = Job(request_id="ended", role="denoiser", params=GenParams(prompt="p"), deadline=math.inf)
                 inbox.post(Placed(job=job, instance="denoiser-1"))
                 await ask_stats(inbox)  # the Placed was handled
                 tg.cancel_scope.cancel()

@@ -76,8 +76,19 @@ async def running_tracker() -> AsyncIterator[Tracker]:
 
 
 async def admit(t: Tracker, rid: str = "r1", timeout_s: float = 60.0) -> None:
-    t.inbox.post(Admit(request_id=rid, params=PARAMS, timeout_s=timeout_s, submitted_at=time.monotonic()))
-    assert await t.admission.receive() == Enqueue(job=Job(request_id=rid, role="encoder", params=PARAMS))
+    since = time.monotonic()
+    t.inbox.post(Admit(request_id=rid, params=PARAMS, timeout_s=timeout_s, submitted_at=since))
+    await assert_encoder_job(t, rid, since=since, timeout_s=timeout_s)
+
+
+async def assert_encoder_job(t: Tracker, rid: str, *, since: float, timeout_s: float = 60.0, **fields: Any) -> None:
+    """The next mail to admission queues ``rid`` for an encoder, with ``fields`` and the
+    request's deadline: ``timeout_s`` after its admission, which came after ``since``."""
+    mail = await t.admission.receive()
+    assert isinstance(mail, Enqueue), mail
+    deadline = mail.job.deadline
+    assert since + timeout_s <= deadline <= time.monotonic() + timeout_s
+    assert mail == Enqueue(job=Job(request_id=rid, role="encoder", params=PARAMS, deadline=deadline, **fields))
 
 
 def handed_off(rid: str, role: Role, **overrides: Any) -> HandedOff:
@@ -120,8 +131,9 @@ async def assert_forgotten(t: Tracker, rid: str) -> None:
 async def test_admit_queues_the_request_for_an_encoder() -> None:
     with anyio.fail_after(5):
         async with running_tracker() as t:
-            t.inbox.post(Admit(request_id="r1", params=PARAMS, timeout_s=60.0, submitted_at=time.monotonic()))
-            assert await t.admission.receive() == Enqueue(job=Job(request_id="r1", role="encoder", params=PARAMS))
+            since = time.monotonic()
+            t.inbox.post(Admit(request_id="r1", params=PARAMS, timeout_s=60.0, submitted_at=since))
+            await assert_encoder_job(t, "r1", since=since)
 
 
 async def test_full_journey_delivers_a_result_with_three_stage_timings() -> None:
@@ -253,10 +265,9 @@ async def test_a_retry_carries_what_to_avoid_and_a_failure_says_what_it_implicat
     with anyio.fail_after(5):
         async with running_tracker() as t:
             avoid = frozenset({"encoder-1", "denoiser-2"})
-            t.inbox.post(Admit(request_id="r1", params=PARAMS, timeout_s=60.0, submitted_at=time.monotonic(),
-                               avoid=avoid))
-            assert await t.admission.receive() == Enqueue(job=Job(request_id="r1", role="encoder", params=PARAMS,
-                                                                  avoid=avoid))
+            since = time.monotonic()
+            t.inbox.post(Admit(request_id="r1", params=PARAMS, timeout_s=60.0, submitted_at=since, avoid=avoid))
+            await assert_encoder_job(t, "r1", since=since, avoid=avoid)
             t.inbox.post(Failed(request_id="r1", reason=Reason.TRANSFER_FAILED, message="x",
                                 avoid=frozenset({"encoder-1"})))
             assert (await t.frontend.receive()).avoid == {"encoder-1"}
@@ -322,9 +333,9 @@ async def test_drain_waits_for_the_table_to_empty() -> None:
 async def test_the_encoder_job_carries_the_requests_priority() -> None:
     with anyio.fail_after(5):
         async with running_tracker() as t:
-            t.inbox.post(Admit(request_id="r1", params=PARAMS, timeout_s=60.0, priority=-3, submitted_at=time.monotonic()))
-            assert await t.admission.receive() == Enqueue(job=Job(request_id="r1", role="encoder", params=PARAMS,
-                                                                  priority=-3))
+            since = time.monotonic()
+            t.inbox.post(Admit(request_id="r1", params=PARAMS, timeout_s=60.0, priority=-3, submitted_at=since))
+            await assert_encoder_job(t, "r1", since=since, priority=-3)
 
 
 # --------------------------------------------------------------------------- progress

@@ -3,6 +3,8 @@ lost job's return to the front of its priority."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -16,7 +18,7 @@ PARAMS = GenParams(prompt="p")
 
 
 def job(rid: str, priority: int = 0) -> Job:
-    return Job(request_id=rid, role="encoder", params=PARAMS, priority=priority)
+    return Job(request_id=rid, role="encoder", params=PARAMS, deadline=math.inf, priority=priority)
 
 
 def queue_of(*rids: str) -> RoleQueue:

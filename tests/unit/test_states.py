@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 
 import pytest
 from hypothesis import settings
@@ -69,7 +70,8 @@ def test_exactly_the_pipelines_moves_are_allowed(current: RequestState, new: Req
 
 
 def flight(**overrides: object) -> Flight:
-    fields = {"request_id": "r1", "params": GenParams(prompt="p"), "role": "encoder", "instance": "encoder-1"}
+    fields = {"request_id": "r1", "params": GenParams(prompt="p"), "role": "encoder", "instance": "encoder-1",
+              "deadline": math.inf}
     return Flight(**(fields | overrides))
 
 
