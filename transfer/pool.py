@@ -122,9 +122,13 @@ class MemoryPool:
         try:
             with anyio.move_on_after(timeout_s):
                 await waiter.event.wait()
+            # A cancel that came after the grant, in the same loop turn (a free, then an
+            # abort of the waiter's request), finds the wait already over and is delivered
+            # at the next await: here, not after our caller has recorded the block.
+            await anyio.lowlevel.checkpoint_if_cancelled()
         except BaseException:
-            # Cancelled from outside. The block may have been granted in the same instant
-            # (event set, then cancel delivered): give it back rather than leak it.
+            # Cancelled from outside. The block may have been granted in the same instant:
+            # give it back rather than leak it.
             self._abandon(waiter)
             raise
         if waiter.block is None:

@@ -281,3 +281,20 @@ async def test_block_granted_at_the_moment_of_cancel_is_returned() -> None:
             assert pool.allocated_blocks == 1 and pool.waiters == 0
     assert got == []
     assert pool.allocated_blocks == 0 and pool.free_bytes == pool.capacity
+
+
+async def test_a_waiter_cancelled_just_after_its_grant_gives_the_block_back() -> None:
+    """Free grants the block, then the waiter is cancelled in the same tick: its wait is
+    already over, and the cancel must still reach it before it returns the block."""
+    pool = MemoryPool(4 * A)
+    full = pool.try_alloc(4 * A)
+    assert full is not None
+    got: list[Block] = []
+    with anyio.fail_after(5):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_record, pool, 2 * A, got)
+            await anyio.wait_all_tasks_blocked()
+            pool.free(full)
+            tg.cancel_scope.cancel()
+    assert got == []
+    assert pool.allocated_blocks == 0 and pool.free_bytes == pool.capacity

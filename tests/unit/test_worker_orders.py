@@ -126,6 +126,28 @@ async def test_an_abort_right_behind_an_order_stops_it_before_it_holds_anything(
         assert w._pool.allocated_blocks == 0
 
 
+async def waiting_for_memory(w: WorkerRuntime) -> None:
+    with anyio.fail_after(5):
+        while not w._pool.waiters:
+            await anyio.sleep(0.01)
+
+
+@pytest.mark.parametrize("role", ["encoder", "denoiser"])
+async def test_a_request_aborted_just_after_its_memory_was_granted_holds_none_of_it(role: str) -> None:
+    """One message aborts the request holding the whole pool, then one waiting for room (an
+    allocation for a push, or a stage's output to stage): the first abort's free grants the
+    waiter its memory, and the second abort must still take it back, with no report."""
+    async with worker(role) as w:
+        w.send(Alloc(request_id="hog", nbytes=w._pool.capacity))
+        assert [type(r) for r in await reports(w, 1)] == [Allocated]
+        waiter = Alloc(request_id="r1", nbytes=256) if role == "denoiser" else Work(request_id="r1", params=PARAMS)
+        w.send(waiter)
+        await waiting_for_memory(w)
+        w.send(Abort(request_id="hog"), Abort(request_id="r1"))
+        assert await reports(w, 0, settle_s=0.2) == []
+        assert w._pool.allocated_blocks == 0
+
+
 def ready_for(w: WorkerRuntime, manifest: list[TensorSpec], *, slot_id: int | None = 0,
               address: int | None = None) -> Ready:
     slot = w._pool.slots[0]
