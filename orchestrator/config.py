@@ -107,7 +107,8 @@ class DaemonConfig(Section):
     # reads makes the daemon hold: this many of its replies, client_held_bytes, one more.
     client_send_hwm: PositiveInt = 32
     # Beyond ZMQ's queue, replies one client connection has not taken yet are held by the
-    # daemon; once this many bytes are held for it, its next replies are dropped. A burst
+    # daemon; once this many bytes are held for it (the replies and the memory holding
+    # them takes: actors/client_outbox.py), its next replies are dropped. A burst
     # of replies to a client that reads gets through whole, however large they are.
     client_held_bytes: PositiveInt = 64 * MiB
     # What the daemon holds for all client connections together (plus one reply): past it,

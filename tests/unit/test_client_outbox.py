@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import math
+import tracemalloc
 from typing import Any
 
 import pytest
 import structlog
 import zmq
 
-from actors.client_outbox import RESEND_FIRST_S, RESEND_LAST_S, ClientOutbox
+from actors.client_outbox import RESEND_FIRST_S, RESEND_LAST_S, ClientOutbox, held_cost
 from transfer.sockets import SNDMORE
 
 
@@ -88,7 +89,7 @@ def test_a_connection_that_takes_nothing_is_tried_ever_more_rarely_and_alone(soc
 def test_a_reply_past_the_budget_is_dropped_but_a_large_one_is_not_refused_for_a_small_one(
     sock: FakeRouter,
 ) -> None:
-    box = outbox(sock, held_bytes=100)
+    box = outbox(sock, held_bytes=held_cost(reply(b"a", 0, size=10)) + 1)
     sock.room[b"a"] = 0
     box.send(reply(b"a", 0, size=10), now=0.0)  # a progress message, say
     box.send(reply(b"a", 1, size=1000), now=0.0)  # the result: held, past the budget
@@ -130,15 +131,15 @@ def test_what_is_still_held_when_the_daemon_stops_is_counted(sock: FakeRouter) -
 
 
 def test_what_all_connections_hold_together_is_bounded_and_freed_as_they_read_or_go(sock: FakeRouter) -> None:
-    """Three connections that never read, 100-byte budget in all: the third's replies are
-    dropped at once; once one connection takes its replies and another is gone, there is
-    room again."""
-    box = outbox(sock, held_bytes=1000, held_total_bytes=100)
+    """Three connections that never read, a budget in all of two replies and a bit: the
+    third's replies are dropped at once; once one connection takes its replies and another
+    is gone, there is room again."""
+    box = outbox(sock, held_bytes=1 << 20, held_total_bytes=2 * held_cost(reply(b"a", 0, size=40)) + 1)
     for identity in (b"a", b"b", b"c"):
         sock.room[identity] = 0
     box.send(reply(b"a", 0, size=40), now=0.0)
     box.send(reply(b"b", 0, size=40), now=0.0)
-    box.send(reply(b"b", 1, size=40), now=0.0)  # 120 bytes held after it: the budget is spent
+    box.send(reply(b"b", 1, size=40), now=0.0)  # three held after it: the budget is spent
     box.send(reply(b"c", 0, size=10), now=0.0)
     assert box.dropped == 1
     sock.room[b"a"] = 1
@@ -147,3 +148,26 @@ def test_what_all_connections_hold_together_is_bounded_and_freed_as_they_read_or
     assert [m[2] for m in sock.sent] == [b"reply 0"] and box.dropped == 3  # b's two went with it
     box.send(reply(b"c", 1, size=10), now=1.0)  # nothing is held now: c's reply waits again
     assert box.holding and box.dropped == 3
+
+
+@pytest.mark.parametrize("frame", [False, True])
+def test_the_budget_bounds_the_memory_held_however_small_the_replies(sock: FakeRouter, frame: bool) -> None:
+    """A client that never reads, sent tiny replies (a Cancelled is 41 bytes), or replies
+    whose payload is a zmq.Frame (relayed outputs): what is held when its budget is reached
+    is within the budget."""
+    budget = 1 << 20
+    box = outbox(sock, held_bytes=budget)
+    sock.room[b"deaf"] = 0
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for n in range(100_000):
+            parts = [b"deaf", b"", b"%036d" % n]
+            box.send([*parts, zmq.Frame(b"x")] if frame else parts, now=0.0)
+            if box.dropped:
+                break
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert box.dropped == 1
+    assert budget / 2 < held <= budget
