@@ -50,7 +50,9 @@ class Flight:
     receiver_role: Role | None = None
     slot: Slot | None = None  # fast path: the receiver's preallocated slot
     address: int = 0
-    doomed: bool = False  # the request ended mid-push; freed when the push reports
+    doomed: bool = False  # the request ended mid-push; freed when the push reports, or at quarantine_ends
+    quarantine_ends: float = 0.0  # doomed: when its receiver's memory is freed if no report frees it first
+    in_doubt: bool = False  # its push reported a timeout: it may still land, so only the quarantine frees it
     abort_receiver: bool = False  # doomed, and the receiver said it holds more: abort it with its memory
 
     def _move(self, new: FlightState) -> None:

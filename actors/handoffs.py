@@ -177,10 +177,16 @@ class Handoffs:
 
     def expire_quarantine(self, now: float) -> None:
         while self._quarantine and self._quarantine[0][0] <= now:
-            _, flight = self._quarantine.popleft()
-            if self._flights.get(flight.request_id) is flight:  # not already released by its Pushed
+            ends, flight = self._quarantine.popleft()
+            # Not already released by its Pushed, nor quarantined anew (a push in doubt).
+            if self._flights.get(flight.request_id) is flight and flight.quarantine_ends == ends:
                 self._release_receiver(flight)
                 del self._flights[flight.request_id]
+
+    def _start_quarantine(self, flight: Flight) -> None:
+        """Hold the doomed ``flight``'s receiver memory for push_quarantine_s from now."""
+        flight.quarantine_ends = time.monotonic() + self._push_quarantine_s
+        self._quarantine.append((flight.quarantine_ends, flight))  # in order: every wait is as long
 
     # ------------------------------------------------------------------ reports
 
@@ -231,8 +237,17 @@ class Handoffs:
             self._late(link, msg)
             return
         rid = flight.request_id
+        if flight.in_doubt:
+            self._late(link, msg)  # its push has reported already: a repeat
+            return
         if flight.doomed:
-            # The request ended mid-push; only now is the receiver's memory safe to reuse.
+            # The request ended mid-push. A push that ended wrote all it will: only now is the
+            # receiver's memory safe to reuse. One in doubt (timed out) may still land: that
+            # memory waits out a quarantine from now.
+            if msg.in_doubt:
+                flight.in_doubt = True
+                self._start_quarantine(flight)
+                return
             self._release_receiver(flight)
             del self._flights[rid]
             return
@@ -242,6 +257,7 @@ class Handoffs:
                 self._push_failed_into(receiver)
             # A push that ended in failure wrote nothing more: the receiver's memory is free at
             # once. One in doubt (timed out) may still land: that memory waits out the quarantine.
+            flight.in_doubt = msg.in_doubt
             self._fail(flight, Reason.TRANSFER_FAILED, f"{flight.instance} -> {flight.receiver}: {msg.error}",
                        outcome=False, pushing=msg.in_doubt)
             return
@@ -331,7 +347,7 @@ class Handoffs:
                 # Normally the sender's Pushed releases it; the quarantine bounds the wait
                 # should that report never come.
                 flight.doomed = True
-                self._quarantine.append((time.monotonic() + self._push_quarantine_s, flight))
+                self._start_quarantine(flight)
                 return
             self._release_receiver(flight)
         del self._flights[rid]

@@ -117,7 +117,8 @@ async def test_a_push_in_doubt_keeps_the_receivers_memory_until_the_quarantine_e
     ctx: zmq.asyncio.Context, tmp_path: Path, slots: int
 ) -> None:
     """A write the sender stopped waiting for may still land: what it was writing into is
-    not handed out again (slot recycled, allocation aborted) before push_quarantine_s."""
+    not handed out again (slot recycled, allocation aborted) before push_quarantine_s, even
+    when the report comes twice."""
     with anyio.fail_after(5):
         async with encoder_and_denoiser(ctx, tmp_path, slots=slots, push_quarantine_s=0.3) as (n, encoder, denoiser):
             if slots:
@@ -126,10 +127,12 @@ async def test_a_push_in_doubt_keeps_the_receivers_memory_until_the_quarantine_e
                 await stage_encoder_output(n, encoder, "r1")
                 await allocate_on_slow_path(n, encoder, denoiser, "r1", POOL_BASE + 8192)
             started = time.monotonic()
-            await encoder.report(Pushed(request_id="r1", ok=False, transfer_ms=6000.0, error="timed out",
-                                        in_doubt=True))
+            in_doubt = Pushed(request_id="r1", ok=False, transfer_ms=6000.0, error="timed out", in_doubt=True)
+            await encoder.report(in_doubt)
             failed = await n.tracker.receive()
             assert (failed.request_id, failed.reason) == ("r1", Reason.TRANSFER_FAILED)
+            await encoder.report(in_doubt)  # a repeat: late, it frees nothing
+            await wait_late(n, 1)
             assert n.take("encoder") == [released("r1", encoder, ok=False), aborted("r1", encoder)]
             assert n.take("denoiser") == [suspected(denoiser), released("r1", denoiser)]  # its capacity, at once
             held = PreallocCounts(1, 2) if slots else None
@@ -144,6 +147,49 @@ async def test_a_push_in_doubt_keeps_the_receivers_memory_until_the_quarantine_e
             n.inbox.post(Tick())
             stats = await n.stats()
             assert stats.handoffs_in_flight == 0
+            if slots:
+                assert stats.prealloc[denoiser.instance] == PreallocCounts(2, 2)
+            else:
+                assert n.take("denoiser") == [aborted("r1", denoiser)]
+
+
+@pytest.mark.parametrize("slots", [2, 0], ids=["preallocated slot", "allocation"])
+async def test_a_push_in_doubt_after_its_request_ended_keeps_the_memory_a_quarantine_from_its_report(
+    ctx: zmq.asyncio.Context, tmp_path: Path, slots: int
+) -> None:
+    """The request ends mid-push, and its receiver's memory waits for the push's report. The
+    push then reports a timeout: the write may still land, so the memory waits out
+    push_quarantine_s from that report, not from the request's end; a repeat of the report
+    is late and changes nothing."""
+    in_doubt = Pushed(request_id="r1", ok=False, transfer_ms=6000.0, error="timed out", in_doubt=True)
+    with anyio.fail_after(10):
+        async with encoder_and_denoiser(ctx, tmp_path, slots=slots, push_quarantine_s=1.0) as (n, encoder, denoiser):
+            if slots:
+                await push_on_fast_path(n, encoder, denoiser, "r1")
+            else:
+                await stage_encoder_output(n, encoder, "r1")
+                await allocate_on_slow_path(n, encoder, denoiser, "r1", POOL_BASE + 8192)
+            n.inbox.post(Forget(request_id="r1"))
+            await anyio.sleep(0.5)  # half the quarantine the request's end started
+            await n.stats()
+            n.take("encoder")
+            n.take("denoiser")
+            reported = time.monotonic()
+            await encoder.report(in_doubt)
+            await encoder.report(in_doubt)
+            await wait_late(n, 1)
+            while time.monotonic() - reported < 0.8:
+                n.inbox.post(Tick())
+                stats = await n.stats()
+                assert stats.handoffs_in_flight == 1
+                if slots:
+                    assert stats.prealloc[denoiser.instance] == PreallocCounts(1, 2)
+                n.assert_silent()  # no Abort of the allocation yet
+                await anyio.sleep(0.05)
+            await anyio.sleep(0.3)
+            n.inbox.post(Tick())
+            stats = await n.stats()
+            assert stats.handoffs_in_flight == 0 and stats.late_reports == 1
             if slots:
                 assert stats.prealloc[denoiser.instance] == PreallocCounts(2, 2)
             else:
