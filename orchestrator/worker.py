@@ -229,6 +229,12 @@ class WorkerRuntime:
         ``settled``: the daemon, stopping, said nothing can still be written here."""
         assert self._pool is not None and self._memory is not None
         self._memory.free_everything()
+        # Orders of the registration's last loop turn left these behind: their tasks were
+        # cancelled before they ran, and with them the code that would have cleared them.
+        # Kept, they would refuse the same request ids as repeats under the next one.
+        self._runs.clear()
+        self._scopes.clear()
+        self._owed.clear()
         self._outbox = ReportOutbox()  # reports about requests nobody knows any more
         # A sender told to push here before the daemon forgot us may still be writing: the
         # daemon must not hand this memory out again before such a write is over.
@@ -281,7 +287,10 @@ class WorkerRuntime:
     async def _heartbeat(self, period_s: float) -> None:
         beat = encode(Heartbeat())
         while True:
-            self._outbox.put(beat)
+            # Any message is a sign of life: one still waiting to leave will say it. (While
+            # the daemon takes none, beats would pile up here without end.)
+            if not self._outbox:
+                self._outbox.put(beat)
             await anyio.sleep(period_s)
 
     async def _watch_daemon(self, dealer: zmq.asyncio.Socket) -> RegisterRefused:
@@ -446,22 +455,32 @@ class WorkerRuntime:
         except StageStopped:
             # The daemon ended the request and freed its slot: it expects no report.
             self._log.info("worker.stage_stopped", request_id=rid, ran_ms=round((time.perf_counter() - started) * 1000))
-        except StageError as exc:
-            self._report(Done(request_id=rid, ok=False, compute_ms=compute_ms, reason=exc.reason, error=str(exc)))
-        except PoolError as exc:
-            # No room to stage the output for its hand-off: a failed hand-off, as when the
-            # receiver has none, and like it started again on the workers left (daemon.retries).
-            self._report(Done(request_id=rid, ok=False, compute_ms=compute_ms, reason=Reason.TRANSFER_FAILED,
-                              error=f"no room to stage its output: {exc}"))
-        except ValueError as exc:
-            self._report(Done(request_id=rid, ok=False, compute_ms=compute_ms, error=str(exc)))
         except Exception as exc:  # one request's failure must not kill the worker
-            self._log.exception("worker.stage_crashed", request_id=rid)
-            self._report(Done(request_id=rid, ok=False, compute_ms=compute_ms,
-                              error=f"{type(exc).__name__}: {exc}"))
+            if control.stopped:
+                # Aborted while it ran, then it failed: the daemon expects no report but the
+                # Stopped its Abort asked for.
+                self._log.info("worker.stage_stopped", request_id=rid, error=str(exc),
+                               ran_ms=round((time.perf_counter() - started) * 1000))
+            else:
+                self._report(self._failed(rid, exc, compute_ms))
         finally:
             if self._runs.get(rid) is control:
                 del self._runs[rid]
+
+    def _failed(self, rid: str, exc: Exception, compute_ms: float) -> Done:
+        """The report of a run that raised ``exc``."""
+        match exc:
+            case StageError():
+                return Done(request_id=rid, ok=False, compute_ms=compute_ms, reason=exc.reason, error=str(exc))
+            case PoolError():
+                # No room to stage the output for its hand-off: a failed hand-off, as when the
+                # receiver has none, and like it started again on the workers left (daemon.retries).
+                return Done(request_id=rid, ok=False, compute_ms=compute_ms, reason=Reason.TRANSFER_FAILED,
+                            error=f"no room to stage its output: {exc}")
+            case ValueError():
+                return Done(request_id=rid, ok=False, compute_ms=compute_ms, error=str(exc))
+        self._log.exception("worker.stage_crashed", request_id=rid)  # called in its except block
+        return Done(request_id=rid, ok=False, compute_ms=compute_ms, error=f"{type(exc).__name__}: {exc}")
 
     async def _compute_on_thread(self, rid: str, order: Work | Ready, inputs: dict[str, torch.Tensor],
                                  control: RunControl) -> tuple[dict[str, torch.Tensor], float]:

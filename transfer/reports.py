@@ -53,6 +53,10 @@ class ReportOutbox:
         self._queued: list[tuple[bytes, Sequence[Any]]] = []
         self._ready = anyio.Event()
 
+    def __len__(self) -> int:
+        """Reports queued and not yet taken."""
+        return len(self._queued)
+
     def put(self, body: bytes, frames: Sequence[Any] = ()) -> None:
         self._queued.append((body, frames))
         self._ready.set()

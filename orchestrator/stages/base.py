@@ -66,6 +66,10 @@ class RunControl:
     def stop(self) -> None:
         self._stopped.set()
 
+    @property
+    def stopped(self) -> bool:
+        return self._stopped.is_set()
+
     def check(self) -> None:
         """Raise ``StageStopped`` if the request has ended."""
         if self._stopped.is_set():

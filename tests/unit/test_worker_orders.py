@@ -13,6 +13,8 @@ import anyio
 import msgspec
 import pytest
 import torch
+import zmq
+import zmq.asyncio
 
 from orchestrator.config import Config, ModelConfig, NullStageConfig, WorkerConfig, WorkersConfig
 from orchestrator.stages import build_stage
@@ -265,3 +267,48 @@ async def test_an_abort_with_an_ack_is_answered_once_the_run_it_stopped_has_ende
         assert await reports(w, 1) == [Stopped(request_id="r1", ack=7)]
         assert time.monotonic() - aborted_at >= 0.2  # not before the pass was over
         assert w._pool.allocated_blocks == 0 and not w._owed
+
+
+async def test_a_stage_that_fails_after_its_abort_reports_only_the_stopped_the_abort_asked_for() -> None:
+    """A decoder's one pass cannot stop early; aborted during it, it then fails: the daemon
+    hears only the ack, no Done about a request it ended."""
+    cfg = Config(model=ModelConfig(kind="null", null=NullStageConfig(decoder_ms=300.0)))
+    wrong = TensorSpec(name="embeds", dtype="float32", shape=(16,), offset=0, nbytes=64)  # no latents: it fails
+    async with worker("decoder", cfg=cfg) as w:
+        w.send(ready_for(w, [wrong]))
+        await anyio.sleep(0.05)
+        w.send(Abort(request_id="r1", ack=7))
+        assert await reports(w, 1, settle_s=0.5) == [Stopped(request_id="r1", ack=7)]
+
+
+async def test_an_order_in_the_last_turn_of_a_registration_does_not_outlive_it() -> None:
+    """A Work handled in the loop turn that ends the registration never runs (its task is
+    cancelled first): under the next registration the same request id is served, not
+    refused as a repeat."""
+    async with worker("encoder") as w:
+        w.send(Work(request_id="r1", params=PARAMS))
+        w.tg.cancel_scope.cancel()  # what the end of a registration does
+    await w._forget_everything(settled=True)
+    async with anyio.create_task_group() as tg:  # the next registration's
+        w._on_orders([w._key, encode(Work(request_id="r1", params=PARAMS))], tg)
+        assert [type(r) for r in await reports(w, 1)] == [Staged]
+        tg.cancel_scope.cancel()
+
+
+async def test_heartbeats_do_not_pile_up_while_the_daemon_takes_nothing() -> None:
+    """The daemon is gone: the socket's queue fills and the reports' sender waits. A beat
+    is queued only when nothing else waits to leave."""
+    ctx = zmq.asyncio.Context()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.SNDHWM, 10)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect("ipc:///nonexistent-dir/no-daemon")
+    try:
+        async with worker("encoder") as w:
+            w.tg.start_soon(w._heartbeat, 0.001)
+            w.tg.start_soon(w._send_reports, dealer)
+            await anyio.sleep(0.5)
+            assert len(w._outbox) == 1
+            w.tg.cancel_scope.cancel()
+    finally:
+        ctx.destroy(linger=0)
