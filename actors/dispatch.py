@@ -45,6 +45,12 @@ class RoundRobin:
 
     def remove(self, instance: str) -> None:
         self._free.pop(instance, None)
+        # Picks drop a departed instance's entry when they reach it; a pool with no work
+        # while workers come and go would keep them all, and its next pick step over them.
+        # Rebuilt once they outnumber the live instances: amortised O(1) per departure.
+        if len(self._ring) > 2 * len(self._free) + 8:
+            self._ring = deque(i for i in self._ring if self._free.get(i, 0) > 0)
+            self._in_ring = set(self._ring)
 
     def pick(self, avoid: Collection[str] = ()) -> str | None:
         ring = self._ring

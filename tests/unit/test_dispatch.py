@@ -113,6 +113,19 @@ def test_round_robin_ring_stays_bounded_under_churn() -> None:
     assert len(p._ring) <= 1
 
 
+def test_round_robin_ring_stays_bounded_as_workers_come_and_go_while_idle() -> None:
+    """Each restarted worker joins under a new instance id; with no job picked meanwhile,
+    the departed ones must not pile up in the ring (the next pick would step over them all)."""
+    p = RoundRobin()
+    p.update("a", 1)
+    p.update("b", 1)
+    for i in range(1000):
+        p.update(f"gone-{i}", 2)
+        p.remove(f"gone-{i}")
+    assert len(p._ring) <= 12
+    assert [p.pick() for _ in range(4)] == ["a", "b", "a", "b"]
+
+
 # --------------------------------------------------------------------------- least loaded
 
 
