@@ -13,6 +13,7 @@ from __future__ import annotations
 import bisect
 import time
 from collections import OrderedDict
+from dataclasses import dataclass, field
 
 import anyio
 import msgspec
@@ -29,17 +30,32 @@ class AdmissionStats(msgspec.Struct, frozen=True):
     mailbox: MailboxCounts
 
 
+@dataclass(slots=True)
+class _Line:
+    """One priority's jobs: those a pool sent back (first, in the order they came back), then
+    those waiting their first turn, oldest first."""
+
+    returned: OrderedDict[str, Job] = field(default_factory=OrderedDict)
+    waiting: OrderedDict[str, Job] = field(default_factory=OrderedDict)
+
+    def __len__(self) -> int:
+        return len(self.returned) + len(self.waiting)
+
+
 class RoleQueue:
     """Jobs for one role: highest priority first, FIFO within a priority, with O(1) removal
     from anywhere (timeouts, cancels).
 
-    One OrderedDict per priority in use keeps that priority's insertion order (its first key
-    is its oldest job); the priorities in use are kept sorted. Submit allows 201 of them, so
-    finding the highest is cheap however many jobs wait.
+    Each priority in use has a ``_Line`` (its OrderedDicts keep insertion order: the first
+    key is the oldest job); the priorities in use are kept sorted. Submit allows 201 of
+    them, so finding the highest is cheap however many jobs wait. A job sent back (its
+    instance was lost between dispatch and placement) goes before those of its priority
+    that have not had a turn, and after any sent back before it: jobs that bounce together
+    keep their order.
     """
 
     def __init__(self) -> None:
-        self._by_priority: dict[int, OrderedDict[str, Job]] = {}
+        self._lines: dict[int, _Line] = {}
         self._priorities: list[int] = []  # those with jobs, ascending
         self._priority_of: dict[str, int] = {}
 
@@ -50,23 +66,22 @@ class RoleQueue:
         return request_id in self._priority_of
 
     def push(self, job: Job, *, front: bool = False) -> int:
-        """Queue ``job``; returns how many jobs will leave before it."""
-        jobs = self._by_priority.get(job.priority)
-        if jobs is None:
-            jobs = self._by_priority[job.priority] = OrderedDict()
+        """Queue ``job`` (``front``: sent back by a pool); returns how many jobs will leave before it."""
+        line = self._lines.get(job.priority)
+        if line is None:
+            line = self._lines[job.priority] = _Line()
             bisect.insort(self._priorities, job.priority)
-        jobs[job.request_id] = job
+        (line.returned if front else line.waiting)[job.request_id] = job
         self._priority_of[job.request_id] = job.priority
-        if front:  # a pool lost the instance it was going to use: first among its equals
-            jobs.move_to_end(job.request_id, last=False)
         higher = self._priorities[bisect.bisect_right(self._priorities, job.priority):]
-        return sum(len(self._by_priority[p]) for p in higher) + (0 if front else len(jobs) - 1)
+        return sum(len(self._lines[p]) for p in higher) + (len(line.returned) if front else len(line)) - 1
 
     def pop(self) -> Job:
         if not self._priorities:
             raise IndexError("pop from an empty RoleQueue")
         priority = self._priorities[-1]
-        rid, job = self._by_priority[priority].popitem(last=False)
+        line = self._lines[priority]
+        rid, job = (line.returned or line.waiting).popitem(last=False)
         self._forget(rid, priority)
         return job
 
@@ -74,14 +89,16 @@ class RoleQueue:
         priority = self._priority_of.get(request_id)
         if priority is None:
             return False
-        del self._by_priority[priority][request_id]
+        line = self._lines[priority]
+        if line.returned.pop(request_id, None) is None:
+            del line.waiting[request_id]
         self._forget(request_id, priority)
         return True
 
     def _forget(self, request_id: str, priority: int) -> None:
         del self._priority_of[request_id]
-        if not self._by_priority[priority]:
-            del self._by_priority[priority]
+        if not self._lines[priority]:
+            del self._lines[priority]
             self._priorities.remove(priority)
 
 

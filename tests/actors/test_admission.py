@@ -189,9 +189,9 @@ async def test_enqueue_front_goes_first() -> None:
     with anyio.fail_after(5):
         async with running_admission() as a:
             await a.enqueue("r1", "r2")
-            await a.enqueue("lost", front=True)
-            a.inbox.post(Credit(role="encoder", delta=3))
-            assert await a.dispatched() == ["lost", "r1", "r2"]
+            await a.enqueue("lost1", "lost2", front=True)  # bounced together, in this order
+            a.inbox.post(Credit(role="encoder", delta=4))
+            assert await a.dispatched() == ["lost1", "lost2", "r1", "r2"]
 
 
 async def test_negative_credit_holds_dispatch() -> None:

@@ -1,5 +1,5 @@
 """RoleQueue: highest priority first, FIFO within a priority, removal from anywhere, and a
-lost job's return to the front of its priority."""
+lost job's return to the front of its priority, behind those lost before it."""
 
 from __future__ import annotations
 
@@ -54,6 +54,15 @@ def test_push_front_goes_first() -> None:
     assert drain(q) == ["lost", "a", "b"]
 
 
+def test_jobs_sent_back_together_keep_their_order() -> None:
+    """Two dispatches bounce (their instance left), in the order they went out: they come
+    back in that order, both before the jobs that had no turn yet."""
+    q = queue_of("a", "b")
+    q.push(job("lost1"), front=True)
+    q.push(job("lost2"), front=True)
+    assert drain(q) == ["lost1", "lost2", "a", "b"]
+
+
 def test_len_counts_jobs() -> None:
     q = queue_of("a", "b")
     assert len(q) == 2
@@ -98,35 +107,37 @@ class RoleQueueMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.queue = RoleQueue()
-        self.model: list[tuple[int, str]] = []  # (priority, request id), in the order pops must see
+        # (priority, sent back, request id), in the order pops must see
+        self.model: list[tuple[int, bool, str]] = []
         self.next_id = 0
 
     @rule(front=st.booleans(), priority=st.integers(-2, 2))
     def push(self, front: bool, priority: int) -> None:
         self.next_id += 1
         rid = f"r{self.next_id}"
-        # Back: after every job of this priority or higher; front: before the others of its priority.
-        ahead = [p for p, _ in self.model]
-        at = next((i for i, p in enumerate(ahead) if (p <= priority if front else p < priority)), len(ahead))
+        # Back: after every job of this priority or higher; front (sent back): after those of
+        # its priority sent back before it, before the rest of its priority.
+        at = next((i for i, (p, back, _) in enumerate(self.model)
+                   if p < priority or (front and p == priority and not back)), len(self.model))
         assert self.queue.push(job(rid, priority), front=front) == at  # how many leave before it
-        self.model.insert(at, (priority, rid))
+        self.model.insert(at, (priority, front, rid))
 
     @precondition(lambda self: self.model)
     @rule()
     def pop(self) -> None:
-        assert self.queue.pop().request_id == self.model.pop(0)[1]
+        assert self.queue.pop().request_id == self.model.pop(0)[2]
 
     @precondition(lambda self: self.model)
     @rule(data=st.data())
     def remove(self, data: st.DataObject) -> None:
         entry = data.draw(st.sampled_from(self.model))
-        assert self.queue.remove(entry[1])
+        assert self.queue.remove(entry[2])
         self.model.remove(entry)
 
     @invariant()
     def same_jobs(self) -> None:
         assert len(self.queue) == len(self.model)
-        assert all(rid in self.queue for _, rid in self.model) and "never-pushed" not in self.queue
+        assert all(rid in self.queue for _, _, rid in self.model) and "never-pushed" not in self.queue
 
 
 TestRoleQueueMachine = RoleQueueMachine.TestCase
