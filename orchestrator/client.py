@@ -122,6 +122,8 @@ async def _cancel_at_daemon(sock: zmq.asyncio.Socket, request_ids: list[str]) ->
 def _decode_reply(parts: list[bytes]) -> Reply:
     """The reply (an unreadable header raises ``msgspec.DecodeError``). A ``Result`` whose
     frames are not its tensors is a ``Rejected`` for its own request."""
+    if not parts:
+        raise msgspec.DecodeError("a reply of no frames")
     header = CLIENT_REPLY.decode(parts[0])
     if isinstance(header, Result):
         try:
@@ -182,7 +184,7 @@ class Client:
             # Nobody will take the answer. Even past the request's deadline the daemon may
             # not have ended it: a stalled daemon reads a submit late, its deadline counting
             # from then.
-            with contextlib.suppress(TimeoutError, ConnectionError, zmq.ZMQError, Rejection):
+            with contextlib.suppress(TimeoutError, ConnectionError, ValueError, zmq.ZMQError, Rejection):
                 self.cancel(rid, timeout_s=CANCEL_SEND_S)
             raise
         if isinstance(reply, Rejected):
@@ -202,16 +204,22 @@ class Client:
         deadline = sent_at + checked_s(timeout_s)
         self._watch.read()
         closes = self._watch.closes
-        self._sock.send_multipart(parts)
         try:
-            answered = self._wait(sent_at, deadline, closes)
+            # All of it inside: a Ctrl-C can land just after the message left (or before
+            # its reply was taken), and the REQ socket then waits for that reply; only a
+            # new socket takes the next request.
+            self._sock.send_multipart(parts)
+            if not self._wait(sent_at, deadline, closes):
+                raise TimeoutError(f"no reply from {self.endpoint} within {timeout_s:.1f}s")
+            frames = self._sock.recv_multipart()
         except BaseException:
             self._reset()
             raise
-        if not answered:
-            self._reset()
-            raise TimeoutError(f"no reply from {self.endpoint} within {timeout_s:.1f}s")
-        return _decode_reply(self._sock.recv_multipart())
+        try:
+            return _decode_reply(frames)
+        except DECODE_ERRORS as exc:
+            raise ValueError(f"{self.endpoint} is not a Triptych client socket: its answer is unreadable "
+                             f"({exc})") from None
 
     def _wait(self, sent_at: float, deadline: float, closes: int) -> bool:
         """Wait for the reply until ``deadline``; ``ConnectionError`` as soon as none can come."""
@@ -350,7 +358,9 @@ class AsyncClient:
         while True:
             parts = await self._sock.recv_multipart()
             try:
-                reply = _decode_reply(parts[1:])  # parts[0] is the empty delimiter
+                if not parts or parts[0]:
+                    raise msgspec.DecodeError("a reply without the empty delimiter frame first")
+                reply = _decode_reply(parts[1:])
             except DECODE_ERRORS as exc:
                 # No request can be told of it; the others in flight carry on.
                 log.warning("client.unreadable_reply", endpoint=self.endpoint, error=str(exc))
@@ -358,7 +368,9 @@ class AsyncClient:
             if isinstance(reply, Progress):
                 waiter = self._waiting.get(reply.request_id)
                 if waiter is not None and waiter.statistics().current_buffer_used < PROGRESS_BACKLOG:
-                    waiter.send_nowait(reply)
+                    # Its submit may have given up, its listener gone, while the Cancel leaves.
+                    with contextlib.suppress(anyio.BrokenResourceError):
+                        waiter.send_nowait(reply)
                 continue
             if isinstance(reply, Cancelled):
                 continue  # the ack of an abandoned request's Cancel: cancel() reads its own
@@ -408,6 +420,9 @@ class AsyncClient:
         now = time.monotonic()
         if rid in self._waiting or self._abandoned.get(rid, -math.inf) > now:
             raise ValueError(f"request id {rid!r} is in use on this client (in flight, or given up and not ended)")
+        # Given up on long enough ago that no answer can still come (often none ever will:
+        # its connection was lost): the id is this request's now, and so are its answers.
+        self._abandoned.pop(rid, None)
         tx, rx = anyio.create_memory_object_stream[Progress](PROGRESS_BACKLOG)
         self._waiting[rid] = tx
         sent = False

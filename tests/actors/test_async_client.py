@@ -157,6 +157,8 @@ async def test_an_unreadable_reply_fails_its_own_request_only(fake_daemon: FakeD
                 await daemon.send_multipart([submits["bad"], b"", encode(Result(
                     request_id="bad", outputs=[image], stages=[], total_ms=1.0)), b"abc"])
                 await daemon.send_multipart([submits["good"], b"", b"\xc1 not a reply"])
+                await daemon.send_multipart([submits["good"], encode(Result(  # no empty delimiter first
+                    request_id="good", outputs=[], stages=[], total_ms=1.0))])
                 await daemon.send_multipart([submits["good"], b"", encode(Result(
                     request_id="good", outputs=[image], stages=[], total_ms=1.0)), b"abcd"])
 
@@ -307,9 +309,13 @@ def test_a_blocking_clients_timed_out_wait_cancels_its_request(tmp_path: Path, m
         ctx.term()
 
 
-def test_a_blocking_clients_interrupted_wait_cancels_its_request_and_leaves_it_usable(tmp_path: Path) -> None:
-    """Ctrl-C while Client.submit waits: the request is cancelled at the daemon, and the REQ
-    socket, which had sent and not heard back, is replaced so the next call works."""
+@pytest.mark.parametrize("when", ["waiting", "sent"])
+def test_a_blocking_clients_interrupted_wait_cancels_its_request_and_leaves_it_usable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, when: str
+) -> None:
+    """Ctrl-C while Client.submit waits, or just as its message left: the request is
+    cancelled at the daemon, and the REQ socket, which had sent and not heard back, is
+    replaced so the next call works."""
     ctx = zmq.Context()
     daemon = ctx.socket(zmq.ROUTER)
     daemon.setsockopt(zmq.LINGER, 0)
@@ -336,7 +342,17 @@ def test_a_blocking_clients_interrupted_wait_cancels_its_request_and_leaves_it_u
     previous = signal.signal(signal.SIGALRM, interrupt)
     try:
         with Client(endpoint, ctx=ctx) as client:
-            signal.setitimer(signal.ITIMER_REAL, 0.3)
+            if when == "waiting":
+                signal.setitimer(signal.ITIMER_REAL, 0.3)
+            else:
+                send = zmq.Socket.send_multipart
+
+                def send_then_interrupt(sock: zmq.Socket, *args: Any, **kwargs: Any) -> None:
+                    monkeypatch.setattr(zmq.Socket, "send_multipart", send)  # the first send only
+                    send(sock, *args, **kwargs)
+                    raise KeyboardInterrupt  # as pyzmq raises a signal's, after zmq_send returned
+
+                monkeypatch.setattr(zmq.Socket, "send_multipart", send_then_interrupt)
             with pytest.raises(KeyboardInterrupt):
                 client.submit(PARAMS, request_id="interrupted", timeout_s=30)
             assert client.submit(PARAMS, request_id="next", timeout_s=10).result.total_ms == 1.0
@@ -440,3 +456,102 @@ async def test_a_slow_progress_listener_never_costs_the_answer(
         assert time.monotonic() - started < 1.0  # one call of the listener, not eight
         # The deadline ran out in that call, after the answer came: the answer stands.
         assert await run(busy_s=0.6, timeout_s=0.3) == [1]
+
+
+async def test_an_id_given_up_on_long_ago_takes_its_new_requests_answer(
+    fake_daemon: FakeDaemon, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A request given up on, whose answer never came (its connection was lost, say): once
+    no answer can still come, its id is free, and a new request under it gets its own."""
+    monkeypatch.setattr("orchestrator.client.GRACE_S", 0.05)
+    daemon, endpoint = fake_daemon
+    with anyio.fail_after(10):
+        async with AsyncClient(endpoint) as client:
+            with pytest.raises(TimeoutError):
+                await client.submit(PARAMS, request_id="job", timeout_s=0.1)  # never answered
+            assert isinstance(CLIENT_REQUEST.decode((await daemon.recv_multipart())[2]), Submit)
+            assert isinstance(CLIENT_REQUEST.decode((await daemon.recv_multipart())[2]), Cancel)
+            await anyio.sleep(0.2)  # past the first request's deadline and grace
+
+            async def answer() -> None:
+                identity, _, _ = await daemon.recv_multipart()
+                await daemon.send_multipart([identity, b"", encode(Result(
+                    request_id="job", outputs=[], stages=[], total_ms=2.0))])
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(answer)
+                assert (await client.submit(PARAMS, request_id="job", timeout_s=5)).result.total_ms == 2.0
+
+
+async def test_progress_for_a_request_given_up_on_while_its_cancel_waits_harms_nobody(
+    fake_daemon: FakeDaemon, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The listener of one request raises, and its Cancel waits to leave (ZMQ's queue for the
+    daemon full): more progress for it meanwhile is dropped, and the other requests carry on."""
+    from orchestrator import client as client_module
+
+    cancel = client_module._cancel_at_daemon
+
+    async def slow_cancel(sock: zmq.asyncio.Socket, request_ids: list[str]) -> None:
+        await anyio.sleep(0.3)  # as a send behind a full queue
+        await cancel(sock, request_ids)
+
+    monkeypatch.setattr(client_module, "_cancel_at_daemon", slow_cancel)
+    daemon, endpoint = fake_daemon
+
+    def progress(step: int) -> Progress:
+        return Progress(request_id="dropped", state="denoising", elapsed_ms=1.0, step=step, steps=4)
+
+    def explode(news: Progress) -> None:
+        raise ValueError("the listener broke")
+
+    with anyio.fail_after(10):
+        async with AsyncClient(endpoint) as client, anyio.create_task_group() as tg:
+
+            async def play_daemon() -> None:
+                identities = {}
+                for _ in range(2):
+                    identity, _, body = await daemon.recv_multipart()
+                    identities[CLIENT_REQUEST.decode(body).request_id] = identity
+                await daemon.send_multipart([identities["dropped"], b"", encode(progress(1))])
+                await anyio.sleep(0.1)  # its listener has raised; its Cancel waits
+                await daemon.send_multipart([identities["dropped"], b"", encode(progress(2))])
+                await anyio.sleep(0.1)
+                await daemon.send_multipart([identities["kept"], b"", encode(Result(
+                    request_id="kept", outputs=[], stages=[], total_ms=3.0))])
+
+            async def dropped() -> None:
+                with pytest.raises(ValueError, match="the listener broke"):
+                    await client.submit(PARAMS, request_id="dropped", on_progress=explode)
+
+            tg.start_soon(play_daemon)
+            tg.start_soon(dropped)
+            await anyio.sleep(0.05)
+            assert (await client.submit(PARAMS, request_id="kept", timeout_s=5)).result.total_ms == 3.0
+
+
+def test_a_blocking_client_pointed_at_another_socket_says_so(tmp_path: Path) -> None:
+    """An answer that is no client reply (a worker socket's refusal, say): a ValueError naming
+    the endpoint, not msgspec's words about a field."""
+    ctx = zmq.Context()
+    daemon = ctx.socket(zmq.ROUTER)
+    daemon.setsockopt(zmq.LINGER, 0)
+    endpoint = f"ipc://{tmp_path}/worker"
+    daemon.bind(endpoint)
+
+    def answer_everything_wrongly() -> None:
+        while daemon.poll(2000):
+            identity, _, _ = daemon.recv_multipart()
+            daemon.send_multipart([identity, b"", b"\x81\xa4kind\xafRegisterRefused"])
+
+    thread = threading.Thread(target=answer_everything_wrongly, daemon=True)
+    thread.start()
+    try:
+        with Client(endpoint, ctx=ctx) as client:
+            with pytest.raises(ValueError, match=f"^{endpoint} is not a Triptych client socket: its answer is "
+                                                 "unreadable"):
+                client.submit(PARAMS, timeout_s=5)
+        thread.join(timeout=10)
+    finally:
+        daemon.close(linger=0)
+        ctx.term()
