@@ -24,7 +24,8 @@ loopback fake. Facts measured on Mooncake that shaped this wrapper:
 * After a peer rejects a write the connection's lanes are torn down; once all are gone the
   next write fails at once with -1 and a retry succeeds after a ~1 s reconnect. Hence one
   retry after a failure (not after a timeout), and no more: a dead peer fails both attempts
-  within about a millisecond.
+  within about a millisecond. A -1 that comes only after a write was stuck for a while is
+  a timeout in disguise, in doubt like one.
 
 Threads: transfer calls release the GIL and ``write`` blocks (sleeping) until done, so it runs
 on a worker thread. Use at most one concurrent writer per engine (the worker runtime has one
@@ -52,6 +53,11 @@ _DONE, _PENDING, _FAILED, _TIMED_OUT = 1, 0, -1, -2
 _FIRST_SLEEP_S = 20e-6
 _MAX_SLEEP_S = 1e-3
 _GRACE_S = 1.0  # our deadline trails Mooncake's own timeout by this much
+# A write refused or cut off fails within milliseconds (a rejected range, a dead peer). One
+# that fails only after this long was stuck: what it sent may wait in a stalled peer's
+# socket buffers and land when the peer resumes (measured: a SIGSTOPped peer's write gave
+# -1 at Mooncake's 30 s timeout, and the bytes landed at SIGCONT). So it is in doubt.
+_STUCK_S = 1.0
 # A batch id is a user-space pointer. Anything outside this range is a failure code (0 from
 # this wheel; some Mooncake builds return -1 as an unsigned id), and polling it would segfault.
 _MAX_ID = 1 << 57
@@ -176,20 +182,23 @@ class MooncakeEngine:
         if not 0 < batch_id < _MAX_ID:
             return False  # nothing was submitted, so there is no id to poll
         limit_s = self._timeout_s + nbytes * 1e-9 + _GRACE_S
-        deadline = time.monotonic() + limit_s
+        started = time.monotonic()
         sleep_s = _FIRST_SLEEP_S
         while True:
             status = te.transfer_check_status(batch_id)
             # _DONE and _FAILED have freed the id: return without touching it again.
             if status == _DONE:
                 return True
-            if status == _FAILED:
+            pending_s = time.monotonic() - started
+            if status == _FAILED and pending_s < _STUCK_S:
                 return False
-            if status != _PENDING or time.monotonic() >= deadline:
+            if status != _PENDING or pending_s >= limit_s:
                 if status == _PENDING:
                     why = f"not done after {limit_s:.1f} s"
                 elif status == _TIMED_OUT:
                     why = "Mooncake reported a timeout"
+                elif status == _FAILED:
+                    why = f"failed only after {pending_s:.1f} s: stuck, not refused"
                 else:
                     why = f"unexpected status {status}"
                 raise TransferInDoubt(

@@ -285,6 +285,17 @@ def test_two_failures_raise(pair: Pair, monkeypatch: pytest.MonkeyPatch) -> None
     assert fake.submits == 2 and list(fake.polls.values()) == [1]
 
 
+def test_a_failure_after_a_stuck_write_is_in_doubt_and_not_retried(pair: Pair, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mooncake turns a write stuck on a stalled peer into -1 at its own timeout, and the
+    bytes may still land when the peer resumes: that failure is no clean one."""
+    fake = ScriptedMooncake([0] * 200 + [-1], [1])
+    monkeypatch.setattr(pair.sender, "_te", fake)
+    monkeypatch.setattr(transfer.engine, "_STUCK_S", 0.02)
+    with pytest.raises(TransferInDoubt, match="write of 64 bytes .* to peer:1 .*failed only after .* stuck"):
+        pair.sender.write("peer:1", pair.out.base, 0x1000, 64)
+    assert fake.submits == 1
+
+
 def test_mooncake_timeout_status_raises_without_retry(pair: Pair, monkeypatch: pytest.MonkeyPatch) -> None:
     fake = ScriptedMooncake([0, -2], [1])
     monkeypatch.setattr(pair.sender, "_te", fake)
