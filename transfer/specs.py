@@ -21,12 +21,21 @@ ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "uint8": 1,
             "int64": 8, "bool": 1}
 
 
+# torch counts elements in int64, dimension by dimension, zeros included: a shape whose
+# non-zero dimensions multiply past this is refused there (with a RuntimeError, not ours).
+_MAX_ELEMENTS = 2**63 - 1
+
+
 def expected_nbytes(spec: TensorSpec) -> int:
-    count = 1
+    """The bytes ``spec``'s dtype and shape take; ``ValueError`` for a spec no tensor can have."""
+    count, nonzero = 1, 1
     for dim in spec.shape:
         if dim < 0:
             raise ValueError(f"tensor {spec.name!r}: negative dimension in {spec.shape}")
         count *= dim
+        nonzero *= dim or 1
+    if nonzero > _MAX_ELEMENTS:
+        raise ValueError(f"tensor {spec.name!r}: shape {spec.shape} is past what a tensor can have")
     try:
         return count * ITEMSIZE[spec.dtype]
     except KeyError:

@@ -157,6 +157,16 @@ def test_unpack_negative_dimension_names_the_tensor() -> None:
         unpack(torch.zeros(256, dtype=torch.uint8), [spec(shape=(-2, 3))])
 
 
+@pytest.mark.parametrize("shape", [(2**62, 2**62, 0), (2**63, 0), (0, 2**64)])
+def test_an_empty_shape_no_tensor_can_have_is_refused_by_name(shape: tuple[int, ...]) -> None:
+    """No bytes, but dimensions torch cannot count: a ValueError like any bad header, not
+    torch's RuntimeError or TypeError from the reshape."""
+    with pytest.raises(ValueError, match="'liar'.*past what a tensor can have"):
+        unpack(torch.zeros(256, dtype=torch.uint8), [spec(shape=shape, nbytes=0)])
+    with pytest.raises(ValueError, match="'liar'.*past what a tensor can have"):
+        from_frames([spec(shape=shape, nbytes=0)], [b""])
+
+
 def test_unpack_unknown_dtype_names_the_tensor() -> None:
     with pytest.raises(ValueError, match="'liar'"):
         unpack(torch.zeros(256, dtype=torch.uint8), [spec(dtype="float128")])
