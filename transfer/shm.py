@@ -8,8 +8,9 @@ kernel it runs on (the boot id) and the file's identity (device, inode). When th
 orders a push between two workers of one kernel it passes the receiver's ``LocalMemory``
 along, and the sender copies straight into the receiver's pages.
 
-The sender trusts nothing it is told: it checks the opened file's identity (another pid
-namespace can show another process under the same path) and the target range against the
+The sender trusts nothing it is told: it checks that the opened file is a memfd and is the
+one advertised (another pid namespace can show another process under the same path), that
+it is still open in its owner's process at each copy, and the target range against the
 advertised size; anything off raises ``LocalCopyError`` and the push goes through the
 engine instead.
 """
@@ -102,6 +103,11 @@ class LocalWriter:
             raise LocalCopyError("the receiver runs on another host")
         key = (target.path, target.device, target.inode)
         if key in self._mapped:
+            if not _is_open(key):
+                # Its receiver exited: a copy would land in memory nobody reads, and report
+                # success. The engine says what became of it instead.
+                del self._mapped[key]
+                raise LocalCopyError(f"the receiver's pool at {target.path} is gone")
             self._mapped.move_to_end(key)
             _, address, length = self._mapped[key]
             return address, length
@@ -111,6 +117,10 @@ class LocalWriter:
         except OSError as exc:
             raise LocalCopyError(f"cannot open the receiver's pool at {target.path}: {exc}") from exc
         try:
+            # What was opened, not what the path names now: only a memfd is a worker's pool
+            # (a path to any other file, told by a peer, must not be written).
+            if not os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:"):
+                raise LocalCopyError(f"{target.path} is no worker's pool: not a memfd")
             stat = os.fstat(fd)
             if (stat.st_dev, stat.st_ino) != (target.device, target.inode) or stat.st_size < target.size:
                 raise LocalCopyError(f"{target.path} is not the receiver's pool (another pid namespace?)")
@@ -128,11 +138,15 @@ class LocalWriter:
         pages resident (a whole pool each). Done before mapping a new receiver, which may
         have replaced one, and now and then (``RequestMemory.unmap_gone_receivers``) for
         receivers that left for good. On the writer's own thread, like its copies."""
-        for path, device, inode in list(self._mapped):
-            try:
-                stat = os.stat(path)
-                alive = (stat.st_dev, stat.st_ino) == (device, inode)
-            except OSError:
-                alive = False
-            if not alive:
-                del self._mapped[(path, device, inode)]
+        for key in [key for key in self._mapped if not _is_open(key)]:
+            del self._mapped[key]
+
+
+def _is_open(key: tuple[str, int, int]) -> bool:
+    """Whether ``(path, device, inode)`` still names that file: its process has not exited."""
+    path, device, inode = key
+    try:
+        stat = os.stat(path)
+    except OSError:
+        return False
+    return (stat.st_dev, stat.st_ino) == (device, inode)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -50,6 +52,13 @@ def test_a_write_that_cannot_be_trusted_is_refused() -> None:
         writer.write(msgspec.structs.replace(target, inode=target.inode + 1), src.data_ptr(), target.base, 64)
     with pytest.raises(LocalCopyError, match="cannot open"):
         writer.write(msgspec.structs.replace(target, path="/proc/self/fd/999999"), src.data_ptr(), target.base, 64)
+    with tempfile.NamedTemporaryFile() as other:  # a file that is no pool, told with its true identity
+        other.truncate(SIZE)
+        stat = os.fstat(other.fileno())
+        with pytest.raises(LocalCopyError, match="not a memfd"):
+            writer.write(msgspec.structs.replace(target, path=other.name, device=stat.st_dev, inode=stat.st_ino),
+                         src.data_ptr(), target.base, 64)
+        assert not Path(other.name).read_bytes().strip(b"\0")
     assert not region.tensor.any()  # nothing was written by any of them
     writer.write(target, src.data_ptr(), target.base, 64)
     assert int(region.tensor.sum()) == 64
@@ -97,3 +106,17 @@ def test_the_pool_of_a_receiver_that_exited_is_unmapped_when_another_is_mapped()
     other = SharedRegion(SIZE)
     writer.write(other.describe(other.tensor.data_ptr(), SIZE), src.data_ptr(), other.tensor.data_ptr(), 64)
     assert [path for path, _, _ in writer._mapped] == [other.describe(0, SIZE).path]
+
+
+def test_a_copy_to_a_receiver_that_exited_fails_even_with_its_pool_mapped() -> None:
+    """It would land in memory nobody reads and report success: the push goes through the
+    engine instead, which says what became of the receiver."""
+    writer = LocalWriter()
+    src = torch.ones(64, dtype=torch.uint8)
+    gone = SharedRegion(SIZE)
+    target = gone.describe(gone.tensor.data_ptr(), SIZE)
+    writer.write(target, src.data_ptr(), target.base, 64)  # mapped now
+    os.close(gone._fd)  # as if its process exited
+    with pytest.raises(LocalCopyError, match="is gone"):
+        writer.write(target, src.data_ptr(), target.base + 64, 64)
+    assert int(gone.tensor.sum()) == 64 and not writer._mapped
