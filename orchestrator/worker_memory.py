@@ -139,6 +139,11 @@ class RequestMemory:
 
     async def push(self, order: Push) -> None:
         rid = order.request_id
+        if rid in self._pushing:
+            # A repeat that came in the same message as the first: the runtime's guard ran
+            # before either push had started. Like any repeat, logged and not answered.
+            self.log.error("worker.repeated_order", request_id=rid, order="Push")
+            return
         block = self._staged.get(rid)
         if block is None or order.nbytes > block.size:
             self._report(Pushed(request_id=rid, ok=False, transfer_ms=0.0,

@@ -88,15 +88,19 @@ async def reports(w: WorkerRuntime, expect: int, *, settle_s: float = 0.05, with
     return out
 
 
-async def test_a_repeated_push_is_ignored_and_the_first_reports_once() -> None:
+@pytest.mark.parametrize("together", [False, True], ids=["later", "in the same message"])
+async def test_a_repeated_push_is_ignored_and_the_first_reports_once(together: bool) -> None:
     """Before, the repeat wrote from the block the first one freed, then killed the worker."""
     engine = SlowEngine(seconds=0.2)
     async with worker("encoder", engine) as w:
         w._memory._staged["r1"] = w._pool.try_alloc(512)
         push = Push(request_id="r1", session="peer:1", address=0x1000, nbytes=512)
-        w.send(push)
-        await anyio.sleep(0.05)
-        w.send(push)
+        if together:
+            w.send(push, push)
+        else:
+            w.send(push)
+            await anyio.sleep(0.05)
+            w.send(push)
         done = await reports(w, 1, settle_s=0.5)
     assert [type(r) for r in done] == [Pushed] and done[0].ok
     assert engine.writes == 1 and w._pool.allocated_blocks == 0
