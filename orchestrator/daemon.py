@@ -42,10 +42,12 @@ TRACKER_TICK_S = 0.02  # deadline resolution
 END_ALL_FLUSH_S = 1.0  # for the answers to requests a timed-out drain ends, and for the farewell
 
 
-async def _tick(outbox: Mailbox[Any], period_s: float) -> None:
+async def tick(outbox: Mailbox[Any], period_s: float) -> None:
+    """Post a ``Tick`` every ``period_s``, or at once when the last one's work (delivered
+    as it is posted: a mass of expiries, say) took longer than that."""
     last = time.monotonic()
     while True:
-        await anyio.sleep(last + period_s - time.monotonic())
+        await anyio.sleep(max(0.0, last + period_s - time.monotonic()))
         now = time.monotonic()
         outbox.post(Tick(gap_s=now - last))
         last = now
@@ -99,8 +101,8 @@ async def _serve(cfg: Config, drain_requested: anyio.Event, drain_wait: anyio.Ca
                                    drain_requested=drain_requested)
             endpoints["control"] = await tg.start(control.run)
             endpoints["client"] = await tg.start(FrontendActor(fe, ctx=ctx, cfg=d, tracker=tr).run)
-            tg.start_soon(_tick, tr, TRACKER_TICK_S)
-            tg.start_soon(_tick, ng, d.heartbeat_s / 2)
+            tg.start_soon(tick, tr, TRACKER_TICK_S)
+            tg.start_soon(tick, ng, d.heartbeat_s / 2)
             tg.start_soon(_drain_on_request, tg.cancel_scope, drain_requested, drain_wait, fe, tr, ng,
                           d.drain_timeout_s)
             log.info("daemon.ready", **endpoints)

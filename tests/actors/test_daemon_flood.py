@@ -1,6 +1,7 @@
-"""The whole daemon in this process, flooded by a worker that holds the token with reports
-about requests it never had: each is late and asks that worker to free a block, and all the
-mail they make fits the mailboxes, however small the configured ones."""
+"""The whole daemon in this process, flooded: by a worker that holds the token with reports
+about requests it never had (each is late and asks that worker to free a block, and all the
+mail they make fits the mailboxes, however small the configured ones), and by requests that
+all time out in the same tick."""
 
 from __future__ import annotations
 
@@ -15,14 +16,18 @@ from orchestrator.config import load_config
 from orchestrator.control_client import Control
 from orchestrator.daemon import serve
 from transfer.protocol import (
+    CLIENT_REPLY,
     DAEMON_TO_WORKER,
     PROTOCOL_VERSION,
     WORK_ORDER,
     Abort,
+    GenParams,
     Probe,
+    Reason,
     Register,
     Registered,
     Staged,
+    Submit,
     encode,
 )
 from transfer.reports import REPORTS_PER_MESSAGE
@@ -62,4 +67,36 @@ async def test_a_flood_of_late_reports_fits_the_mailboxes(ctx: zmq.asyncio.Conte
                     aborts += len(orders)
                 stats = await anyio.to_thread.run_sync(Control(endpoints["control"]).stats)
                 assert stats.late_reports == flood
+            tg.cancel_scope.cancel()
+
+
+async def test_thousands_of_requests_timing_out_in_one_tick_are_all_answered(
+    ctx: zmq.asyncio.Context, tmp_path: Path
+) -> None:
+    """No worker: every request waits for an encoder until its deadline, the same for all.
+    Their expiry is one tick's work, longer than the tick: before, the daemon died of it."""
+    cfg = load_config(ROOT / "configs" / "test.toml")
+    daemon = msgspec.structs.replace(cfg.daemon, client_endpoint=f"ipc://{tmp_path}/client",
+                                     control_endpoint=f"ipc://{tmp_path}/control",
+                                     worker_endpoint=f"ipc://{tmp_path}/workers")
+    cfg = msgspec.structs.replace(cfg, daemon=daemon)
+    count = 3000
+    with anyio.fail_after(60):
+        async with anyio.create_task_group() as tg:
+            endpoints = await tg.start(serve, cfg)
+            with ctx.socket(zmq.DEALER) as client:
+                client.setsockopt(zmq.SNDHWM, 0)
+                client.setsockopt(zmq.RCVHWM, 0)
+                client.connect(endpoints["client"])
+                for i in range(count):
+                    await client.send_multipart([b"", encode(Submit(
+                        protocol=PROTOCOL_VERSION, request_id=f"r{i}", params=GenParams(prompt="p"), timeout_s=1.0))])
+                reasons: dict[str, int] = {}
+                for _ in range(count):
+                    _, body = await client.recv_multipart()
+                    reply = CLIENT_REPLY.decode(body)
+                    reasons[reply.reason] = reasons.get(reply.reason, 0) + 1
+                assert reasons == {Reason.TIMED_OUT: count}
+            stats = await anyio.to_thread.run_sync(Control(endpoints["control"]).stats)
+            assert stats.requests_by_state == {}
             tg.cancel_scope.cancel()
