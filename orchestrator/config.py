@@ -8,6 +8,7 @@ keys are errors that name the exact key, so a typo never silently falls back to 
 from __future__ import annotations
 
 import ipaddress
+import math
 import re
 from pathlib import Path
 from typing import Annotated, Literal
@@ -18,7 +19,8 @@ from transfer.protocol import Role
 from transfer.specs import align_up
 
 PositiveInt = Annotated[int, msgspec.Meta(gt=0)]
-PositiveFloat = Annotated[float, msgspec.Meta(gt=0)]
+# Finite (TOML reads `inf`): every wait has an end.
+PositiveFloat = Annotated[float, msgspec.Meta(gt=0, le=1e9)]
 
 DEV_TOKEN = "triptych-local-dev"
 # A worker endpoint other hosts can reach needs a token they cannot guess: whoever
@@ -119,7 +121,8 @@ class DaemonConfig(Section):
     # most about 130 KiB (two prompts of 16,384 characters); a worker's frames carry the
     # decoder's output (a video can be hundreds of MiB).
     client_max_message_bytes: PositiveInt = 256 * 1024
-    worker_max_message_bytes: PositiveInt = 1024 * MiB
+    # At least what a Register takes (its slots and limits): below it every worker is cut off.
+    worker_max_message_bytes: Annotated[int, msgspec.Meta(ge=MiB)] = 1024 * MiB
 
     def __post_init__(self) -> None:
         for key in ("client_endpoint", "control_endpoint", "worker_endpoint"):
@@ -201,7 +204,7 @@ class NullStageConfig(Section):
     encoder_ms: Annotated[float, msgspec.Meta(ge=0)] = 5.0
     denoiser_ms: Annotated[float, msgspec.Meta(ge=0)] = 20.0
     decoder_ms: Annotated[float, msgspec.Meta(ge=0)] = 5.0
-    embed_shape: tuple[int, ...] = (1, 77, 64)
+    embed_shape: Annotated[tuple[PositiveInt, ...], msgspec.Meta(min_length=1)] = (1, 77, 64)
     latent_channels: PositiveInt = 4
 
 
@@ -252,14 +255,24 @@ LOCAL_MOONCAKE_ENV = {
 
 
 MOONCAKE_DEFAULT_TIMEOUT_S = 30.0  # MC_TRANSFER_TIMEOUT when unset
+MOONCAKE_MIN_TIMEOUT_S = 5.0  # Mooncake raises any smaller value to this
 
 
 def transfer_timeout_s(value: str | None) -> float:
-    """An MC_TRANSFER_TIMEOUT value in seconds; Mooncake's default when unset or unreadable."""
+    """An MC_TRANSFER_TIMEOUT value in seconds, as Mooncake takes it: raised to its minimum,
+    and its default when unset or not a finite number (the longer wait is the safe one)."""
     try:
-        return float(value) if value else MOONCAKE_DEFAULT_TIMEOUT_S
+        seconds = float(value) if value else MOONCAKE_DEFAULT_TIMEOUT_S
     except ValueError:
         return MOONCAKE_DEFAULT_TIMEOUT_S
+    return max(MOONCAKE_MIN_TIMEOUT_S, seconds) if math.isfinite(seconds) else MOONCAKE_DEFAULT_TIMEOUT_S
+
+
+def _is_seconds(value: str) -> bool:
+    try:
+        return MOONCAKE_MIN_TIMEOUT_S <= float(value) < math.inf
+    except ValueError:
+        return False
 
 
 class TransferConfig(Section):
@@ -292,7 +305,11 @@ class Config(Section):
         # Memory a write may still be landing in is handed out again after push_quarantine_s
         # (by the daemon for a silent sender, by a rejoining receiver for itself): only a
         # quarantine longer than any write can last keeps that memory from being corrupted.
-        timeout_s = transfer_timeout_s(self.transfer.env.get("MC_TRANSFER_TIMEOUT"))
+        given = self.transfer.env.get("MC_TRANSFER_TIMEOUT")
+        if given is not None and not _is_seconds(given):
+            raise ValueError(f"transfer.env.MC_TRANSFER_TIMEOUT ({given!r}) must be a number of seconds, at least "
+                             f"{MOONCAKE_MIN_TIMEOUT_S:g}")
+        timeout_s = transfer_timeout_s(given)
         if self.daemon.push_quarantine_s <= timeout_s:
             raise ValueError(f"daemon.push_quarantine_s ({self.daemon.push_quarantine_s:g}) must exceed the "
                              f"Mooncake transfer timeout ({timeout_s:g} s, transfer.env.MC_TRANSFER_TIMEOUT)")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import msgspec
@@ -82,10 +83,15 @@ def test_unknown_key_names_its_path(tmp_path: Path, text: str, where: str) -> No
         ('[daemon]\nmax_in_flight = "lots"\n', "$.daemon.max_in_flight"),
         ('[log]\nlevel = "loud"\n', "$.log.level"),
         ("[daemon]\nheartbeat_misses = 2\n", "$.daemon.heartbeat_misses"),
+        ("[daemon]\nheartbeat_s = inf\n", "$.daemon.heartbeat_s"),  # a dead worker would never be evicted
+        ("[workers.denoiser]\nalloc_timeout_s = inf\n", "$.workers.denoiser.alloc_timeout_s"),
+        ("[model.null]\nembed_shape = [-1, 77]\n", "$.model.null.embed_shape[0]"),
+        ("[model.null]\nembed_shape = []\n", "$.model.null.embed_shape"),
+        ("[daemon]\nworker_max_message_bytes = 64\n", "$.daemon.worker_max_message_bytes"),  # no Register fits
     ],
 )
 def test_bad_value_names_its_path(tmp_path: Path, text: str, path: str) -> None:
-    with pytest.raises(msgspec.ValidationError, match=f"- at `{path.replace('$', '[$]')}`$"):
+    with pytest.raises(msgspec.ValidationError, match=f"- at `{re.escape(path)}`$"):
         load_config(write(tmp_path, text))
 
 
@@ -140,6 +146,15 @@ def test_the_push_quarantine_must_outlast_a_transfer(tmp_path: Path, section: st
             load_config(path)
     else:
         assert load_config(path).daemon.push_quarantine_s == 6.0
+
+
+@pytest.mark.parametrize("value", ["-5", "nan", "inf", "soon", "2"])
+def test_a_transfer_timeout_mooncake_would_not_take_as_given_is_refused(tmp_path: Path, value: str) -> None:
+    """Negative, it made every write in doubt at once; NaN, a write to a hung peer was polled
+    for ever; below 5, Mooncake waits 5 s anyway."""
+    with pytest.raises(msgspec.ValidationError, match=r"transfer\.env\.MC_TRANSFER_TIMEOUT .* must be a number of "
+                                                      r"seconds, at least 5"):
+        load_config(write(tmp_path, f'[transfer.env]\nMC_TRANSFER_TIMEOUT = "{value}"\n'))
 
 
 @pytest.mark.parametrize("pool_bytes", [1 << 20, 2 << 20])
