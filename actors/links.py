@@ -86,7 +86,10 @@ def work_address_problem(ctx: zmq.Context, address: str) -> str | None:
     """
     if not address.startswith(("tcp://", "ipc://")):
         return f"work_address {address!r} is not tcp:// or ipc://"
-    probe = zmq.Socket(ctx, zmq.PUSH)
+    try:
+        probe = zmq.Socket(ctx, zmq.PUSH)
+    except zmq.ZMQError as exc:  # out of sockets or file descriptors: the daemon's, not the address's
+        return f"the daemon cannot open a socket to check work_address {address!r}: {exc.strerror}"
     try:
         probe.connect(address)
     except zmq.ZMQError as exc:

@@ -216,7 +216,8 @@ class TransferNegotiator:
     def _register(self, routing_id: bytes, msg: Register) -> None:
         problem = (registration_problem(msg, self._cfg.token) or model_problem(msg, self._links.values())
                    or work_address_problem(self._ctx, msg.work_address))
-        refusal = RegisterRefused(message=problem) if problem is not None else self._claimed_by_another(msg)
+        refusal = RegisterRefused(message=problem) if problem is not None else (
+            self._claimed_by_another(msg) or self._full(msg))
         if refusal is not None:
             self._peer_log.warning("worker.refused", name=msg.name, why=refusal.message)
             self._reply(routing_id, refusal)
@@ -271,6 +272,16 @@ class TransferNegotiator:
                     f"the name {msg.name!r} is held by {old.instance}, a live {old.role} worker: "
                     "worker names must be unique"))
         return None
+
+    def _full(self, msg: Register) -> RegisterRefused | None:
+        """Refuse a newcomer past ``max_workers`` (one replacing its own stale link is no
+        newcomer). It retries: it gets in once another leaves."""
+        replacing = any(msg.name == old.name or msg.session == old.session for old in self._links.values())
+        if replacing or len(self._links) < self._cfg.max_workers:
+            return None
+        return RegisterRefused(rejoin=True, deferred=True, message=(
+            f"the daemon serves at most {self._cfg.max_workers} workers at once (daemon.max_workers), and has "
+            "that many"))
 
     def _silent(self, link: Link) -> bool:
         return time.monotonic() - link.last_seen > SUSPECT_HEARTBEATS * self._cfg.heartbeat_s

@@ -81,6 +81,9 @@ class DaemonConfig(Section):
     token: str = DEV_TOKEN
     dispatch: Literal["round_robin", "least_loaded", "power_of_two"] = "least_loaded"
     max_in_flight: PositiveInt = 8192  # admitted, unanswered requests; beyond it submits get ``overloaded``
+    # Workers registered at once; a newcomer past it is refused (and retries). Each costs the
+    # daemon a socket and two file descriptors, and ZMQ's sockets are counted per process.
+    max_workers: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 256
     request_timeout_s: PositiveFloat = 600.0  # when Submit names none
     max_request_timeout_s: PositiveFloat = 3600.0
     heartbeat_s: PositiveFloat = 1.0

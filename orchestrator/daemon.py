@@ -82,6 +82,9 @@ async def _serve(cfg: Config, drain_requested: anyio.Event, drain_wait: anyio.Ca
     # (a late report's abort), which no admission bounds.
     size = d.mailbox_headroom + 8 * d.max_in_flight + PUMP_BATCH * REPORTS_PER_MESSAGE
     ctx = zmq.asyncio.Context()
+    # A PUSH to each worker, a registration's probe, the three ROUTERs and their monitors:
+    # ZMQ's default of 1,023 sockets would cut off a large cluster in mid-registration.
+    ctx.setsockopt(zmq.MAX_SOCKETS, 2 * d.max_workers + 64)
     board = Switchboard()
     fe, tr, ad, ng = (board.mailbox(name, size) for name in ("frontend", "tracker", "admission", "negotiator"))
     pools = {role: board.mailbox(f"pool.{role}", size) for role in ROLES}

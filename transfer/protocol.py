@@ -363,7 +363,7 @@ class RegisterRefused(Wire):
     # memory: rejoining, it need not wait out push_quarantine_s first.
     settled: bool = False
     # This registration is turned away for now (with rejoin): a live worker holds its name
-    # or its Mooncake session. Unlike the answers to messages sent before the daemon forgot
+    # or its Mooncake session, or the daemon has max_workers registered. Unlike the answers to messages sent before the daemon forgot
     # the worker, it says why the worker is not in yet.
     deferred: bool = False
 

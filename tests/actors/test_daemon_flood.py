@@ -1,7 +1,7 @@
 """The whole daemon in this process, flooded: by a worker that holds the token with reports
 about requests it never had (each is late and asks that worker to free a block, and all the
-mail they make fits the mailboxes, however small the configured ones), and by requests that
-all time out in the same tick."""
+mail they make fits the mailboxes, however small the configured ones), by requests that
+all time out in the same tick, and by registrations."""
 
 from __future__ import annotations
 
@@ -100,3 +100,33 @@ async def test_thousands_of_requests_timing_out_in_one_tick_are_all_answered(
             stats = await anyio.to_thread.run_sync(Control(endpoints["control"]).stats)
             assert stats.requests_by_state == {}
             tg.cancel_scope.cancel()
+
+
+async def test_registrations_past_max_workers_are_refused_and_the_daemon_serves_on(
+    ctx: zmq.asyncio.Context, tmp_path: Path
+) -> None:
+    """Before, each registration took a socket of the daemon's ZMQ context (1,023 at most),
+    and the one past them killed the daemon."""
+    cfg = load_config(ROOT / "configs" / "test.toml")
+    daemon = msgspec.structs.replace(cfg.daemon, client_endpoint=f"ipc://{tmp_path}/client",
+                                     control_endpoint=f"ipc://{tmp_path}/control",
+                                     worker_endpoint=f"ipc://{tmp_path}/workers")
+    cfg = msgspec.structs.replace(cfg, daemon=daemon)
+    answers: dict[str, int] = {}
+    with anyio.fail_after(60):
+        async with anyio.create_task_group() as tg:
+            endpoints = await tg.start(serve, cfg)
+            for i in range(1100):
+                with ctx.socket(zmq.DEALER) as worker:
+                    worker.setsockopt(zmq.LINGER, 0)
+                    worker.connect(endpoints["worker"])
+                    await worker.send(encode(Register(
+                        protocol=PROTOCOL_VERSION, token=daemon.token, role="encoder", name=f"w{i}",
+                        work_address=f"ipc://{tmp_path}/nowhere{i}", session=f"s{i}", pool_base=0, pool_size=0,
+                        slots=[], capacity=1)))
+                    answer = type(DAEMON_TO_WORKER.decode(await worker.recv())).__name__
+                    answers[answer] = answers.get(answer, 0) + 1
+            stats = await anyio.to_thread.run_sync(Control(endpoints["control"]).stats)
+            assert len(stats.instances) == daemon.max_workers
+            tg.cancel_scope.cancel()
+    assert answers == {"Registered": daemon.max_workers, "RegisterRefused": 1100 - daemon.max_workers}

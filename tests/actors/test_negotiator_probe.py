@@ -15,11 +15,12 @@ from tests.actors.negotiator_harness import (
     Negotiator,
     fake_worker,
     register,
+    registration,
     running_negotiator,
     speak,
     wait_late,
 )
-from transfer.protocol import DAEMON_TO_WORKER, Heartbeat, Probed, Reason, RegisterRefused, Step, encode
+from transfer.protocol import DAEMON_TO_WORKER, Heartbeat, Leaving, Probed, Reason, RegisterRefused, Step, encode
 
 HEARTBEAT_S = 0.1
 MISSES = 3
@@ -119,3 +120,24 @@ async def test_reports_waiting_on_the_socket_when_a_tick_refuses_a_worker_are_st
                     assert isinstance(await n.pools["denoiser"].receive(), Leave)
                     with anyio.fail_after(1):
                         await wait_late(n, late + 1)
+
+
+async def test_a_newcomer_past_max_workers_is_refused_for_now_and_gets_in_once_one_leaves(
+    ctx: zmq.asyncio.Context, tmp_path: Path
+) -> None:
+    """Before, registrations went on until the daemon ran out of sockets, and the next one
+    killed it (about 1,020 workers)."""
+    with anyio.fail_after(5):
+        async with running_negotiator(ctx, tmp_path, max_workers=2) as n, fake_worker(ctx, n, "encoder"):
+            async with fake_worker(ctx, n, "denoiser") as denoiser:
+                with ctx.socket(zmq.DEALER) as newcomer:
+                    newcomer.setsockopt(zmq.LINGER, 0)
+                    newcomer.connect(n.endpoint)
+                    await newcomer.send(encode(registration("decoder", "decoder-session", 1)))
+                    refused = DAEMON_TO_WORKER.decode(await newcomer.recv())
+                    assert isinstance(refused, RegisterRefused) and refused.rejoin and refused.deferred
+                    assert "at most 2 workers at once (daemon.max_workers)" in refused.message
+                    n.assert_silent()
+                    await denoiser.report(Leaving())
+                    assert isinstance(await n.pools["denoiser"].receive(), Leave)
+                    await register(newcomer, "decoder", "decoder-session", 1)
