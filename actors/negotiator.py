@@ -214,10 +214,11 @@ class TransferNegotiator:
         self._pump.after_send()
 
     def _register(self, routing_id: bytes, msg: Register) -> None:
-        problem = (registration_problem(msg, self._cfg.token) or model_problem(msg, self._links.values())
+        live = [link for link in self._links.values() if not self._silent(link)]
+        problem = (registration_problem(msg, self._cfg.token) or model_problem(msg, live)
                    or work_address_problem(self._ctx, msg.work_address))
         refusal = RegisterRefused(message=problem) if problem is not None else (
-            self._claimed_by_another(msg) or self._full(msg))
+            self._claimed_by_another(msg) or self._full(msg) or self._model_of_the_silent(msg))
         if refusal is not None:
             self._peer_log.warning("worker.refused", name=msg.name, why=refusal.message)
             self._reply(routing_id, refusal)
@@ -272,6 +273,12 @@ class TransferNegotiator:
                     f"the name {msg.name!r} is held by {old.instance}, a live {old.role} worker: "
                     "worker names must be unique"))
         return None
+
+    def _model_of_the_silent(self, msg: Register) -> RegisterRefused | None:
+        """Only silent workers (killed, say, with no Leaving) serve another model: they are
+        evicted soon, and the newcomer, refused for now, gets in then instead of exiting."""
+        problem = model_problem(msg, self._links.values())
+        return None if problem is None else RegisterRefused(rejoin=True, deferred=True, message=problem)
 
     def _full(self, msg: Register) -> RegisterRefused | None:
         """Refuse a newcomer past ``max_workers`` (one replacing its own stale link is no

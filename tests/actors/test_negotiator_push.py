@@ -47,6 +47,7 @@ from transfer.protocol import (
     Ready,
     Reason,
     Register,
+    Registered,
     RegisterRefused,
     SlotInfo,
     encode,
@@ -424,6 +425,33 @@ async def test_a_worker_of_another_model_is_refused(ctx: zmq.asyncio.Context, tm
         async with running_negotiator(ctx, tmp_path) as n, fake_worker(ctx, n, "encoder"):
             reply = await refused(ctx, n, model_digest="0123456789abcdef")
             assert "is not the model the registered workers serve" in reply.message and not reply.rejoin
+
+
+async def test_a_worker_of_another_model_waits_for_the_eviction_of_silent_ones(
+    ctx: zmq.asyncio.Context, tmp_path: Path
+) -> None:
+    """The workers of the old model were killed (no Leaving) and those of the new one start
+    before the daemon evicted them: refused for now, not for good; taken in after."""
+    heartbeat_s = 0.05
+    with anyio.fail_after(5):
+        async with running_negotiator(ctx, tmp_path, heartbeat_s=heartbeat_s, heartbeat_misses=3) as n:
+            async with fake_worker(ctx, n, "encoder"):
+                pass  # killed: silent from now on
+            await anyio.sleep(3 * heartbeat_s)  # silent, not yet evicted
+            reply = await refused(ctx, n, model_digest="0123456789abcdef")
+            assert "is not the model the registered workers serve" in reply.message
+            assert reply.rejoin and reply.deferred
+            await anyio.sleep(2 * heartbeat_s)
+            n.inbox.post(Tick())  # the eviction
+            assert isinstance(await n.pools["encoder"].receive(), Leave)
+            n.take("frontend")
+            with ctx.socket(zmq.DEALER) as newcomer:
+                newcomer.setsockopt(zmq.LINGER, 0)
+                newcomer.connect(n.endpoint)
+                await newcomer.send(encode(Register(
+                    protocol=PROTOCOL_VERSION, token=TOKEN, role="denoiser", name="w", work_address="ipc://unused",
+                    session="s", pool_base=0, pool_size=4096, slots=[], capacity=1, model_digest="0123456789abcdef")))
+                assert isinstance(DAEMON_TO_WORKER.decode(await newcomer.recv()), Registered)
 
 
 async def test_a_registration_the_wire_refuses_is_answered_naming_the_field(ctx: zmq.asyncio.Context,
