@@ -18,6 +18,8 @@ def limits_violation(limits: StageLimits, params: GenParams) -> str | None:
             return f"{axis} {value} is outside [{limits.min_size}, {limits.max_size}] for model {limits.model!r}"
     if params.steps > limits.max_steps:
         return f"steps {params.steps} exceeds {limits.max_steps} for model {limits.model!r}"
+    if params.steps < limits.min_steps:
+        return f"steps {params.steps} is below {limits.min_steps}, the fewest model {limits.model!r} takes"
     if params.num_images > limits.max_images:
         return f"num_images {params.num_images} exceeds {limits.max_images} for model {limits.model!r}"
     if params.frames > limits.max_frames:
@@ -40,6 +42,8 @@ def unsatisfiable(limits: StageLimits) -> str | None:
         return f"max_size {limits.max_size} is below the smallest size {smallest} model {limits.model!r} takes"
     if smallest * smallest > limits.max_pixels:
         return f"max_pixels {limits.max_pixels} is below one {smallest}x{smallest} image of model {limits.model!r}"
+    if limits.min_steps > limits.max_steps:
+        return f"max_steps {limits.max_steps} is below the {limits.min_steps} steps model {limits.model!r} takes at least"
     return None
 
 

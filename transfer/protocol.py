@@ -302,6 +302,7 @@ class StageLimits(Plain):
     min_size: Annotated[int, msgspec.Meta(ge=1)] = 8
     max_size: Annotated[int, msgspec.Meta(ge=1)] = 4096
     max_steps: Annotated[int, msgspec.Meta(ge=1)] = 1000
+    min_steps: Annotated[int, msgspec.Meta(ge=1)] = 1
     max_images: Annotated[int, msgspec.Meta(ge=1)] = 16
     max_frames: Annotated[int, msgspec.Meta(ge=1)] = 1
     model: str = ""

@@ -14,6 +14,7 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here may download
 
+import diffusers
 import msgspec
 import numpy as np
 import pytest
@@ -236,6 +237,25 @@ def test_local_directory_loads_the_same_model(family: str, tmp_path) -> None:
     assert limits.model == f"{family}:{tmp_path.name}" and limits.size_multiple == 8
 
 
+@pytest.mark.parametrize(("scheduler", "fewest"), [("DDIMScheduler", 1), ("DPMSolverMultistepScheduler", 2)])
+def test_pixart_takes_one_step_only_with_a_scheduler_that_predicts_x0(tmp_path, scheduler: str, fewest: int) -> None:
+    """For a single step PixArt's __call__ takes the step's predicted x0, which DPM-Solver
+    does not return: one step is refused up front (invalid), not a crash mid-request."""
+    pipe = tiny.build_pipeline("pixart", seed=0)
+    pipe.scheduler = getattr(diffusers, scheduler).from_config(pipe.scheduler.config)
+    pipe.save_pretrained(tmp_path)
+    s = stage(DiffusersConfig(family="pixart", path=str(tmp_path)), "denoiser")
+    assert s.limits().min_steps == fewest
+    one_step = GenParams(prompt="x", width=16, height=16, steps=1)
+    if fewest > 1:
+        with pytest.raises(StageError, match="steps 1 is below 2") as err:
+            s.check(one_step)
+        assert err.value.reason is Reason.INVALID
+    else:
+        s.check(one_step)
+    assert stage(DiffusersConfig(family="sd15"), "denoiser").limits().min_steps == 1
+
+
 def test_tiny_components_build_alone_identically() -> None:
     """A process building only the UNet gets the UNet the whole pipeline has."""
     alone = tiny.build_component("sd15", "unet", seed=9)
@@ -275,6 +295,9 @@ def saved_sd15(tmp_path_factory: pytest.TempPathFactory) -> Path:
     ("decoder", {"rm": "vae"}, "lacks vae/config.json: every role needs every component's config"),
     ("decoder", {"rm": "text_encoder"}, "lacks text_encoder/config.json"),
     ("encoder", {"rm": "tokenizer"}, "lacks tokenizer/, which the encoder loads"),
+    ("encoder", {"rm": "tokenizer/tokenizer.json"},  # what is left loads, with no vocabulary
+     "lacks tokenizer/vocab.json, tokenizer/merges.txt (or tokenizer/tokenizer.json): its CLIPTokenizer would have "
+     "no vocabulary"),
     ("encoder", {"rm": "model_index.json"}, "has no model_index.json: not a diffusers-layout directory"),
     ("encoder", {"device": "banana"}, "device 'banana' is not a torch device"),
     ("encoder", {"device": "cuda:7"}, "device 'cuda:7', but this machine's torch sees"),

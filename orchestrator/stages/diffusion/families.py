@@ -99,6 +99,10 @@ class FamilyAdapter:
         """The width and height the denoiser was trained at, in pixels."""
         return self.config(self.denoiser_model)["sample_size"] * self.vae_scale_factor
 
+    def min_steps(self) -> int:
+        """The fewest denoising steps the pipeline runs with its scheduler."""
+        return 1
+
     def limits(self) -> StageLimits:
         multiple = self.size_multiple()
         model = f"{self.name}:{Path(self.cfg.path).name}" if self.cfg.path else f"tiny-{self.name}"
@@ -114,6 +118,7 @@ class FamilyAdapter:
             # Not all num_train_timesteps: with steps_offset (SD 1.x) the first timestep
             # then falls past the schedule, and multistep solvers return NaN there.
             max_steps=self.config("scheduler").get("num_train_timesteps", 1000) - 1,
+            min_steps=self.min_steps(),
             max_frames=1,
             model=model,
         )
@@ -151,7 +156,8 @@ class FamilyAdapter:
         index = root / "model_index.json"
         if not index.is_file():
             raise ModelUnloadable(f"{root} has no model_index.json: not a diffusers-layout directory")
-        held = json.loads(index.read_text()).get("_class_name")
+        parts = json.loads(index.read_text())
+        held = parts.get("_class_name")
         if held != self.pipeline_cls.__name__:
             raise ModelUnloadable(f"{root} holds a {held}, but family = {self.name!r} loads a "
                                   f"{self.pipeline_cls.__name__}")
@@ -163,6 +169,8 @@ class FamilyAdapter:
         for name in self.components[role]:
             if not (root / name).is_dir():
                 raise ModelUnloadable(f"{root} lacks {name}/, which the {role} loads")
+        if "tokenizer" in self.components[role]:
+            _check_tokenizer_files(root, parts.get("tokenizer"))
 
     def load(self, role: Role) -> DiffusionPipeline:
         """A partial pipeline holding only ``role``'s components, on the configured device."""
@@ -245,3 +253,18 @@ class FamilyAdapter:
         accepted = inspect.signature(scheduler.step).parameters
         step_kwargs = {k: v for k, v in (("eta", 0.0), ("generator", generator)) if k in accepted}
         return scheduler, scheduler.timesteps, latents, step_kwargs
+
+
+def _check_tokenizer_files(root: Path, entry: object) -> None:
+    """``ModelUnloadable`` if ``tokenizer/`` lacks the vocabulary its class reads: transformers
+    would load it anyway, empty, and every prompt would come out as the same unknown tokens
+    (a T5) or fail in every request (a CLIP)."""
+    class_name = entry[1] if isinstance(entry, list) and len(entry) == 2 else ""
+    files: dict[str, str] = getattr(getattr(transformers, str(class_name), None), "vocab_files_names", None) or {}
+    folder = root / "tokenizer"
+    if not files or (folder / files.get("tokenizer_file", "tokenizer.json")).is_file():
+        return
+    missing = [name for key, name in files.items() if key != "tokenizer_file" and not (folder / name).is_file()]
+    if missing:
+        raise ModelUnloadable(f"{root} lacks tokenizer/{', tokenizer/'.join(missing)} (or tokenizer/tokenizer.json): "
+                              f"its {class_name} would have no vocabulary")

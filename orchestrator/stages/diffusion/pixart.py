@@ -8,13 +8,17 @@ to True, which needs bs4 and ftfy; a reference call must pass False too).
 
 from __future__ import annotations
 
+import dataclasses
+import typing
 from typing import ClassVar
 
+import diffusers
 import torch
 from diffusers import DiffusionPipeline, PixArtAlphaPipeline
 from diffusers.utils.torch_utils import maybe_adjust_dtype_for_device
 
 from orchestrator.stages.base import StepFn, Tensors
+from orchestrator.stages.diffusion import tiny
 from orchestrator.stages.diffusion.families import FamilyAdapter
 from transfer.protocol import GenParams, Role
 
@@ -37,6 +41,13 @@ class PixArt(FamilyAdapter):
     def size_multiple(self) -> int:
         # Latents are cut into patch_size x patch_size tokens.
         return max(super().size_multiple(), self.vae_scale_factor * self.config("transformer")["patch_size"])
+
+    def min_steps(self) -> int:
+        # For a single step __call__ takes the step's predicted x0, its second output; the
+        # schedulers whose step returns none (DPM-Solver, PNDM, UniPC) cannot do one.
+        name = self.config("scheduler").get("_class_name")
+        scheduler = getattr(diffusers, name, None) if name else tiny.SCHEDULER
+        return 1 if scheduler is not None and _step_outputs(scheduler) >= 2 else 2
 
     def encode(self, pipe: DiffusionPipeline, params: GenParams) -> Tensors:
         cfg_on = self.uses_cfg(params)
@@ -105,3 +116,14 @@ class PixArt(FamilyAdapter):
             output = 0 if params.steps > 1 else 1
             latents = scheduler.step(noise_pred, t, latents, **step_kwargs, return_dict=False)[output]
         return latents
+
+
+def _step_outputs(scheduler: type) -> int:
+    """How many values ``scheduler.step(..., return_dict=False)`` returns: the fields of the
+    output dataclass its annotation names (0 when it names none)."""
+    try:
+        returned = typing.get_type_hints(scheduler.step).get("return")
+    except (NameError, TypeError):
+        return 0
+    outputs = [t for t in (typing.get_args(returned) or (returned,)) if dataclasses.is_dataclass(t)]
+    return len(dataclasses.fields(outputs[0])) if outputs else 0

@@ -119,6 +119,10 @@ CONFIGS: dict[Family, dict[str, dict[str, Any]]] = {
 }
 
 
+# Both tiny families' scheduler (their configs name no class, as a saved one's would).
+SCHEDULER = DDIMScheduler
+
+
 def tiny_config(family: Family, name: str) -> dict[str, Any]:
     """The config a tiny component is built from (a copy; the denoiser reads the VAE's)."""
     return dict(CONFIGS[family][name])
@@ -149,7 +153,7 @@ def build_component(family: Family, name: str, seed: int = 0) -> Any:
     if name == "tokenizer":
         return _clip_tokenizer() if family == "sd15" else _t5_tokenizer()
     if name == "scheduler":
-        return DDIMScheduler(**tiny_config(family, name))
+        return SCHEDULER(**tiny_config(family, name))
     config = tiny_config(family, name)
     torch.manual_seed(seed + SEED_OFFSETS[name])
     module: torch.nn.Module
