@@ -301,6 +301,9 @@ def saved_sd15(tmp_path_factory: pytest.TempPathFactory) -> Path:
     ("encoder", {"rm": "model_index.json"}, "has no model_index.json: not a diffusers-layout directory"),
     ("encoder", {"device": "banana"}, "device 'banana' is not a torch device"),
     ("encoder", {"device": "cuda:7"}, "device 'cuda:7', but this machine's torch sees"),
+    ("encoder", {"device": "mps"}, "device 'mps' is not usable by this machine's torch"),
+    ("denoiser", {"rm": "unet/diffusion_pytorch_model.safetensors"}, "the denoiser's components do not load"),
+    ("decoder", {"garble": "model_index.json"}, "model_index.json is not readable JSON"),
 ])
 def test_a_model_that_cannot_load_is_named_in_one_line(saved_sd15: Path, tmp_path: Path, role: Role,
                                                         change: dict[str, str], says: str) -> None:
@@ -313,6 +316,8 @@ def test_a_model_that_cannot_load_is_named_in_one_line(saved_sd15: Path, tmp_pat
         shutil.rmtree(removed)
     elif removed.exists():
         removed.unlink()
+    if "garble" in change:
+        (directory / change.pop("garble")).write_text("{not json")
     cfg = DiffusersConfig(**{"family": "sd15", "path": str(directory), **change})
     with pytest.raises(ModelUnloadable, match=re.escape(says)):
         build_diffusion_stage(role, cfg)

@@ -147,6 +147,10 @@ class FamilyAdapter:
             gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
             if (self.device.index or 0) >= gpus:
                 raise ModelUnloadable(f"device {self.cfg.device!r}, but this machine's torch sees {gpus} CUDA devices")
+        try:
+            torch.empty(0, device=self.device)  # any other device this torch lacks (mps, xpu...)
+        except (RuntimeError, AssertionError) as exc:
+            raise ModelUnloadable(f"device {self.cfg.device!r} is not usable by this machine's torch: {exc}") from None
         if not self.cfg.path:
             return  # the embedded tiny model: nothing to find
         root = Path(self.cfg.path)
@@ -156,7 +160,10 @@ class FamilyAdapter:
         index = root / "model_index.json"
         if not index.is_file():
             raise ModelUnloadable(f"{root} has no model_index.json: not a diffusers-layout directory")
-        parts = json.loads(index.read_text())
+        try:
+            parts = json.loads(index.read_text())
+        except ValueError as exc:
+            raise ModelUnloadable(f"{index} is not readable JSON: {exc}") from None
         held = parts.get("_class_name")
         if held != self.pipeline_cls.__name__:
             raise ModelUnloadable(f"{root} holds a {held}, but family = {self.name!r} loads a "
@@ -180,9 +187,12 @@ class FamilyAdapter:
         names = [p for p in inspect.signature(self.pipeline_cls.__init__).parameters if p != "self"]
         absent = {n: None for n in names if n not in wanted and n not in self.pipeline_kwargs}
         if self.cfg.path:
-            pipe = self.pipeline_cls.from_pretrained(
-                self.cfg.path, **absent, **self.pipeline_kwargs, dtype=self.dtype
-            )
+            try:
+                pipe = self.pipeline_cls.from_pretrained(
+                    self.cfg.path, **absent, **self.pipeline_kwargs, dtype=self.dtype
+                )
+            except (OSError, ValueError) as exc:  # a part's weights missing or unreadable, say
+                raise ModelUnloadable(f"{self.cfg.path}: the {role}'s components do not load: {exc}") from None
         else:
             built = {n: tiny.build_component(self.name, n, self.cfg.seed) for n in wanted}
             for c in built.values():
