@@ -148,12 +148,12 @@ def test_the_push_quarantine_must_outlast_a_transfer(tmp_path: Path, section: st
         assert load_config(path).daemon.push_quarantine_s == 6.0
 
 
-@pytest.mark.parametrize("value", ["-5", "nan", "inf", "soon", "2"])
-def test_a_transfer_timeout_mooncake_would_not_take_as_given_is_refused(tmp_path: Path, value: str) -> None:
+@pytest.mark.parametrize("value", ["-5", "0", "nan", "inf", "soon"])
+def test_a_transfer_timeout_that_is_no_wait_is_refused(tmp_path: Path, value: str) -> None:
     """Negative, it made every write in doubt at once; NaN, a write to a hung peer was polled
-    for ever; below 5, Mooncake waits 5 s anyway."""
-    with pytest.raises(msgspec.ValidationError, match=r"transfer\.env\.MC_TRANSFER_TIMEOUT .* must be a number of "
-                                                      r"seconds, at least 5"):
+    for ever."""
+    with pytest.raises(msgspec.ValidationError, match=r"transfer\.env\.MC_TRANSFER_TIMEOUT .* must be a positive "
+                                                      r"number of seconds"):
         load_config(write(tmp_path, f'[transfer.env]\nMC_TRANSFER_TIMEOUT = "{value}"\n'))
 
 

@@ -322,9 +322,9 @@ def test_deadline_follows_mc_transfer_timeout(pair: Pair) -> None:
     assert pair.sender._timeout_s == float(CFG.env["MC_TRANSFER_TIMEOUT"])
     assert transfer_timeout_s(None) == 30.0  # Mooncake's default
     assert transfer_timeout_s("soon") == 30.0
-    # From the shell (the config refuses these): as Mooncake takes them, or its default.
-    assert transfer_timeout_s("2") == transfer_timeout_s("-5") == 5.0
-    assert transfer_timeout_s("nan") == transfer_timeout_s("inf") == 30.0
+    assert transfer_timeout_s("2.5") == 2.5
+    # From the shell (the config refuses these): Mooncake's default, the safe side.
+    assert transfer_timeout_s("-5") == transfer_timeout_s("nan") == transfer_timeout_s("inf") == 30.0
 
 
 def test_unknown_session_raises(pair: Pair) -> None:
