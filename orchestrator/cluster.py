@@ -3,7 +3,8 @@
 Used by the demo, the benchmark and the end-to-end tests; the benchmark can swap the workers
 for one process of zero-work protocol peers (orchestrator/instant_workers.py). Workers are forked
 from a server that has imported their runtime once (orchestrator/fork_server.py); the daemon is
-started as a process of its own. Each process logs to its own file; every wait has a deadline
+started as a process of its own. All of them end with the cluster's process, however it ends
+(orchestrator/parent_death.py). Each process logs to its own file; every wait has a deadline
 and a failure names the process and its log.
 """
 
@@ -20,6 +21,7 @@ from pathlib import Path
 from orchestrator.config import Config, load_config
 from orchestrator.control_client import Control
 from orchestrator.fork_server import ForkedProcess, ForkServer, ForkServerError
+from orchestrator.parent_death import PARENT_ENV
 from transfer.protocol import Role, Stats
 
 DEFAULT_LAYOUT: dict[Role, int] = {"encoder": 1, "denoiser": 2, "decoder": 1}
@@ -64,8 +66,11 @@ class LocalCluster:
         log = open(path, "ab" if append else "wb")  # lives as long as the process
         try:
             config = str(config_path or self.config_path)
+            # Its own session (a Ctrl-C meant for the caller does not reach it), but not its
+            # own life: it ends with the caller (SIGTERM, the daemon's drain), however that ends.
+            env = {**self._env, PARENT_ENV: str(os.getpid())}
             return subprocess.Popen([sys.executable, "-m", "orchestrator", *args, "--config", config],
-                                    stdout=log, stderr=subprocess.STDOUT, env=self._env, start_new_session=True)
+                                    stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         finally:
             log.close()
 

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import sys
+
+from orchestrator.parent_death import PARENT_ENV, end_with_parent
 
 
 def main() -> int:
@@ -10,6 +13,9 @@ def main() -> int:
         from orchestrator.early_signals import keep
 
         keep()  # before the CLI's imports (a fifth of a second): a stop then is a drain, not a kill
+    if (parent := os.environ.pop(PARENT_ENV, None)) is not None and not end_with_parent(int(parent)):
+        print(f"triptych {' '.join(sys.argv[1:2])}: the process that started this one has ended", file=sys.stderr)
+        return 1
     from orchestrator.cli import main as cli_main
 
     return cli_main()

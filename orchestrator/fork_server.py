@@ -21,7 +21,6 @@ whose parent dies, leaves no worker behind.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import itertools
 import os
 import select
@@ -39,10 +38,11 @@ from pathlib import Path
 import msgspec
 import setproctitle
 
+from orchestrator.parent_death import end_with_parent
+
 SPAWN_TIMEOUT_S = 60.0  # the first spawn waits for the server's own imports
 CLOSE_TIMEOUT_S = 10.0
 MAX_MESSAGE = 1 << 20  # a Spawn is a command line and two paths
-PR_SET_PDEATHSIG = 1
 
 
 class Spawn(msgspec.Struct, tag=True):
@@ -300,8 +300,7 @@ def _fork(spawn: Spawn, plumbing: tuple[selectors.BaseSelector, socket.socket, i
     code = 1
     try:  # the child: shed the server's plumbing, then be `python -m orchestrator <argv>`
         os.setsid()
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-        if os.getppid() != server:  # it ended before the line above took effect
+        if not end_with_parent(server):  # it ended already
             return 1
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)

@@ -526,3 +526,34 @@ def test_a_worker_with_no_daemon_says_it_waits_then_gives_up_in_one_line(tmp_pat
     assert len(waiting) == 1 and waiting[0]["endpoint"] == f"ipc://{tmp_path}/workers"
     assert done.returncode == 1 and events[-1]["event"] == "process.failed"
     assert "no answer from the daemon" in events[-1]["error"] and "workers.encoder.connect_timeout_s" in events[-1]["error"]
+
+
+def test_a_cluster_whose_process_is_killed_takes_every_process_it_started_with_it(tmp_path: Path) -> None:
+    """A demo killed with SIGKILL (or SIGTERM, or its terminal closed) runs no cleanup: the
+    daemon it started, in a session of its own, went on serving, and held the ports the next
+    demo needed. It now drains and exits, and the workers go with their fork server."""
+    path, _ = cluster_config(tmp_path)
+    script = f"""
+import os, signal
+from orchestrator.cluster import LocalCluster
+cluster = LocalCluster({str(path)!r}, log_dir={str(tmp_path / "logs")!r})
+cluster.start(timeout_s=120)
+print(cluster.daemon.pid, *(proc.pid for proc in cluster.workers.values()), flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=180)
+    assert done.returncode == -signal.SIGKILL, done.stderr
+    pids = [int(pid) for pid in done.stdout.split()]
+    assert len(pids) == 5  # the daemon and four workers
+
+    def alive(pid: int) -> bool:
+        try:
+            with open(f"/proc/{pid}/stat") as stat:
+                return stat.read().split(") ")[1][0] != "Z"  # a zombie has ended
+        except FileNotFoundError:
+            return False
+
+    deadline = time.monotonic() + 30
+    while (left := [pid for pid in pids if alive(pid)]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not left, f"still running: {left}"
