@@ -38,7 +38,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config)
     configure_logging(cfg.log.level, json=cfg.log.json, daemon="orchestrator")
-    return _run_logged(partial(serve, early=early), cfg, ordinary=(EndpointUnusable,))
+    return _run_logged(partial(serve, early=early, own_process=True), cfg, ordinary=(EndpointUnusable,))
 
 
 def _worker(args: argparse.Namespace) -> NoReturn:

@@ -53,10 +53,12 @@ async def tick(outbox: Mailbox[Any], period_s: float) -> None:
         last = now
 
 
-async def serve(cfg: Config, *, early: list[signal.Signals] | None = None,
+async def serve(cfg: Config, *, early: list[signal.Signals] | None = None, own_process: bool = False,
                 task_status: anyio.abc.TaskStatus[dict[str, str]] = anyio.TASK_STATUS_IGNORED) -> None:
     """Run until drained (signal or ``Drain``) or cancelled. Reports bound endpoints when ready.
-    ``early``: stop signals kept since the process started (``early_signals.keep``)."""
+    ``early``: stop signals kept since the process started (``early_signals.keep``).
+    ``own_process``: the process is the daemon's alone (``triptych serve``): once the daemon
+    stops watching for stop signals, it ignores them."""
     drain_requested = anyio.Event()
     # A second signal cuts the drain short: what is still in flight is answered and the
     # workers are told, as when the drain runs out of time.
@@ -65,7 +67,7 @@ async def serve(cfg: Config, *, early: list[signal.Signals] | None = None,
         # Signals are watched until the actors have stopped, their sockets' last answers
         # sent: a second signal during that (bounded) teardown is one more "stop at once",
         # not the end of the process before its answers leave.
-        signals.start_soon(_watch_signals, drain_requested, drain_wait, [] if early is None else early)
+        signals.start_soon(_watch_signals, drain_requested, drain_wait, [] if early is None else early, own_process)
         await _serve(cfg, drain_requested, drain_wait, task_status=task_status)
         signals.cancel_scope.cancel()
 
@@ -116,7 +118,20 @@ async def _serve(cfg: Config, drain_requested: anyio.Event, drain_wait: anyio.Ca
 
 
 async def _watch_signals(drain_requested: anyio.Event, drain_wait: anyio.CancelScope,
-                         early: list[signal.Signals]) -> None:
+                         early: list[signal.Signals], ignore_after: bool) -> None:
+    try:
+        await _act_on_signals(drain_requested, drain_wait, early)
+    finally:
+        if ignore_after:
+            # The receiver, closing, gave the signals back their default action, which would
+            # kill the process before its last answers leave (a second signal while the
+            # daemon stops is one more "stop at once", the docs say, and it is stopping).
+            for signum in STOP_SIGNALS:
+                signal.signal(signum, signal.SIG_IGN)
+
+
+async def _act_on_signals(drain_requested: anyio.Event, drain_wait: anyio.CancelScope,
+                          early: list[signal.Signals]) -> None:
     def heard(signum: int) -> bool:
         """Act on a stop signal; True once there is nothing left to act on."""
         log.info("daemon.signal", signal=signal.Signals(signum).name)

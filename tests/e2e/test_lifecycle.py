@@ -316,6 +316,17 @@ def test_a_second_signal_while_the_daemon_sends_its_last_answers_is_not_its_deat
         ctx.term()
 
 
+def test_a_burst_of_stop_signals_ends_the_daemon_with_exit_0(start_cluster: StartCluster) -> None:
+    """The first drains (nothing in flight: at once); the rest land while the daemon stops,
+    after it stopped watching for them: before, one then killed it (status -15)."""
+    cluster = start_cluster(layout={"encoder": 1, "denoiser": 1, "decoder": 1})
+    assert cluster.daemon is not None
+    for _ in range(40):
+        cluster.daemon.send_signal(signal.SIGTERM)
+        time.sleep(0.005)
+    assert cluster.daemon.wait(timeout=10) == 0
+
+
 def wait_for_log(cluster: LocalCluster, line: str, timeout_s: float = 10.0) -> None:
     deadline = time.monotonic() + timeout_s
     while line not in cluster.log_of("daemon"):
