@@ -42,6 +42,9 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _worker(args: argparse.Namespace) -> NoReturn:
+    from orchestrator.early_signals import keep
+
+    early = keep()  # kept since the process started (orchestrator/entry.py), or from now on
     from orchestrator.limits import UnsatisfiableLimits
     from orchestrator.log import configure_logging
     from orchestrator.stages.base import ModelUnloadable
@@ -49,7 +52,7 @@ def _worker(args: argparse.Namespace) -> NoReturn:
 
     cfg = load_config(args.config)
     configure_logging(cfg.log.level, json=cfg.log.json, worker=args.role)
-    code = _run_logged(run_worker, args.role, cfg, args.name, ordinary=(
+    code = _run_logged(partial(run_worker, early=early), args.role, cfg, args.name, ordinary=(
         WorkerRefused, DaemonUnreachable, EndpointUnusable, UnsatisfiableLimits, ModelUnloadable))
     # Everything the worker holds is closed by now (sockets, the engine, its socket file);
     # the interpreter's own finalization would spend ~0.7 s more tearing down torch, on

@@ -1,10 +1,10 @@
-"""Stop signals that come before the daemon's event loop watches for them.
+"""Stop signals that come before the daemon's (or a worker's) event loop watches for them.
 
-From the process's start until the daemon opens its signal receiver (imports, the config,
-logging: about a third of a second), SIGTERM would kill it outright (exit 143, no line
-logged) and SIGINT would raise KeyboardInterrupt. Kept from the first moment
-(``orchestrator/entry.py``), the daemon acts on them once it watches: a stop during
-start-up is a drain of nothing, exit 0.
+From the process's start until it opens its signal receiver (imports, the config, logging:
+about a third of a second for the daemon, two seconds of torch for a worker), SIGTERM would
+kill it outright (exit 143, no line logged) and SIGINT would raise KeyboardInterrupt. Kept
+from the first moment (``orchestrator/entry.py``), they are acted on once the process
+watches: a stop during start-up is a clean stop, exit 0.
 """
 
 from __future__ import annotations

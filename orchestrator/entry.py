@@ -9,10 +9,12 @@ from orchestrator.parent_death import PARENT_ENV, end_with_parent
 
 
 def main() -> int:
-    if sys.argv[1:2] == ["serve"]:
+    if sys.argv[1:2] in (["serve"], ["worker"]):
         from orchestrator.early_signals import keep
 
-        keep()  # before the CLI's imports (a fifth of a second): a stop then is a drain, not a kill
+        # Before the CLI's imports (a fifth of a second; torch's, for a worker, two): a stop
+        # then is a clean stop once the process watches for signals, not a kill.
+        keep()
     if (parent := os.environ.pop(PARENT_ENV, None)) is not None and not end_with_parent(int(parent)):
         print(f"triptych {' '.join(sys.argv[1:2])}: the process that started this one has ended", file=sys.stderr)
         return 1

@@ -19,6 +19,7 @@ import hmac
 import math
 import os
 import secrets
+import signal
 import socket
 import time
 from functools import partial
@@ -503,13 +504,16 @@ class WorkerRuntime:
         with self._watchdog.watching(control, rid):
             return await anyio.to_thread.run_sync(run, limiter=self._compute)
 
-async def run_worker(role: Role, cfg: Config, name: str | None = None) -> None:
-    """Run a worker until SIGTERM/SIGINT; exits cleanly, freeing its registration."""
-    import signal
-
+async def run_worker(role: Role, cfg: Config, name: str | None = None, *,
+                     early: list[signal.Signals] | None = None) -> None:
+    """Run a worker until SIGTERM/SIGINT; exits cleanly, freeing its registration.
+    ``early``: stop signals kept since the process started (``early_signals.keep``)."""
     async with anyio.create_task_group() as tg:
         async def stop_on_signal() -> None:
             with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                for signum in early or ():  # as if they came now
+                    log.info("worker.signal", signal=signum.name)
+                    tg.cancel_scope.cancel()
                 async for signum in signals:
                     log.info("worker.signal", signal=signal.Signals(signum).name)
                     tg.cancel_scope.cancel()

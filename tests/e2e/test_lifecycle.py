@@ -327,6 +327,19 @@ def test_a_burst_of_stop_signals_ends_the_daemon_with_exit_0(start_cluster: Star
     assert cluster.daemon.wait(timeout=10) == 0
 
 
+def test_a_worker_stopped_while_it_starts_exits_0_saying_so(tmp_path: Path) -> None:
+    """SIGTERM while its imports run (two seconds of torch): before, it died of the signal
+    (status -15) without a line."""
+    path, _ = cluster_config(tmp_path)
+    worker = subprocess.Popen([sys.executable, "-m", "orchestrator", "worker", "--role", "encoder",
+                               "--config", str(path)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    time.sleep(0.3)
+    worker.send_signal(signal.SIGTERM)
+    output, _ = worker.communicate(timeout=60)
+    assert worker.returncode == 0, output
+    assert '"event":"worker.signal"' in output
+
+
 def wait_for_log(cluster: LocalCluster, line: str, timeout_s: float = 10.0) -> None:
     deadline = time.monotonic() + timeout_s
     while line not in cluster.log_of("daemon"):
