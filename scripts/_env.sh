@@ -1,8 +1,10 @@
 # Sourced by scripts/demo, scripts/test and scripts/bench: make .venv ready, idempotently.
 # Installs the project with torch 2.13.0 and the Mooncake wheel that fits this machine
 # (CUDA build where nvidia-smi sees a GPU, the -non-cuda build elsewhere).
+# Leaves the caller where it stands: paths it was given are its own.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+(
 cd "$ROOT"
 
 need_libs=()
@@ -27,9 +29,11 @@ else
 fi
 
 STAMP=".venv/.triptych-installed"
-WANT="$(cat pyproject.toml; echo "$MOONCAKE")"
-# A venv whose creation was cut short (no python, or no pip in it) is made anew.
-if ! .venv/bin/python -m pip --version >/dev/null 2>&1; then
+WANT="$(echo "$ROOT"; cat pyproject.toml; echo "$MOONCAKE")"
+# A venv whose creation was cut short (no python, or no pip in it), or made where the
+# checkout no longer is (its scripts name the old path), is made anew.
+if ! .venv/bin/python -m pip --version >/dev/null 2>&1 ||
+   { [ -f "$STAMP" ] && [ "$(head -n 1 "$STAMP")" != "$ROOT" ]; }; then
   rm -rf .venv
   python3 -m venv .venv
 fi
@@ -46,4 +50,5 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
   .venv/bin/python -c "import torch, mooncake.engine, diffusers" >/dev/null
   printf '%s' "$WANT" > "$STAMP"
 fi
+)
 export PATH="$ROOT/.venv/bin:$PATH"
