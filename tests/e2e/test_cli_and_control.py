@@ -48,7 +48,10 @@ def test_submit_writes_the_png_and_stats_report_it(start_cluster: StartCluster, 
     expected = expected_outputs(GenParams(prompt="a harbour", seed=4, width=32, height=24, output="raw"),
                                 cluster.config.model.null)["images"][0]
     assert torch.equal(torch.from_numpy(decode_png(png).copy()), expected)
-    assert "denoiser" in done.stdout and "compute" in done.stdout
+    # One line per stage, in order, each with its instance and its times.
+    stages = [line.split()[:2] for line in done.stdout.splitlines() if " compute " in line]
+    assert [role for role, _ in stages] == ["encoder", "denoiser", "decoder"]
+    assert all(instance.startswith(f"{role}-") for role, instance in stages)
     # An id is any string: one with a slash names a file inside --out all the same.
     again = triptych("submit", "--prompt", "a harbour", "--request-id", "../cli-2", "--out", str(out),
                      config=cluster.config_path)

@@ -138,6 +138,23 @@ def test_a_request_that_ends_mid_decode_holds_the_decoders_slot_until_the_pass_e
     assert (stats.completed, stats.failed_by_reason, stats.late_reports) == (1, {"timed_out": 1}, 0)
 
 
+def test_stats_count_the_preallocated_slot_a_running_stage_holds(start_cluster: StartCluster) -> None:
+    """While the denoiser runs, the embeddings it reads hold one of its preallocated slots:
+    without a state where free and total differ, no check of them could fail."""
+    cluster = start_cluster(layout={"encoder": 1, "denoiser": 1, "decoder": 1}, **SLOW)
+    slots = cluster.config.workers.denoiser.prealloc_slots
+
+    def denoiser(stats: Stats) -> InstanceStats:
+        return next(i for i in stats.instances if i.role == "denoiser")
+
+    with ThreadPoolExecutor(1) as pool, Client(cluster.config.daemon.client_endpoint) as client:
+        done = pool.submit(client.submit, p(1), timeout_s=20)
+        running = wait_for(cluster, lambda s: s.requests_by_state.get("denoising") == 1)
+        assert (denoiser(running).prealloc_free, denoiser(running).prealloc_total) == (slots - 1, slots)
+        assert done.result().result.request_id
+    assert denoiser(wait_for(cluster, all_free)).prealloc_free == slots
+
+
 async def test_duplicate_in_flight_request_id_is_rejected(start_cluster: StartCluster) -> None:
     cluster = start_cluster(**SLOW)
     endpoint = cluster.config.daemon.client_endpoint

@@ -147,6 +147,7 @@ def test_what_all_connections_hold_together_is_bounded_and_freed_as_they_read_or
     box.resend(now=1.0)
     assert [m[2] for m in sock.sent] == [b"reply 0"] and box.dropped == 3  # b's two went with it
     box.send(reply(b"c", 1, size=10), now=1.0)  # nothing is held now: c's reply waits again
+    box.send(reply(b"c", 2, size=40), now=1.0)  # and another: the budget is c's alone now
     assert box.holding and box.dropped == 3
 
 

@@ -139,6 +139,18 @@ def test_least_loaded_picks_the_most_free() -> None:
     assert p.pick() == "c"
 
 
+def test_least_loaded_compaction_keeps_every_instance_with_a_free_slot() -> None:
+    """Updates pile stale entries into the heap until it is rebuilt from the counts: one
+    free slot is as pickable after that as before."""
+    p = LeastLoaded()
+    p.update("one", 1)
+    for i in range(200):
+        p.update("busy", i % 3)
+    p.update("busy", 0)
+    assert len(p._heap) < 100  # rebuilt at least once
+    assert p.pick() == "one"
+
+
 def test_least_loaded_breaks_ties_by_longest_wait() -> None:
     """``a`` just served a job and got its slot back; ``b`` has waited longer at the same count."""
     p = LeastLoaded()
