@@ -113,6 +113,20 @@ async def fail_a_push_into(n: Negotiator, encoder: FakeWorker, denoiser: FakeWor
     assert n.take("denoiser") == [suspected(denoiser), released(rid, denoiser)]
 
 
+# r1's push timed out: the write may still land.
+IN_DOUBT = Pushed(request_id="r1", ok=False, transfer_ms=6000.0, error="timed out", in_doubt=True)
+
+
+async def push_r1(n: Negotiator, encoder: FakeWorker, denoiser: FakeWorker, *, into_slot: bool) -> None:
+    """The encoder is told to push r1 into a preallocated slot of the denoiser, or into an
+    allocation it made."""
+    if into_slot:
+        await push_on_fast_path(n, encoder, denoiser, "r1")
+    else:
+        await stage_encoder_output(n, encoder, "r1")
+        await allocate_on_slow_path(n, encoder, denoiser, "r1", POOL_BASE + 8192)
+
+
 @pytest.mark.parametrize("slots", [2, 0], ids=["preallocated slot", "allocation"])
 async def test_a_push_in_doubt_keeps_the_receivers_memory_until_the_quarantine_ends(
     ctx: zmq.asyncio.Context, tmp_path: Path, slots: int
@@ -122,17 +136,12 @@ async def test_a_push_in_doubt_keeps_the_receivers_memory_until_the_quarantine_e
     when the report comes twice."""
     with anyio.fail_after(5):
         async with encoder_and_denoiser(ctx, tmp_path, slots=slots, push_quarantine_s=0.3) as (n, encoder, denoiser):
-            if slots:
-                await push_on_fast_path(n, encoder, denoiser, "r1")
-            else:
-                await stage_encoder_output(n, encoder, "r1")
-                await allocate_on_slow_path(n, encoder, denoiser, "r1", POOL_BASE + 8192)
+            await push_r1(n, encoder, denoiser, into_slot=bool(slots))
             started = time.monotonic()
-            in_doubt = Pushed(request_id="r1", ok=False, transfer_ms=6000.0, error="timed out", in_doubt=True)
-            await encoder.report(in_doubt)
+            await encoder.report(IN_DOUBT)
             failed = await n.tracker.receive()
             assert (failed.request_id, failed.reason) == ("r1", Reason.TRANSFER_FAILED)
-            await encoder.report(in_doubt)  # a repeat: late, it frees nothing
+            await encoder.report(IN_DOUBT)  # a repeat: late, it frees nothing
             await wait_late(n, 1)
             assert n.take("encoder") == [released("r1", encoder, ok=False), aborted("r1", encoder)]
             assert n.take("denoiser") == [suspected(denoiser), released("r1", denoiser)]  # its capacity, at once
@@ -162,22 +171,17 @@ async def test_a_push_in_doubt_after_its_request_ended_keeps_the_memory_a_quaran
     push then reports a timeout: the write may still land, so the memory waits out
     push_quarantine_s from that report, not from the request's end; a repeat of the report
     is late and changes nothing."""
-    in_doubt = Pushed(request_id="r1", ok=False, transfer_ms=6000.0, error="timed out", in_doubt=True)
     with anyio.fail_after(10):
         async with encoder_and_denoiser(ctx, tmp_path, slots=slots, push_quarantine_s=1.0) as (n, encoder, denoiser):
-            if slots:
-                await push_on_fast_path(n, encoder, denoiser, "r1")
-            else:
-                await stage_encoder_output(n, encoder, "r1")
-                await allocate_on_slow_path(n, encoder, denoiser, "r1", POOL_BASE + 8192)
+            await push_r1(n, encoder, denoiser, into_slot=bool(slots))
             n.inbox.post(Forget(request_id="r1"))
             await anyio.sleep(0.5)  # half the quarantine the request's end started
             await n.stats()
             n.take("encoder")
             n.take("denoiser")
             reported = time.monotonic()
-            await encoder.report(in_doubt)
-            await encoder.report(in_doubt)
+            await encoder.report(IN_DOUBT)
+            await encoder.report(IN_DOUBT)
             await wait_late(n, 1)
             while time.monotonic() - reported < 0.8:
                 n.inbox.post(Tick())
