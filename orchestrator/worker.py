@@ -32,6 +32,7 @@ import zmq
 import zmq.asyncio
 
 from orchestrator.config import Config
+from orchestrator.early_signals import STOP_SIGNALS
 from orchestrator.log import Throttled
 from orchestrator.stages import RunControl, Stage, StageError, StageStopped, build_stage
 from orchestrator.stages.base import StepFn
@@ -510,7 +511,7 @@ async def run_worker(role: Role, cfg: Config, name: str | None = None, *,
     ``early``: stop signals kept since the process started (``early_signals.keep``)."""
     async with anyio.create_task_group() as tg:
         async def stop_on_signal() -> None:
-            with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            with anyio.open_signal_receiver(*STOP_SIGNALS) as signals:
                 for signum in early or ():  # as if they came now
                     log.info("worker.signal", signal=signum.name)
                     tg.cancel_scope.cancel()

@@ -54,6 +54,15 @@ def fake_daemon(ctx: zmq.asyncio.Context, tmp_path: Path) -> Iterator[FakeDaemon
     daemon.close(linger=0)
 
 
+async def senders(daemon: zmq.asyncio.Socket, count: int) -> dict[str, bytes]:
+    """Take ``count`` requests at the fake daemon: each request id's connection identity."""
+    identities = {}
+    for _ in range(count):
+        identity, _, body = await daemon.recv_multipart()
+        identities[CLIENT_REQUEST.decode(body).request_id] = identity
+    return identities
+
+
 async def heard_at_least(heard: list, count: int) -> None:
     while len(heard) < count:
         await anyio.sleep(0.005)
@@ -150,10 +159,7 @@ async def test_an_unreadable_reply_fails_its_own_request_only(fake_daemon: FakeD
         async with AsyncClient(endpoint) as client, anyio.create_task_group() as tg:
 
             async def answer_both() -> None:
-                submits = {}
-                for _ in range(2):
-                    identity, empty, body = await daemon.recv_multipart()
-                    submits[CLIENT_REQUEST.decode(body).request_id] = identity
+                submits = await senders(daemon, 2)
                 await daemon.send_multipart([submits["bad"], b"", encode(Result(
                     request_id="bad", outputs=[image], stages=[], total_ms=1.0)), b"abc"])
                 await daemon.send_multipart([submits["good"], b"", b"\xc1 not a reply"])
@@ -509,10 +515,7 @@ async def test_progress_for_a_request_given_up_on_while_its_cancel_waits_harms_n
         async with AsyncClient(endpoint) as client, anyio.create_task_group() as tg:
 
             async def play_daemon() -> None:
-                identities = {}
-                for _ in range(2):
-                    identity, _, body = await daemon.recv_multipart()
-                    identities[CLIENT_REQUEST.decode(body).request_id] = identity
+                identities = await senders(daemon, 2)
                 await daemon.send_multipart([identities["dropped"], b"", encode(progress(1))])
                 await anyio.sleep(0.1)  # its listener has raised; its Cancel waits
                 await daemon.send_multipart([identities["dropped"], b"", encode(progress(2))])
