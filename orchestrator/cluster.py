@@ -2,8 +2,8 @@
 
 Used by the demo, the benchmark and the end-to-end tests; the benchmark can swap the workers
 for one process of zero-work protocol peers (orchestrator/instant_workers.py). Workers are forked
-from a server that has imported their runtime once (orchestrator/fork_server.py); the daemon is
-started as a process of its own. All of them end with the cluster's process, however it ends
+from a server that has imported their runtime once (orchestrator/fork_server.py), except those
+whose model sits on an accelerator; the daemon is started as a process of its own. All of them end with the cluster's process, however it ends
 (orchestrator/parent_death.py). Each process logs to its own file; every wait has a deadline
 and a failure names the process and its log.
 """
@@ -30,6 +30,15 @@ KILL_WAIT_S = 10.0  # for a killed process to be reaped
 
 class ClusterError(RuntimeError):
     pass
+
+
+def on_accelerator(cfg: Config) -> bool:
+    """Whether a worker of ``cfg`` puts its model on a GPU (or another accelerator). Such a
+    worker is started as a process of its own, never forked: torch refuses CUDA in a fork of a
+    process whose torch has touched the driver, and the fork server's imports (torch,
+    diffusers, transformers) do (measured on an H200: every forked worker on ``cuda`` stopped
+    with "Cannot re-initialize CUDA in forked subprocess")."""
+    return cfg.model.kind == "diffusers" and cfg.model.diffusers.device.split(":")[0] != "cpu"
 
 
 class LocalCluster:
@@ -100,14 +109,17 @@ class LocalCluster:
         self.daemon = self._spawn("daemon", "serve")
 
     def start_worker(self, role: Role, index: int, *, config_path: Path | None = None,
-                     name: str | None = None) -> ForkedProcess:
+                     name: str | None = None) -> ForkedProcess | subprocess.Popen:
         """Start worker ``<role><index>`` (its key and log name; its ``--name`` too, unless
         ``name`` is given), with its own config file if given (else the cluster's)."""
         key = f"{role}{index}"
-        log, append = self._log_path(key)
-        config = str(config_path or self.config_path)
-        proc = self._fork_server().spawn(["worker", "--role", role, "--name", name or key, "--config", config],
-                                         log=log, append=append)
+        argv = ["worker", "--role", role, "--name", name or key]
+        if on_accelerator(load_config(config_path) if config_path else self.config):
+            proc = self._spawn(key, *argv, config_path=config_path)
+        else:
+            log, append = self._log_path(key)
+            proc = self._fork_server().spawn([*argv, "--config", str(config_path or self.config_path)],
+                                             log=log, append=append)
         self.workers[key] = proc
         return proc
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
+import torch
 
 from orchestrator.client import Client, Reply
 from orchestrator.cluster import ClusterError, LocalCluster
@@ -48,6 +49,16 @@ def _write_with(path: Path, raw: dict, sections: dict[str, dict]) -> None:
 
 
 StartCluster = Callable[..., LocalCluster]
+
+
+@pytest.fixture
+def same_threads_as_workers() -> Iterator[None]:
+    """This process computes references at the workers' torch thread count: on CPU the
+    count changes reduction order, hence the last bits of a float."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # configs/test.toml: torch_threads = 1 for every role
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")

@@ -19,12 +19,7 @@ from transfer.protocol import GenParams, Reason
 FAIL_MARKER = "please fail"
 
 
-@pytest.fixture(autouse=True)
-def _same_threads_as_workers():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # configs/test.toml: torch_threads = 1 for every role
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("same_threads_as_workers")
 
 
 def requests() -> list[GenParams]:
