@@ -1,15 +1,30 @@
 # Sourced by scripts/demo, scripts/test and scripts/bench: make .venv ready, idempotently.
 # Installs the project with torch 2.13.0 and the Mooncake wheel that fits this machine
-# (CUDA build where nvidia-smi sees a GPU, the -non-cuda build elsewhere).
+# (its CUDA 13 build where nvidia-smi sees a GPU, the -non-cuda build elsewhere).
 # Leaves the caller where it stands: paths it was given are its own.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 (
 cd "$ROOT"
 
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+  # torch 2.13.0 from PyPI brings the CUDA 13 runtime. Mooncake's plain CUDA wheel links
+  # libcudart.so.12, which then is nowhere (measured on an H200 with CUDA 13): the -cuda13
+  # build is the same engine for that runtime.
+  MOONCAKE="mooncake-transfer-engine-cuda13==0.3.13.post1"
+  GPU_LIBS=(ibverbs-providers)  # that build links libmlx5 too
+else
+  MOONCAKE="mooncake-transfer-engine-non-cuda==0.3.13.post1"
+  GPU_LIBS=()
+fi
+
+# The Debian packages of the libraries Mooncake's engine links (readelf -d engine.so), which
+# pip cannot bring. Ubuntu 24.04 renamed some with a t64 suffix (libcurl4t64): either will do.
 need_libs=()
-for lib in libibverbs1 librdmacm1 libnuma1; do
-  dpkg-query -W -f='${Status}' "$lib" 2>/dev/null | grep -q "install ok installed" || need_libs+=("$lib")
+for lib in libibverbs1 librdmacm1 libnuma1 libcurl4 "${GPU_LIBS[@]}"; do
+  # dpkg-query fails for the name that does not exist; the other's status decides.
+  { dpkg-query -W -f='${Status}\n' "$lib" "${lib}t64" 2>/dev/null || true; } | grep -q "install ok installed" ||
+    need_libs+=("$lib")
 done
 if ((${#need_libs[@]})); then
   if [ "$(id -u)" = 0 ]; then
@@ -20,12 +35,6 @@ if ((${#need_libs[@]})); then
     echo "triptych: Mooncake needs these libraries; run: sudo apt-get install -y ${need_libs[*]}" >&2
     exit 1
   fi
-fi
-
-if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-  MOONCAKE="mooncake-transfer-engine==0.3.13.post1"
-else
-  MOONCAKE="mooncake-transfer-engine-non-cuda==0.3.13.post1"
 fi
 
 STAMP=".venv/.triptych-installed"
