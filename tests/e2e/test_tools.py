@@ -3,6 +3,7 @@ benchmark, each a real cluster of processes, each with an exit status that means
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,10 +12,15 @@ import msgspec
 
 from tests.e2e.conftest import CONFIGS
 
+# A bare environment, but for where this interpreter finds its packages and libraries
+# (a machine that installs them through these variables runs the tools through them too).
+FOUND_THROUGH = ("PYTHONPATH", "LD_LIBRARY_PATH")
+
 
 def run_tool(module: str, *args: str, timeout_s: float = 300) -> subprocess.CompletedProcess[str]:
+    env = {"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"} | {k: os.environ[k] for k in FOUND_THROUGH if k in os.environ}
     return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=timeout_s,
-                          env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"})
+                          env=env)
 
 
 def test_the_demo_generates_images_equal_to_the_one_process_pipeline(tmp_path: Path) -> None:
