@@ -456,9 +456,10 @@ class AsyncClient:
             # The caller gave up on the request (cancelled, its on_progress raised, or the
             # wait ran out): so should the daemon, rather than keep GPUs busy on work nobody
             # awaits. Its answers, the ack included, are dropped when they come. (One never
-            # sent has nothing to cancel and no answer to come; a closed socket's client is
-            # gone, and the daemon's deadline ends the request.)
-            if sent:
+            # sent has nothing to cancel and no answer to come; one whose end came, while
+            # its on_progress still ran, has ended at the daemon: its id is free at once. A
+            # closed socket's client is gone, and the daemon's deadline ends the request.)
+            if sent and not isinstance(self._answers.get(rid), (Generation, Rejected)):
                 self._abandon(rid, wait_s)
                 if not sock.closed:
                     await _cancel_at_daemon(sock, [rid])

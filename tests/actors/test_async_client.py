@@ -224,6 +224,37 @@ async def test_a_request_id_is_not_reused_on_a_client_until_its_request_ended(fa
                 assert (await client.submit(PARAMS, request_id="job-2")).result.total_ms == 1.0
 
 
+async def test_an_id_whose_end_came_is_free_even_if_its_listener_then_raised(fake_daemon: FakeDaemon) -> None:
+    """The Result arrives while on_progress still runs, and then it raises: the request has
+    ended at the daemon, so no Cancel goes out (it matches by id only, and could cancel a
+    request submitted there under that id since), and the id is free at once."""
+    daemon, endpoint = fake_daemon
+
+    async def slow_then_fail(news: Progress) -> None:
+        await anyio.sleep(0.3)  # the Result comes meanwhile
+        raise ValueError("the web client went away")
+
+    async def answer(*, with_progress: bool) -> None:
+        identity, _, body = await daemon.recv_multipart()
+        rid = CLIENT_REQUEST.decode(body).request_id
+        if with_progress:
+            await daemon.send_multipart([identity, b"", encode(Progress(
+                request_id=rid, state="denoising", elapsed_ms=1.0, step=1, steps=2))])
+        await daemon.send_multipart([identity, b"", encode(Result(request_id=rid, outputs=[], stages=[],
+                                                                  total_ms=2.0))])
+
+    with anyio.fail_after(10):
+        async with AsyncClient(endpoint) as client:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(partial(answer, with_progress=True))
+                with pytest.raises(ValueError, match="went away"):
+                    await client.submit(PARAMS, request_id="job", on_progress=slow_then_fail)
+            assert not await daemon.poll(300), CLIENT_REQUEST.decode((await daemon.recv_multipart())[2])
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(partial(answer, with_progress=False))
+                assert (await client.submit(PARAMS, request_id="job", timeout_s=5)).result.total_ms == 2.0
+
+
 async def close_under_a_waiting_submit(endpoint: str, submitted: Callable[[], Awaitable[object]]) -> float:
     """Open a client at ``endpoint``, submit "orphan" from another task, close the client once
     ``submitted()`` returns; the submit must raise ConnectionError. How long closing took."""
