@@ -30,7 +30,17 @@ import zmq.asyncio
 from actors.base import reply_once, serve_mailbox
 from actors.client_outbox import ClientOutbox
 from actors.door import DoorLimits
-from actors.mail import Admit, CancelRequest, Deliver, FrontendMail, LimitsChanged, QueryStats, SetDraining, TrackerMail
+from actors.mail import (
+    BY_THE_CLIENT,
+    Admit,
+    CancelRequest,
+    Deliver,
+    FrontendMail,
+    LimitsChanged,
+    QueryStats,
+    SetDraining,
+    TrackerMail,
+)
 from actors.mailbox import Mailbox, MailboxCounts
 from orchestrator.config import DaemonConfig
 from transfer.binding import FLUSH_ON_CLOSE_MS, bound_router
@@ -80,6 +90,7 @@ class Asked:
     deadline: float  # monotonic: a retry gets what is left of it, never more
     retries_left: int
     avoid: frozenset[str] = frozenset()  # instances its failed attempts involved (Job.avoid)
+    cancelled: str = ""  # why, once cancelled: a failure that crossed the cancel ends it so
 
 
 class FrontendActor:
@@ -186,7 +197,7 @@ class FrontendActor:
             case Cancel(request_id=rid):
                 key = self._in_flight.get(rid)
                 if key is not None:
-                    self._tracker.post(CancelRequest(request_id=key))
+                    self._cancel(key, BY_THE_CLIENT)
                 self._send(identity, Cancelled(request_id=rid, found=key is not None))
 
     def _submit(self, identity: bytes, msg: Submit) -> None:
@@ -256,6 +267,8 @@ class FrontendActor:
                 if asked is not None:
                     del self._in_flight[asked.request_id]
                     self._ended(asked.identity, key)
+                    if asked.cancelled and isinstance(message, Rejected) and message.reason in RETRIED:
+                        message = Rejected(request_id=key, reason=Reason.CANCELLED, message=asked.cancelled)
                     if not self._retry(asked, message, avoid):
                         self._send(asked.identity, self._explained(message, asked.request_id), frames)
             case SetDraining():
@@ -283,9 +296,13 @@ class FrontendActor:
         if keys:
             self._log.info("client.gone", cancelled=sorted(self._clients[key].request_id for key in keys))
         for key in keys:
-            # Nor started again: its failure may be on its way here already (worker_lost).
-            self._clients[key].retries_left = 0
-            self._tracker.post(CancelRequest(request_id=key, why="its client's connection closed"))
+            self._cancel(key, "its client's connection closed")
+
+    def _cancel(self, key: str, why: str) -> None:
+        """End admitted request ``key``. A failure of it may be on its way here already
+        (worker_lost, say): that one ends it as cancelled too, and starts nothing again."""
+        self._clients[key].cancelled = why
+        self._tracker.post(CancelRequest(request_id=key, why=why))
 
     def _explained(self, message: ClientReply, rid: str) -> ClientReply:
         """``message`` under the client's id; a timeout also says which roles no worker

@@ -133,9 +133,12 @@ class Failed(Mail):
     avoid: frozenset[str] = frozenset()  # the instances the failure implicates: a retry prefers others
 
 
+BY_THE_CLIENT = "cancelled by the client"
+
+
 class CancelRequest(Mail):
     request_id: str
-    why: str = "cancelled by the client"
+    why: str = BY_THE_CLIENT
 
 
 class Queued(Mail):

@@ -220,11 +220,6 @@ async def test_a_request_whose_worker_was_lost_starts_again_once_under_a_new_key
             stats = await f.stats()
             assert (stats.in_flight, stats.retried) == (1, 1)
 
-            # A cancel reaches the new admission.
-            await f.ask(Cancel(protocol=PROTOCOL_VERSION, request_id="r"))
-            assert await f.reply() == (Cancelled(request_id="r", found=True), [])
-            assert await f.tracker.receive() == CancelRequest(request_id="r#1")
-
             # Lost again: retries are spent (retries = 1), so the client hears why.
             f.inbox.post(lost("r#1"))
             reply, _ = await f.reply()
@@ -294,6 +289,25 @@ async def test_no_retry_past_the_deadline_or_while_draining(ctx: zmq.asyncio.Con
             f.inbox.post(lost(key))  # the drain may already count it as ended: answer now
             assert (await f.reply())[0].reason == Reason.WORKER_LOST
             assert (await f.stats()).retried == 0
+            assert_empty(f.tracker)
+
+
+async def test_a_failure_that_crossed_a_cancel_ends_the_request_as_cancelled(ctx: zmq.asyncio.Context,
+                                                                          tmp_path: Path) -> None:
+    """The worker was lost, and its news was on its way here, when the client cancelled: the
+    client was told found=True, so the request ends as cancelled, not started again."""
+    with anyio.fail_after(5):
+        async with running_frontend(ctx, tmp_path, retries=2) as f:  # it could start again
+            await f.ask(Submit(protocol=PROTOCOL_VERSION, params=PARAMS, request_id="rid"))
+            f.inbox.post(lost((await f.tracker.receive()).request_id))
+            retried = await f.tracker.receive()
+            await f.ask(Cancel(protocol=PROTOCOL_VERSION, request_id="rid"))  # reaches the new admission
+            assert await f.reply() == (Cancelled(request_id="rid", found=True), [])
+            assert await f.tracker.receive() == CancelRequest(request_id=retried.request_id)
+            f.inbox.post(lost(retried.request_id))
+            assert await f.reply() == (Rejected(request_id="rid", reason=Reason.CANCELLED,
+                                                message="cancelled by the client"), [])
+            assert (await f.stats()).retried == 1
             assert_empty(f.tracker)
 
 
