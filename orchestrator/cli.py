@@ -20,7 +20,7 @@ import zmq
 from orchestrator.config import load_config
 from orchestrator.connection_watch import NO_DAEMON_S, ConnectionWatch
 from transfer.binding import EndpointUnusable
-from transfer.protocol import GenParams, Progress
+from transfer.protocol import GenParams, Progress, Reason
 
 if TYPE_CHECKING:
     from orchestrator.client import Generation
@@ -221,11 +221,26 @@ def _metrics(args: argparse.Namespace) -> int:
     # Not _control: the exporter may start before the daemon, and says triptych_up 0 till then.
     control = Control(_control_endpoint(args), timeout_s=args.scrape_timeout)
     # The other commands meet a bad endpoint on their one request; the exporter asks only
-    # when scraped, where it would be an HTTP 500 on every scrape instead of one line here.
+    # when scraped, where it would be triptych_up 0 on every scrape instead of one line here.
     _check_endpoint(control.endpoint)
+    _not_another_socket(control)
     serve_metrics(control.stats, args.port, args.host,
                   listening=lambda url: print(f"serving Prometheus metrics on {url}", flush=True))
     return 0
+
+
+def _not_another_socket(control: Control) -> None:
+    """``ValueError`` if what answers at ``control``'s endpoint is not a control socket (the
+    daemon's client or worker socket); no answer is fine: the daemon may come later."""
+    from orchestrator.rejection import Rejection
+
+    try:
+        control.stats()
+    except TimeoutError:
+        pass
+    except Rejection as exc:
+        if exc.reason == Reason.INVALID:  # the client socket's answer to a control request
+            raise ValueError(f"{control.endpoint} is not a control socket: it answered {exc}") from None
 
 
 def _positive_seconds(text: str) -> float:

@@ -22,6 +22,8 @@ from prometheus_client.core import (
     Metric,
 )
 
+from actors.states import ACTIVE_BY_ROLE
+from orchestrator.log import Throttled
 from orchestrator.rejection import Rejection
 from transfer.protocol import LATENCY_BOUNDS_MS, Latency, Stats
 
@@ -37,12 +39,17 @@ class StatsCollector:
 
     def __init__(self, read_stats: Callable[[], Stats]) -> None:
         self._read_stats = read_stats
+        self._log = Throttled(log)
 
     def collect(self) -> Iterator[Metric]:
         up = GaugeMetricFamily("triptych_up", "1 if the daemon answered this scrape's stats query")
         try:
             stats = self._read_stats()
-        except (TimeoutError, Rejection):  # no answer in time, or the daemon too busy to gather one
+        except (TimeoutError, Rejection, ValueError) as exc:
+            # No answer in time, the daemon too busy to gather one, or something else answering
+            # there (a daemon restarted with other endpoints): down, never an HTTP 500.
+            if not isinstance(exc, TimeoutError):
+                self._log.warning("metrics.no_stats", error=str(exc))
             up.add_metric([], 0)
             yield up
             return
@@ -77,8 +84,9 @@ def _daemon_metrics(stats: Stats) -> Iterator[Metric]:
     yield CounterMetricFamily("triptych_replies_dropped",
                               "Replies not sent: the client had left or was not reading its replies",
                               value=stats.replies_dropped)
+    # Every state, 0 when empty: a series that vanishes when idle breaks sums and alerts.
     yield _labelled(GaugeMetricFamily, "triptych_requests_in_flight", "Requests in flight, by state", "state",
-                    stats.requests_by_state)
+                    {state: 0 for state in ACTIVE_BY_ROLE.values()} | stats.requests_by_state)
     yield _labelled(GaugeMetricFamily, "triptych_queue_depth", "Jobs waiting for a free slot, by role", "role",
                     stats.queue_depths)
     yield _gauge("triptych_handoffs_in_flight", "Hand-offs between stages in progress", stats.handoffs_in_flight)

@@ -105,6 +105,14 @@ def test_submit_reports_a_rejection_and_exits_nonzero(start_cluster: StartCluste
     assert astray.returncode == 1 and time.monotonic() - started < 5
     assert astray.stderr.startswith(f"triptych stats: {cluster.config.daemon.worker_endpoint} is not a control "
                                     "socket: this is the daemon's worker socket")
+    # The metrics exporter, which would otherwise say triptych_up 0 on every scrape, refuses
+    # either at start, in one line.
+    for which in ("client", "worker"):
+        endpoint = getattr(cluster.config.daemon, f"{which}_endpoint")
+        exporter = triptych("metrics", "--port", "0", "--endpoint", endpoint, config=cluster.config_path)
+        assert exporter.returncode == 1 and exporter.stdout == ""
+        assert exporter.stderr.startswith(f"triptych metrics: {endpoint} is not a control socket: ")
+        assert exporter.stderr.count("\n") == 1
 
 
 @pytest.mark.parametrize("progress", [False, True], ids=["req", "dealer"])

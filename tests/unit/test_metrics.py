@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import msgspec
+import pytest
 from prometheus_client import generate_latest
 from prometheus_client.core import CollectorRegistry
 
 from orchestrator.metrics import StatsCollector
-from transfer.protocol import LATENCY_BOUNDS_MS, InstanceStats, Latency, Stats
+from orchestrator.rejection import Rejection
+from transfer.protocol import LATENCY_BOUNDS_MS, InstanceStats, Latency, Reason, Rejected, Stats
 
 
 def latency(**at: int) -> Latency:
@@ -77,11 +79,20 @@ def test_every_stats_figure_becomes_a_labelled_sample() -> None:
     } <= lines
 
 
-def test_a_daemon_that_does_not_answer_is_down_and_nothing_else() -> None:
-    def silent() -> Stats:
-        raise TimeoutError("no reply")
+@pytest.mark.parametrize("failure", [TimeoutError("no reply"), ValueError("ipc://w is not a control socket"),
+                                     Rejection(Rejected(request_id="", reason=Reason.OVERLOADED, message="busy"))])
+def test_a_daemon_that_does_not_answer_is_down_and_nothing_else(failure: Exception) -> None:
+    def no_stats() -> Stats:
+        raise failure
 
-    assert scrape(silent) == {"triptych_up 0.0"}
+    assert scrape(no_stats) == {"triptych_up 0.0"}  # not an HTTP 500
+
+
+def test_an_idle_daemon_shows_every_state_at_zero() -> None:
+    """A series that vanishes when it empties makes sums and alerts see no data."""
+    idle = msgspec.structs.replace(STATS, requests_by_state={})
+    assert {f'triptych_requests_in_flight{{state="{state}"}} 0.0' for state in ("encoding", "denoising", "decoding")
+            } <= scrape(lambda: idle)
 
 
 def test_buckets_of_other_bounds_than_these_are_left_out_not_mislabelled() -> None:
