@@ -46,6 +46,8 @@ class Flight:
     nbytes: int = 0
     manifest: list[TensorSpec] | None = None
     compute_ms: float = 0.0
+    staged_at: float = 0.0  # monotonic: when its output began waiting for the next role
+    waited_ms: float = 0.0  # from then until a receiver was reserved
     receiver: str | None = None
     receiver_role: Role | None = None
     slot: Slot | None = None  # fast path: the receiver's preallocated slot
@@ -60,12 +62,14 @@ class Flight:
             raise RuntimeError(f"flight {self.request_id}: {self.state} -> {new}")
         self.state = new
 
-    def stage_output(self, nbytes: int, manifest: list[TensorSpec], compute_ms: float) -> None:
+    def stage_output(self, nbytes: int, manifest: list[TensorSpec], compute_ms: float, *, at: float) -> None:
         self._move(FlightState.AWAITING)
-        self.nbytes, self.manifest, self.compute_ms = nbytes, manifest, compute_ms
+        self.nbytes, self.manifest, self.compute_ms, self.staged_at = nbytes, manifest, compute_ms, at
 
-    def reserve(self, receiver: str, receiver_role: Role, *, slot: Slot | None, address: int | None) -> None:
+    def reserve(self, receiver: str, receiver_role: Role, *, slot: Slot | None, address: int | None,
+                at: float) -> None:
         self.receiver, self.receiver_role, self.slot = receiver, receiver_role, slot
+        self.waited_ms = (at - self.staged_at) * 1000
         if address is None:
             self._move(FlightState.ALLOCATING)
         else:

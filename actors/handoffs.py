@@ -160,13 +160,14 @@ class Handoffs:
             return
         hop = hop_name(flight.role, job.role)
         slot = self._slots.take(instance, flight.nbytes)
+        now = time.monotonic()
         if slot is not None:
             self.fast[hop] = self.fast.get(hop, 0) + 1
-            flight.reserve(instance, job.role, slot=slot, address=slot.address)
+            flight.reserve(instance, job.role, slot=slot, address=slot.address, at=now)
             self._push(flight)
         else:
             self.slow[hop] = self.slow.get(hop, 0) + 1
-            flight.reserve(instance, job.role, slot=None, address=None)
+            flight.reserve(instance, job.role, slot=None, address=None, at=now)
             self._order(job.role, instance, Alloc(request_id=rid, nbytes=flight.nbytes))
 
     def forget(self, rid: str) -> None:
@@ -208,7 +209,7 @@ class Handoffs:
                                                f"(the most one takes is {largest} bytes)", outcome=True)
             return
         self._recycle_input(flight)
-        flight.stage_output(msg.nbytes, msg.manifest, msg.compute_ms)
+        flight.stage_output(msg.nbytes, msg.manifest, msg.compute_ms, at=time.monotonic())
         self._admission.post(Enqueue(job=Job(request_id=rid, role=following, params=flight.params,
                                              deadline=flight.deadline, priority=flight.priority,
                                              progress=flight.progress, avoid=flight.avoid)))
@@ -264,7 +265,8 @@ class Handoffs:
         self._pools[flight.role].post(Release(request_id=rid, instance=flight.instance, ok=True))
         self._tracker.post(HandedOff(request_id=rid, role=flight.role, instance=flight.instance,
                                       compute_ms=flight.compute_ms, transfer_ms=msg.transfer_ms,
-                                      nbytes=flight.nbytes, fast_path=flight.slot is not None, via=msg.via))
+                                      nbytes=flight.nbytes, fast_path=flight.slot is not None, via=msg.via,
+                                      waited_ms=flight.waited_ms))
         ready = Ready(request_id=rid, params=flight.params, address=flight.address, manifest=flight.manifest,
                       slot_id=flight.slot.slot_id if flight.slot else None, progress=flight.progress)
         flight.delivered()

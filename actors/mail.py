@@ -112,6 +112,8 @@ class HandedOff(Mail):
     nbytes: int
     fast_path: bool
     via: Via = "mooncake"
+    # How long the output waited for the next role's slot: that role's queueing, not this one's.
+    waited_ms: float = 0.0
 
 
 class Finished(Mail):

@@ -57,6 +57,9 @@ class Entry:
     stages: list[StageTiming] = field(default_factory=list)
     first_step: tuple[float, int] | None = None  # (when, steps done) at its first step report
     own_step_ms: float | None = None  # its denoiser's pace since then
+    # How long the stage before waited for this one's slot (HandedOff.waited_ms): queueing
+    # for this stage, though spent before its window opened.
+    carried_ms: float = 0.0
 
 
 class TrackerStats(msgspec.Struct, frozen=True):
@@ -149,7 +152,7 @@ class TrackerActor:
         timing = StageTiming(
             role=mail.role,
             instance=mail.instance,
-            queued_ms=max(0.0, wall_ms - mail.compute_ms - mail.transfer_ms),
+            queued_ms=max(0.0, wall_ms - mail.compute_ms - mail.transfer_ms - mail.waited_ms) + entry.carried_ms,
             compute_ms=mail.compute_ms,
             transfer_ms=mail.transfer_ms,
             transfer_bytes=mail.nbytes,
@@ -165,7 +168,7 @@ class TrackerActor:
         following = next_role(mail.role)
         assert following is not None, "the decoder hands nothing off"
         self._move(entry, ACTIVE_BY_ROLE[following])
-        entry.stage_started = now
+        entry.stage_started, entry.carried_ms = now, mail.waited_ms
         self._tell_progress(mail.request_id, entry, now)
 
     @staticmethod
@@ -195,8 +198,8 @@ class TrackerActor:
             return
         now = time.monotonic()
         wall_ms = (now - entry.stage_started) * 1000
-        timing = StageTiming(role="decoder", instance=mail.instance, queued_ms=max(0.0, wall_ms - mail.compute_ms),
-                             compute_ms=mail.compute_ms)
+        timing = StageTiming(role="decoder", instance=mail.instance,
+                             queued_ms=max(0.0, wall_ms - mail.compute_ms) + entry.carried_ms, compute_ms=mail.compute_ms)
         entry.stages.append(timing)
         self._latency.stage(timing)
         self._pace.decoded(mail.compute_ms, px=entry.px)

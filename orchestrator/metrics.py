@@ -115,7 +115,8 @@ def _latency_metrics(stats: Stats) -> Iterator[Metric]:
     request = HistogramMetricFamily("triptych_request_duration_seconds",
                                     "Completed requests, from the daemon taking the submit to the result")
     stages = HistogramMetricFamily("triptych_stage_duration_seconds",
-                                   "Each stage of each request: queued (for a slot, then for a compute thread) "
+                                   "Each stage of each request: queued (for the role's slot, its input waiting included, then for a "
+                                   "compute thread) "
                                    "and compute", labels=["role", "part"])
     hops = HistogramMetricFamily("triptych_handoff_duration_seconds",
                                  "Each hand-off's write from one stage's worker into the next's", labels=["hop"])

@@ -160,6 +160,25 @@ async def test_full_journey_delivers_a_result_with_three_stage_timings() -> None
             assert result.total_ms >= 50
 
 
+async def test_a_wait_for_the_next_roles_slot_is_that_roles_queueing() -> None:
+    """The encoder's output waited 300 ms for a denoiser: the denoiser was the bottleneck,
+    so its stage, not the encoder's, shows the wait; and so on down the line."""
+    with anyio.fail_after(5):
+        async with running_tracker() as t:
+            await admit(t, "r1")
+            await anyio.sleep(0.35)  # the encoder's stage: 1 + 0.5 ms of work, 300 ms of it waiting
+            t.inbox.post(handed_off("r1", "encoder", waited_ms=300.0))
+            await t.stats()
+            await anyio.sleep(0.05)
+            t.inbox.post(handed_off("r1", "denoiser", waited_ms=40.0))
+            t.inbox.post(finished("r1"))
+            result = (await t.frontend.receive()).message
+            encoder, denoiser, decoder = (s.queued_ms for s in result.stages)
+            assert encoder < 100  # 350 ms of wall less the 300 ms spent waiting for a denoiser
+            assert 300 <= denoiser < 320  # its own 10 ms of queueing, and the encoder's wait
+            assert 40 <= decoder < 60
+
+
 async def test_completed_request_is_counted_and_leaves_the_table() -> None:
     with anyio.fail_after(5):
         async with running_tracker() as t:

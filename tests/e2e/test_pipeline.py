@@ -10,7 +10,7 @@ import pytest
 import torch
 import zmq
 
-from orchestrator.client import AsyncClient, Client, Rejection
+from orchestrator.client import AsyncClient, Client, Generation, Rejection
 from orchestrator.cluster import LocalCluster
 from orchestrator.fork_server import ForkServer
 from orchestrator.stages.null import expected_outputs
@@ -181,16 +181,16 @@ async def test_a_higher_priority_request_overtakes_queued_ones_at_a_busy_stage(s
     """One denoiser, busy: two requests queue for it, then an urgent one arrives and goes next.
 
     The priority travels from the Submit to the encoder's job and on, through the
-    negotiator, to the denoiser's queue, where it decides the order.
+    negotiator, to the denoiser's queue, where it decides the order. The time a request's
+    embeddings waited there is the denoiser's queueing in its Result, not the encoder's.
     """
     cluster = start_cluster(layout={"encoder": 1, "denoiser": 1, "decoder": 1},
                             **{"workers.denoiser": {"capacity": 1}, "model.null": {"denoiser_ms": 2000.0}})
-    finished: list[str] = []
+    finished: dict[str, Generation] = {}
     with anyio.fail_after(60):
         async with AsyncClient(endpoint(cluster)) as client, anyio.create_task_group() as tg:
             async def submit(rid: str, priority: int) -> None:
-                await client.submit(params(0), request_id=rid, priority=priority, timeout_s=30)
-                finished.append(rid)
+                finished[rid] = await client.submit(params(0), request_id=rid, priority=priority, timeout_s=30)
 
             tg.start_soon(submit, "first", 0)
             await anyio.to_thread.run_sync(wait_for, cluster, lambda s: s.requests_by_state.get("denoising") == 1)
@@ -198,7 +198,9 @@ async def test_a_higher_priority_request_overtakes_queued_ones_at_a_busy_stage(s
                 tg.start_soon(submit, rid, 0)
             await anyio.to_thread.run_sync(wait_for, cluster, lambda s: s.queue_depths.get("denoiser") == 2)
             tg.start_soon(submit, "urgent", 10)
-    assert finished == ["first", "urgent", "later-1", "later-2"]
+    assert list(finished) == ["first", "urgent", "later-1", "later-2"]
+    encoder, denoiser, _ = finished["later-2"].result.stages
+    assert encoder.queued_ms < 1000 and denoiser.queued_ms > 4000, (encoder, denoiser)  # behind three of 2 s
 
 
 def test_the_operators_caps_refuse_a_request_at_the_door(start_cluster: StartCluster) -> None:
