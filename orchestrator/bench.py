@@ -13,22 +13,30 @@ costs most on a VM); the mail its actors handled per request (its internal hops,
 ``Stats.mail_handled``); and its resident memory at its peak. It also times one hop between
 actors in this process.
 
-"Added p50" is the daemon-alone p50 at concurrency 1 minus the p50 of a do-nothing ROUTER
-in another process, answering the same kind of socket in the same run, as the reference
-head was measured.
+"Added p50" is the daemon-alone p50 at concurrency 1 minus the p50 of the same client
+against a stand-in daemon in another process that answers each request at once with the
+Result the instant workers' requests get: what is left is the daemon's. A do-nothing ROUTER
+answering a raw socket gives the floor of the sockets alone, and the CPU per round trip
+the daemon's CPU is compared with.
+
+The backlog is real: the workers are paused (SIGSTOP) until all 2,048 requests are in the
+daemon, its memory is read then, and the workers resumed; the row's req/s is the drain.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import shutil
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
 
@@ -41,7 +49,9 @@ from orchestrator import bench_perf
 from orchestrator.client import AsyncClient
 from orchestrator.cluster import LocalCluster
 from orchestrator.config import load_config
-from transfer.protocol import GenParams, StageTiming
+from orchestrator.instant_workers import OUTPUT
+from orchestrator.parent_death import end_with_parent
+from transfer.protocol import CLIENT_REQUEST, ROLES, GenParams, Result, StageTiming, encode
 
 ROOT = Path(__file__).resolve().parent.parent
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -124,53 +134,106 @@ async def closed_loop(endpoint: str, concurrency: int, total: int) -> tuple[list
     return latencies, stages
 
 
-ECHO_START_S = 60.0  # the echo process imports this module, and torch with it
+PEER_START_S = 60.0  # a stand-in process imports this module, and torch with it
 ECHO_REPLY_S = 5.0
 
 
-def echo_router(endpoint: str) -> None:
-    """A do-nothing ROUTER answering every request at once: the floor for latency and CPU."""
+@contextlib.contextmanager
+def kept_on_failure(prefix: str) -> Iterator[Path]:
+    """A scratch folder for a run's configs, sockets and logs: removed after a run that
+    succeeded, kept and named on stderr after one that failed, for its logs."""
+    tmp = Path(tempfile.mkdtemp(prefix=prefix))
+    try:
+        yield tmp
+    except BaseException:
+        print(f"its configs and logs are kept in {tmp}", file=sys.stderr)
+        raise
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def stand_in(peer: str, endpoint: str) -> Iterator[subprocess.Popen]:
+    """``peer`` (``echo_router`` or ``instant_daemon``) serving ``endpoint`` (ipc://) in a
+    process of its own, which ends with this one however it ends; once it has bound."""
+    proc = subprocess.Popen([sys.executable, "-c", f"from orchestrator.bench import {peer}; "
+                             f"{peer}({endpoint!r}, {os.getpid()})"], cwd=ROOT)
+    try:
+        deadline = time.monotonic() + PEER_START_S
+        while not Path(endpoint.removeprefix("ipc://")).exists():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the {peer} stand-in did not start (its exit code: {proc.poll()})")
+            time.sleep(0.05)
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def _bound_router(endpoint: str, parent: int) -> zmq.Socket | None:
+    if not end_with_parent(parent):
+        return None
     sock = zmq.Context.instance().socket(zmq.ROUTER)
     sock.bind(endpoint)
+    return sock
+
+
+def echo_router(endpoint: str, parent: int) -> None:
+    """A do-nothing ROUTER answering every message at once: the sockets' floor."""
+    if (sock := _bound_router(endpoint, parent)) is not None:
+        while True:
+            identity, empty, _ = sock.recv_multipart()
+            sock.send_multipart([identity, empty, b"\x00"])
+
+
+def instant_daemon(endpoint: str, parent: int) -> None:
+    """Answers every Submit at once with the Result a request through the instant workers
+    gets (their 64-byte output, three stage timings): the client's and the sockets' share."""
+    if (sock := _bound_router(endpoint, parent)) is None:
+        return
+    stages = [StageTiming(role=role, instance=f"{role}-1", queued_ms=0.0, compute_ms=0.0) for role in ROLES]
+    output = bytes(OUTPUT.nbytes)
     while True:
-        identity, empty, _ = sock.recv_multipart()
-        sock.send_multipart([identity, empty, b"\x00"])
+        identity, empty, body = sock.recv_multipart()
+        result = Result(request_id=CLIENT_REQUEST.decode(body).request_id, outputs=[OUTPUT], stages=stages,
+                        total_ms=0.0)
+        sock.send_multipart([identity, empty, encode(result), output])
+
+
+def client_floor(endpoint: str, n: int) -> float:
+    """p50 latency (ms) of ``closed_loop`` at concurrency 1 against an instant daemon."""
+    with stand_in("instant_daemon", endpoint):
+        anyio.run(closed_loop, endpoint, 1, 20, backend="asyncio")  # warm up
+        latencies, _ = anyio.run(closed_loop, endpoint, 1, n, backend="asyncio")
+    return statistics.median(latencies) * 1000
 
 
 def echo_floor(endpoint: str, n: int, concurrency: int) -> tuple[float, float]:
     """p50 latency (ms) and the echo process's CPU per round trip (ms), from another process."""
-    proc = subprocess.Popen([sys.executable, "-c", f"from orchestrator.bench import echo_router; echo_router({endpoint!r})"],
-                            cwd=ROOT)
-    try:
-        with zmq.Context.instance().socket(zmq.DEALER) as sock:
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(endpoint)
+    with stand_in("echo_router", endpoint) as proc, zmq.Context.instance().socket(zmq.DEALER) as sock:
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(endpoint)
 
-            def answer() -> None:
-                try:
-                    sock.recv_multipart()
-                except zmq.Again:
-                    raise TimeoutError(f"the do-nothing ROUTER at {endpoint} did not answer in time "
-                                       f"(its exit code: {proc.poll()})") from None
+        def answer() -> None:
+            try:
+                sock.recv_multipart()
+            except zmq.Again:
+                raise TimeoutError(f"the do-nothing ROUTER at {endpoint} did not answer in time "
+                                   f"(its exit code: {proc.poll()})") from None
 
-            # Receive timeouts, not a poll per reply: the floor must not pay for the check.
-            sock.setsockopt(zmq.RCVTIMEO, int(ECHO_START_S * 1000))
-            sock.send_multipart([b"", b"warm"])
-            answer()
-            sock.setsockopt(zmq.RCVTIMEO, int(ECHO_REPLY_S * 1000))
-            times = []
-            cpu0 = cpu_seconds(proc.pid)
-            for _ in range(n // concurrency):
-                t0 = time.perf_counter()
-                for _ in range(concurrency):
-                    sock.send_multipart([b"", b"ping"])
-                for _ in range(concurrency):
-                    answer()
-                times.append(time.perf_counter() - t0)
-            cpu = cpu_seconds(proc.pid) - cpu0
-    finally:
-        proc.kill()
-        proc.wait()
+        # Receive timeouts, not a poll per reply: the floor must not pay for the check.
+        sock.setsockopt(zmq.RCVTIMEO, int(ECHO_REPLY_S * 1000))
+        sock.send_multipart([b"", b"warm"])
+        answer()
+        times = []
+        cpu0 = cpu_seconds(proc.pid)
+        for _ in range(n // concurrency):
+            t0 = time.perf_counter()
+            for _ in range(concurrency):
+                sock.send_multipart([b"", b"ping"])
+            for _ in range(concurrency):
+                answer()
+            times.append(time.perf_counter() - t0)
+        cpu = cpu_seconds(proc.pid) - cpu0
     return statistics.median(times) * 1000, cpu / (n // concurrency * concurrency) * 1000
 
 
@@ -203,16 +266,52 @@ def hop_us(hops: int = 200_000) -> float:
     return elapsed / (ping.handled + pong.handled) * 1e6
 
 
-def measure(cluster: LocalCluster, name: str, concurrency: int, total: int) -> dict[str, float]:
+async def held_backlog(cluster: LocalCluster, total: int) -> tuple[list[float], list[list[StageTiming]], float, float]:
+    """``total`` requests at once, the workers paused (SIGSTOP) until every one is in the
+    daemon: their latencies and stage timings, how long the daemon took to serve them all
+    once the workers resumed (s), and its resident memory holding them all (MiB)."""
+    assert cluster.daemon is not None
+    cfg = cluster.config.daemon
+    workers = list(cluster.workers.values())
+    served: list[tuple[list[float], list[list[StageTiming]]]] = []
+
+    async def submit_all() -> None:
+        served.append(await closed_loop(cfg.client_endpoint, total, total))
+
+    for worker in workers:
+        worker.send_signal(signal.SIGSTOP)
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(submit_all)
+            # Within two heartbeats: a worker silent longer becomes a suspect (then evicted).
+            with anyio.fail_after(2 * cfg.heartbeat_s):
+                while sum((await anyio.to_thread.run_sync(cluster.control.stats)).requests_by_state.values()) < total:
+                    await anyio.sleep(0.02)
+            rss = rss_mib(cluster.daemon.pid)
+            resumed = time.perf_counter()
+            for worker in workers:
+                worker.send_signal(signal.SIGCONT)
+    finally:
+        for worker in workers:  # resumed already, unless the wait failed
+            worker.send_signal(signal.SIGCONT)
+    return *served[0], time.perf_counter() - resumed, rss
+
+
+def measure(cluster: LocalCluster, name: str, concurrency: int, total: int, *, backlog: bool = False) -> dict[str, float]:
+    """One closed loop (or, ``backlog``, ``total`` requests held until all are in) through
+    ``cluster``, after a warm-up: the row the tables print."""
     assert cluster.daemon is not None
     pid = cluster.daemon.pid
     endpoint = cluster.config.daemon.client_endpoint
-    anyio.run(closed_loop, endpoint, concurrency, min(total, 200), backend="asyncio")  # warm up
+    anyio.run(closed_loop, endpoint, min(concurrency, 64), min(total, 200), backend="asyncio")  # warm up
     handled0 = sum(cluster.control.stats().mail_handled.values())
     peak = RssPeak(pid)
     peak.start()
     cpu0, user0, switches0, t0 = cpu_seconds(pid), main_thread_user_seconds(pid), context_switches(pid), time.perf_counter()
-    latencies, stages = anyio.run(closed_loop, endpoint, concurrency, total, backend="asyncio")
+    if backlog:
+        latencies, stages, serving_s, held_rss = anyio.run(held_backlog, cluster, total, backend="asyncio")
+    else:
+        latencies, stages = anyio.run(closed_loop, endpoint, concurrency, total, backend="asyncio")
     wall, cpu = time.perf_counter() - t0, cpu_seconds(pid) - cpu0
     user = main_thread_user_seconds(pid) - user0
     switches = context_switches(pid) - switches0
@@ -221,22 +320,26 @@ def measure(cluster: LocalCluster, name: str, concurrency: int, total: int) -> d
     hops = sum(cluster.control.stats().mail_handled.values()) - handled0
     latencies.sort()
     return {
-        "name": name, "requests": total, "req_s": total / wall,
+        "name": name, "requests": total, "req_s": total / (serving_s if backlog else wall),
         "p50_ms": latencies[len(latencies) // 2] * 1000,
         "p99_ms": latencies[int(len(latencies) * 0.99) - 1] * 1000,
-        "cpu_ms": cpu / total * 1000, "user_ms": user / total * 1000, "wakeups": switches / total, "rss_mib": peak.peak, "stages": stages,
+        "cpu_ms": cpu / total * 1000, "user_ms": user / total * 1000, "wakeups": switches / total, "rss_mib": held_rss if backlog else peak.peak, "stages": stages,
         "hops": hops / total,
     }
 
 
-def print_table(title: str, rows: list[dict[str, float]]) -> None:
+def print_table(title: str, rows: list[dict[str, float]], *, reference: bool) -> None:
+    """The rows; ``reference``: with the reference head's CPU over ours, for the daemon-alone
+    rows only (it was measured with zero-work workers, as they are)."""
     print(f"\n{title}")
+    versus = f"{'vs reference':>13} " if reference else ""
     print(f"{'concurrency':<13} {'requests':>8} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'daemon CPU ms/req':>18} "
-          f"{'vs reference':>13} {'main user ms':>13} {'wake-ups/req':>13} {'hops/req':>9} {'daemon RSS MiB':>15}")
+          f"{versus}{'main user ms':>13} {'wake-ups/req':>13} {'hops/req':>9} {'daemon RSS MiB':>15}")
     for row in rows:
-        ratio = REFERENCE_CPU_MS[row["name"]] / row["cpu_ms"]
+        versus = f"{REFERENCE_CPU_MS[row['name']] / row['cpu_ms']:>12.1f}x " if reference else ""
         print(f"{row['name']:<13} {row['requests']:>8} {row['req_s']:>8.0f} {row['p50_ms']:>8.2f} {row['p99_ms']:>8.2f} "
-              f"{row['cpu_ms']:>18.3f} {ratio:>12.1f}x {row['user_ms']:>13.3f} {row['wakeups']:>13.1f} {row['hops']:>9.1f} {row['rss_mib']:>15.1f}")
+              f"{row['cpu_ms']:>18.3f} {versus}{row['user_ms']:>13.3f} {row['wakeups']:>13.1f} {row['hops']:>9.1f} "
+              f"{row['rss_mib']:>15.1f}")
 
 
 def print_stage_breakdown(title: str, row: dict) -> None:
@@ -266,11 +369,16 @@ def main(argv: list[str] | None = None) -> int:
                      f"{1000 // CLK_TCK} ms clock ticks, and fewer requests round it to nothing")
     if args.perf and not bench_perf.available():
         parser.error("--perf needs Linux perf on the PATH (apt-get install linux-perf)")
-    tmp = Path(tempfile.mkdtemp(prefix="triptych-bench-"))
-    path = bench_config(tmp, "bench", lambda raw: raw["log"].update(level=args.log_level))
+    with kept_on_failure("triptych-bench-") as tmp:
+        report(tmp, args)
+    return 0
 
+
+def report(tmp: Path, args: argparse.Namespace) -> None:
+    path = bench_config(tmp, "bench", lambda raw: raw["log"].update(level=args.log_level))
     floor_ms, echo_cpu_1_ms = echo_floor(f"ipc://{tmp}/echo1", 2000, 1)
     _, echo_cpu_16_ms = echo_floor(f"ipc://{tmp}/echo16", 16000, 16)
+    client_ms = client_floor(f"ipc://{tmp}/floor", args.requests // 3)
 
     tables, profiles = {}, {}
     for instant in (True, False):
@@ -279,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
             for concurrency in (1, 16, 64):
                 total = args.requests // 3 if concurrency == 1 else args.requests
                 rows.append(measure(cluster, str(concurrency), concurrency, total))
-            rows.append(measure(cluster, "backlog 2048", 2048, 2048))
+            rows.append(measure(cluster, "backlog 2048", 2048, 2048, backlog=True))
             if args.perf and instant:
                 for concurrency in (64, 1):
                     total = args.requests // 3 if concurrency == 1 else args.requests
@@ -291,30 +399,31 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"requests failed: {stats.failed_by_reason}")
         tables[instant] = rows
     print(f"\ndaemon log level {args.log_level}; every request completed")
+    print(f"the same client against a stand-in that answers at once: p50 {client_ms:.3f} ms at concurrency 1")
     print(f"do-nothing ROUTER in its own process: p50 {floor_ms:.3f} ms at concurrency 1; its CPU per round trip "
           f"(one receive + one send) {echo_cpu_1_ms * 1000:.0f} us at concurrency 1, {echo_cpu_16_ms * 1000:.0f} us at 16")
-    print_table("daemon alone: instant protocol workers (as the reference head was measured)", tables[True])
-    print_table("full stack: real workers, null stages, Mooncake hand-offs", tables[False])
+    print_table("daemon alone: instant protocol workers (as the reference head was measured)", tables[True],
+                reference=True)
+    print_table("full stack: real workers, null stages, Mooncake hand-offs", tables[False], reference=False)
     print_stage_breakdown("full stack, concurrency 1: where a request's time goes, medians", tables[False][0])
     for concurrency, profile in profiles.items():
         bench_perf.print_profile(f"daemon alone, concurrency {concurrency}: where its CPU goes (perf, every thread)",
                                  profile)
     rows = tables[True]
-    added = rows[0]["p50_ms"] - floor_ms
+    added = rows[0]["p50_ms"] - client_ms
     worst_cpu = max(row["cpu_ms"] for row in rows)
-    print(f"\ndaemon alone, added p50 at concurrency 1: {added:.3f} ms (reference {REFERENCE_ADDED_P50_MS} ms, budget "
-          f"{BUDGET_ADDED_P50_MS} ms)")
+    print(f"\ndaemon alone, added p50 at concurrency 1: {added:.3f} ms over the stand-in (reference "
+          f"{REFERENCE_ADDED_P50_MS} ms, budget {BUDGET_ADDED_P50_MS} ms)")
     print(f"daemon alone, CPU per request: worst {worst_cpu:.3f} ms (budget {BUDGET_CPU_MS} ms); backlog / "
           f"concurrency-64 ratio {rows[3]['cpu_ms'] / rows[2]['cpu_ms']:.2f} (1.0 = no growth with the backlog)")
     # The daemon moves 12 socket messages per request (6 in, 6 out; 13-14 on a slow path): compare it
     # with what a do-nothing ROUTER spends on 6 round trips at the same concurrency, in this run.
-    for row, echo_ms in ((rows[0], echo_cpu_1_ms), (rows[2], echo_cpu_16_ms)):
+    for row, echo_ms in ((rows[0], echo_cpu_1_ms), (rows[1], echo_cpu_16_ms)):
         print(f"daemon alone, CPU per request at concurrency {row['name']} = {row['cpu_ms'] / (6 * echo_ms):.1f}x "
               f"the CPU a do-nothing ROUTER spends on the same 12 socket messages")
     hop = hop_us()
     print(f"one hop between actors costs {hop:.2f} us of CPU here, so the {rows[2]['hops']:.1f} hops of a request "
           f"cost {hop * rows[2]['hops']:.1f} us of the {BUDGET_CPU_MS * 1000:.0f} us budget")
-    return 0
 
 
 if __name__ == "__main__":

@@ -12,29 +12,34 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 import anyio
 
-from orchestrator.bench import bench_config
+from orchestrator.bench import bench_config, kept_on_failure
 from orchestrator.client import AsyncClient
 from orchestrator.cluster import LocalCluster
 from orchestrator.config import MiB
-from transfer.protocol import GenParams
+from transfer.protocol import GenParams, Via
 
 LAYOUT = {"encoder": 1, "denoiser": 1, "decoder": 1}
 FLOAT32 = 4
 
 
-async def transfer_times(endpoint: str, requests: int) -> list[float]:
-    """The encoder -> denoiser transfer time of each request, in ms (the first one warms up)."""
+async def transfer_times(endpoint: str, requests: int, via: Via, nbytes: int) -> list[float]:
+    """The encoder -> denoiser transfer time of each request, in ms (the first one warms up).
+    Each must have moved ``nbytes`` by ``via``: a worker without shared memory falls back to
+    Mooncake, and its times would pass for the other path's."""
     times = []
     async with AsyncClient(endpoint) as client:
         for i in range(requests + 1):
             generation = await client.submit(GenParams(prompt="handoff", seed=i, width=8, height=8, steps=1,
                                                        output="raw"), timeout_s=60)
-            times.append(generation.result.stages[0].transfer_ms)
+            stage = generation.result.stages[0]
+            if (stage.role, stage.via, stage.transfer_bytes) != ("encoder", via, nbytes):
+                raise SystemExit(f"the hand-off was not the one measured: {stage.role} moved {stage.transfer_bytes} "
+                                 f"bytes by {stage.via}, not {nbytes} by {via} (see the workers' logs)")
+            times.append(stage.transfer_ms)
     return times[1:]
 
 
@@ -49,7 +54,8 @@ def measure(tmp: Path, mib: int, requests: int, same_host_copy: bool) -> list[fl
 
     path = bench_config(tmp, name, sized)
     with LocalCluster(path, layout=LAYOUT, log_dir=tmp / "logs" / name) as cluster:
-        times = anyio.run(transfer_times, cluster.config.daemon.client_endpoint, requests, backend="asyncio")
+        times = anyio.run(transfer_times, cluster.config.daemon.client_endpoint, requests, name, mib * MiB,
+                          backend="asyncio")
         stats = cluster.control.stats()
     if stats.failed_by_reason:
         raise SystemExit(f"requests failed: {stats.failed_by_reason}")
@@ -61,8 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mib", type=int, default=16, help="size of the handed-off tensor")
     parser.add_argument("--requests", type=int, default=20)
     args = parser.parse_args(argv)
-    tmp = Path(tempfile.mkdtemp(prefix="triptych-handoff-"))
-    results = {name: measure(tmp, args.mib, args.requests, name == "memcpy") for name in ("mooncake", "memcpy")}
+    with kept_on_failure("triptych-handoff-") as tmp:
+        results = {name: measure(tmp, args.mib, args.requests, name == "memcpy") for name in ("mooncake", "memcpy")}
     print(f"\none {args.mib} MiB hand-off, encoder -> denoiser on one host, {args.requests} requests one at a time")
     print(f"{'path':<10} {'p50 ms':>8} {'p90 ms':>8} {'GB/s at p50':>12}")
     for name, times in results.items():

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import os
 import resource
+import shutil
 import threading
 import time
+from functools import partial
 
 import pytest
 
@@ -99,8 +101,18 @@ def test_perf_rows_are_read_largest_first_and_switching_is_the_kernel_s_switch_s
     assert bench_perf.switching_share(rows) == pytest.approx(17.14 + 4.71 + 3.17)
 
 
-def test_the_echo_floor_gives_up_loudly_on_a_router_that_never_answers(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("floor", [partial(bench.echo_floor, n=10, concurrency=1), partial(bench.client_floor, n=10)])
+def test_a_floor_gives_up_loudly_on_a_stand_in_that_cannot_start(floor) -> None:
     """Its ROUTER cannot bind (no such folder): the bench says so instead of hanging."""
-    monkeypatch.setattr(bench, "ECHO_START_S", 1.0)
-    with pytest.raises(TimeoutError, match="did not answer in time"):
-        bench.echo_floor("ipc:///nonexistent-triptych-dir/echo", 10, 1)
+    with pytest.raises(RuntimeError, match="stand-in did not start .its exit code: 1"):
+        floor("ipc:///nonexistent-triptych-dir/echo")
+
+
+def test_the_scratch_folder_goes_after_a_run_and_stays_after_a_failure(capsys: pytest.CaptureFixture[str]) -> None:
+    with bench.kept_on_failure("triptych-test-") as tmp:
+        (tmp / "log").write_text("fine")
+    assert not tmp.exists()
+    with pytest.raises(SystemExit), bench.kept_on_failure("triptych-test-") as tmp:
+        raise SystemExit("requests failed")
+    assert (tmp.exists(), capsys.readouterr().err) == (True, f"its configs and logs are kept in {tmp}\n")
+    shutil.rmtree(tmp)
