@@ -150,6 +150,7 @@ class ControlActor:
             late_reports=negotiator.late_reports,
             retried=frontend.retried,
             replies_dropped=frontend.replies_dropped,
+            refused=frontend.refused,
             latency=tracker.latency,
             handoff_bytes=tracker.handoff_bytes,
             mailboxes=mailboxes,

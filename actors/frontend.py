@@ -74,6 +74,7 @@ class FrontendStats(msgspec.Struct, frozen=True):
     draining: bool
     retried: int
     replies_dropped: int
+    refused: dict[str, int]
     mailbox: MailboxCounts
 
 
@@ -120,6 +121,7 @@ class FrontendActor:
         self._door = DoorLimits()
         self._draining = False
         self._retried = 0
+        self._refused: dict[str, int] = {}  # by reason: submits refused at the door
         self._unsent: list[list] = []  # replies waiting for the flush
         self._log = log.bind(actor="frontend")
 
@@ -179,17 +181,17 @@ class FrontendActor:
         identity = frames[0]
         # REQ and DEALER clients both put an empty delimiter before the body.
         if len(frames) != 3 or frames[1] != b"":
-            self._send(identity, Rejected(request_id="", reason=Reason.INVALID,
-                                          message=f"invalid request: expected [empty, body] frames, got {len(frames) - 1}"))
+            self._refuse(identity, "", Reason.INVALID,
+                         f"invalid request: expected [empty, body] frames, got {len(frames) - 1}")
             return
         try:
             msg = CLIENT_REQUEST.decode(frames[2])
         except DECODE_ERRORS as exc:
-            self._send(identity, Rejected(request_id="", reason=Reason.INVALID, message=f"invalid request: {exc}"))
+            self._refuse(identity, "", Reason.INVALID, f"invalid request: {exc}")
             return
         if msg.protocol != PROTOCOL_VERSION:
-            self._send(identity, Rejected(request_id=msg.request_id, reason=Reason.UNSUPPORTED,
-                                          message=f"protocol {msg.protocol}; this daemon speaks {PROTOCOL_VERSION}"))
+            self._refuse(identity, msg.request_id, Reason.UNSUPPORTED,
+                         f"protocol {msg.protocol}; this daemon speaks {PROTOCOL_VERSION}")
             return
         match msg:
             case Submit():
@@ -212,12 +214,17 @@ class FrontendActor:
         elif violation := self._door.violation(msg.params):
             problem = Reason.INVALID, violation
         if problem is not None:
-            self._send(identity, Rejected(request_id=rid, reason=problem[0], message=problem[1]))
+            self._refuse(identity, rid, *problem)
             return
         timeout_s = min(msg.timeout_s or self._cfg.request_timeout_s, self._cfg.max_request_timeout_s)
         now = time.monotonic()
         self._admit(Asked(identity, rid, msg.params, msg.priority, msg.progress, now, now + timeout_s,
                           self._cfg.retries), timeout_s)
+
+    def _refuse(self, identity: bytes, rid: str, reason: Reason, message: str) -> None:
+        """Refuse a request at the door (never admitted), and count it by reason."""
+        self._refused[reason] = self._refused.get(reason, 0) + 1
+        self._send(identity, Rejected(request_id=rid, reason=reason, message=message))
 
     def _admit(self, asked: Asked, timeout_s: float) -> None:
         key = f"{asked.request_id}#{next(self._keys)}"
@@ -280,7 +287,7 @@ class FrontendActor:
             case QueryStats(reply=reply):
                 assert self._outbox is not None
                 reply_once(reply, FrontendStats(len(self._clients), self._draining, self._retried,
-                                                self._outbox.dropped, self._inbox.counts()))
+                                                self._outbox.dropped, dict(self._refused), self._inbox.counts()))
 
     def _ended(self, identity: bytes, key: str) -> None:
         keys = self._of_connection.get(identity)

@@ -79,6 +79,9 @@ def _daemon_metrics(stats: Stats) -> Iterator[Metric]:
     yield CounterMetricFamily("triptych_requests_completed", "Requests answered with a result", value=stats.completed)
     yield _labelled(CounterMetricFamily, "triptych_requests_failed", "Requests that ended in an error, by reason",
                     "reason", stats.failed_by_reason)
+    yield _labelled(CounterMetricFamily, "triptych_requests_refused",
+                    "Requests refused at the door, never admitted (overloaded, draining...), by reason", "reason",
+                    stats.refused)
     yield CounterMetricFamily("triptych_requests_retried", "Requests started again after a lost worker or a failed hand-off",
                               value=stats.retried)
     yield CounterMetricFamily("triptych_replies_dropped",

@@ -261,6 +261,9 @@ class Stats(Wire):
     # daemon.client_send_hwm replies queued in ZMQ and client_held_bytes held by the daemon
     # (or client_held_total_bytes held for all clients together).
     replies_dropped: int = 0
+    # Submits refused at the door, never admitted, by reason (overloaded, draining,
+    # duplicate, invalid, unsupported): counted nowhere else.
+    refused: dict[str, int] = {}
     # Completed requests ("request"), each stage's wait and compute ("encoder.queued",
     # "denoiser.compute", ...), each hop's write ("encoder->denoiser", ...); and the bytes
     # each hop moved, which over its latency's total_ms is its bandwidth.

@@ -113,6 +113,10 @@ def test_submit_reports_a_rejection_and_exits_nonzero(start_cluster: StartCluste
         assert exporter.returncode == 1 and exporter.stdout == ""
         assert exporter.stderr.startswith(f"triptych metrics: {endpoint} is not a control socket: ")
         assert exporter.stderr.count("\n") == 1
+    # The daemon counted what it refused at its door: the width, and each control request
+    # at the client socket (the worker socket's refusals are no client's).
+    table = triptych("stats", config=cluster.config_path)
+    assert "refused at the door=3 {'invalid': 3}" in table.stdout, table.stdout
 
 
 @pytest.mark.parametrize("progress", [False, True], ids=["req", "dealer"])

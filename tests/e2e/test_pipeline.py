@@ -121,6 +121,7 @@ async def test_a_failing_stage_fails_only_that_request(cluster: LocalCluster) ->
 
 
 def test_garbage_wrong_type_and_bad_field_get_typed_rejections(cluster: LocalCluster) -> None:
+    before = cluster.control.stats()
     with RawClient(endpoint(cluster)) as client:
         garbage = client.send_raw([b"\xff\x00 definitely not msgpack"])
         assert isinstance(garbage, Rejected) and garbage.reason == Reason.INVALID
@@ -146,6 +147,10 @@ def test_garbage_wrong_type_and_bad_field_get_typed_rejections(cluster: LocalClu
         # And the daemon keeps serving.
         generation = client.submit(params(5), timeout_s=10)
     assert torch.equal(generation.outputs["images"], expected_outputs(params(5), cluster.config.model.null)["images"])
+    # Each refusal counted, at the door: none was admitted, so none failed.
+    after = cluster.control.stats()
+    assert after.refused.get("invalid", 0) - before.refused.get("invalid", 0) == 5
+    assert after.failed_by_reason == before.failed_by_reason
 
 
 def _peak_rss_mib(pid: int) -> float:
