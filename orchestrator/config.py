@@ -216,6 +216,7 @@ class FaultsConfig(Section):
 
     fail_prompt: str = ""  # a prompt containing this makes the denoiser fail the request
     hang_prompt: str = ""  # ...makes the null denoiser hang, deaf to stops, as a wedged GPU would
+    device_error_prompt: str = ""  # ...makes the null denoiser raise a CUDA error, as a faulting kernel would
 
 
 class DiffusersConfig(Section):

@@ -35,8 +35,8 @@ from orchestrator.config import Config
 from orchestrator.early_signals import STOP_SIGNALS
 from orchestrator.log import Throttled
 from orchestrator.stages import RunControl, Stage, StageError, StageStopped, build_stage
-from orchestrator.stages.base import StepFn
-from orchestrator.watchdog import StageWatchdog
+from orchestrator.stages.base import StepFn, released
+from orchestrator.watchdog import EXIT_DEVICE_BROKEN, StageWatchdog
 from orchestrator.work_socket import bind_work_socket, close_work_socket
 from orchestrator.worker_memory import RequestMemory
 from transfer import frames
@@ -121,7 +121,7 @@ class WorkerRuntime:
         self._log = log.bind(role=role, worker=self.name)
         self._peer_log = Throttled(self._log)  # what anyone reaching the work socket can make it say
         self._work_address: str | None = None  # once bound
-        self._watchdog = StageWatchdog(self._wcfg.stage_timeout_s, log=self._log, exit=self._exit_hung)
+        self._watchdog = StageWatchdog(self._wcfg.stage_timeout_s, log=self._log, exit=self._exit_at_once)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -177,9 +177,11 @@ class WorkerRuntime:
         self._memory = RequestMemory(pool, self._engine, writers, alloc_timeout_s=self._wcfg.alloc_timeout_s,
                                      push_quarantine_s=self._cfg.daemon.push_quarantine_s, report=self._report)
 
-    def _exit_hung(self, status: int) -> None:
-        """The watchdog's exit: at once (a normal exit would wait for the hung stage thread,
-        and skip nothing but the cleanup below), leaving no socket file behind."""
+    def _exit_at_once(self, status: int) -> None:
+        """Exit for a supervisor to replace this worker (a hung stage, a broken GPU context):
+        at once (a normal exit would wait for a hung stage thread, and skip nothing but the
+        cleanup below), leaving no socket file behind. The daemon sees the silence and starts
+        the worker's requests again elsewhere."""
         remove_ipc_file(self._work_address)
         os._exit(status)
 
@@ -457,6 +459,12 @@ class WorkerRuntime:
         except StageStopped:
             # The daemon ended the request and freed its slot: it expects no report.
             self._log.info("worker.stage_stopped", request_id=rid, ran_ms=round((time.perf_counter() - started) * 1000))
+        except torch.AcceleratorError as exc:
+            # A CUDA error (an illegal access, a device-side assert) often leaves the process's
+            # GPU context unusable, and torch cannot say which do: every later request would
+            # fail here at once, and a worker that fails at once looks idlest to the dispatch.
+            self._log.error("worker.device_broken", request_id=rid, error=str(exc), exit_status=EXIT_DEVICE_BROKEN)
+            self._exit_at_once(EXIT_DEVICE_BROKEN)
         except Exception as exc:  # one request's failure must not kill the worker
             if control.stopped:
                 # Aborted while it ran, then it failed: the daemon expects no report but the
@@ -495,7 +503,12 @@ class WorkerRuntime:
         def run() -> tuple[dict[str, torch.Tensor], float]:
             control.started_at = time.monotonic()  # not before: waiting for a compute thread is no hang
             began = time.perf_counter()
-            outputs = stage.run(order.params, inputs, control=control)
+            try:
+                outputs = stage.run(order.params, inputs, control=control)
+            except BaseException as exc:
+                if (failure := released(exc)) is exc:
+                    raise
+                raise failure from None
             # Here, not on the loop: moving a GPU tensor waits for every kernel queued on its
             # device, the next request's included.
             return {name: t.detach().cpu() for name, t in outputs.items()}, (time.perf_counter() - began) * 1000

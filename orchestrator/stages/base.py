@@ -14,6 +14,7 @@ will read.
 from __future__ import annotations
 
 import abc
+import contextlib
 import hashlib
 import json
 import threading
@@ -40,6 +41,25 @@ class StageError(Exception):
     def __init__(self, message: str, reason: Reason = Reason.STAGE_FAILED) -> None:
         super().__init__(message)
         self.reason = reason
+
+
+def released(exc: BaseException) -> BaseException:
+    """What a stage's failure ``exc`` becomes once the request's memory is let go of.
+
+    Its traceback holds the stage's frames, their locals the request's tensors (GPU memory),
+    and a cycle through the worker thread's future keeps them until the garbage collector
+    happens to run: the locals go now, the lines stay for the log. Out of GPU memory, the
+    allocator's cache goes back to the card, which other workers share, and the request
+    fails as any other (``stage_failed``), without a crash's traceback."""
+    tb = exc.__traceback__
+    while tb is not None:
+        with contextlib.suppress(RuntimeError):  # the frame still running: the caller's own
+            tb.tb_frame.clear()
+        tb = tb.tb_next
+    if isinstance(exc, torch.OutOfMemoryError):
+        torch.cuda.empty_cache()
+        return StageError(f"out of GPU memory for this request: {str(exc).splitlines()[0]}")
+    return exc
 
 
 class ModelUnloadable(Exception):

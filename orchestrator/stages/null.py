@@ -107,6 +107,9 @@ class NullDenoiser(_NullStage):
             control.sleep(self._cfg.denoiser_ms / 1000 / params.steps)
         if self._faults.fail_prompt and self._faults.fail_prompt in params.prompt:
             raise StageError(f"null denoiser told to fail on prompt {params.prompt!r}")
+        if self._faults.device_error_prompt and self._faults.device_error_prompt in params.prompt:
+            raise torch.AcceleratorError("CUDA error: an illegal memory access was encountered (null denoiser, "
+                                         f"told to on prompt {params.prompt!r})")
         if "embeds" not in inputs:
             raise StageError(f"denoiser input lacks 'embeds' (got {sorted(inputs)})")
         return denoise(params, inputs, self._cfg)

@@ -16,7 +16,7 @@ import torch
 from orchestrator.client import AsyncClient, Client, Rejection
 from orchestrator.stages.null import expected_outputs
 from orchestrator.tables import stats_table
-from orchestrator.watchdog import EXIT_STAGE_HUNG
+from orchestrator.watchdog import EXIT_DEVICE_BROKEN, EXIT_STAGE_HUNG
 from tests.e2e.conftest import StartCluster, all_free, wait_for
 from transfer.protocol import GenParams, Progress, Reason, Stats
 
@@ -116,6 +116,25 @@ def test_a_hung_stage_takes_its_worker_down_and_nothing_else(start_cluster: Star
     assert torch.equal(generation.outputs["images"], expected_outputs(params, cluster.config.model.null)["images"])
     stats = wait_for(cluster, lambda s: all_free(s) and len(s.instances) == 3)
     assert name not in {i.name for i in stats.instances}
+
+
+def test_a_cuda_error_takes_its_worker_down_and_its_request_is_retried(start_cluster: StartCluster) -> None:
+    """A kernel fault leaves a GPU context unusable: its worker exits with status 71 for a
+    supervisor to replace, and the daemon starts the request again on the other denoiser,
+    which fails the same way (the request itself faults), so the client hears worker_lost."""
+    cluster = start_cluster(**{"model.faults": {"device_error_prompt": "fault"}})
+    with Client(cluster.config.daemon.client_endpoint) as client:
+        with pytest.raises(Rejection) as caught:
+            client.submit(GenParams(prompt="fault the kernel", seed=1, output="raw"), timeout_s=30)
+        assert caught.value.reason == Reason.WORKER_LOST
+        for name in ("denoiser0", "denoiser1"):
+            assert cluster.workers[name].wait(timeout=10) == EXIT_DEVICE_BROKEN
+            assert "worker.device_broken" in cluster.log_of(name)
+        cluster.start_worker("denoiser", 2)
+        params = GenParams(prompt="an ordinary request", seed=2, output="raw")
+        generation = client.submit(params, timeout_s=30)
+    assert torch.equal(generation.outputs["images"], expected_outputs(params, cluster.config.model.null)["images"])
+    wait_for(cluster, lambda s: all_free(s) and len(s.instances) == 3)
 
 
 def test_a_worker_told_to_stop_during_a_hung_stage_still_exits(start_cluster: StartCluster) -> None:

@@ -1,0 +1,87 @@
+"""What a worker lets go of when its stage fails: the request's tensors at once (not at the
+garbage collector's leisure), the GPU's cached memory after running out of it, and itself
+after a CUDA error that may have left its GPU context unusable."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from orchestrator.stages import RunControl, StageError, StageStopped
+from orchestrator.watchdog import EXIT_DEVICE_BROKEN
+from tests.unit.test_worker_orders import PARAMS, reports, worker
+from transfer.protocol import Done, Reason, Work
+
+
+class Failing:
+    """A stage that holds a tensor in its frame when it raises ``failure``."""
+
+    def __init__(self, failure: BaseException) -> None:
+        self.failure = failure
+        self.held: weakref.ref[torch.Tensor] | None = None
+
+    def run(self, params, inputs, *, control: RunControl) -> dict[str, torch.Tensor]:
+        latents = torch.ones(1 << 16)
+        self.held = weakref.ref(latents)
+        raise self.failure
+
+
+@pytest.fixture
+def no_collector() -> Iterator[None]:
+    """Only reference counts free anything: what waits for a collection is seen to wait."""
+    gc.collect()
+    gc.disable()
+    yield
+    gc.enable()
+
+
+@pytest.mark.usefixtures("no_collector")
+@pytest.mark.parametrize("failure", [StageStopped(), StageError("bad prompt"), RuntimeError("a bug"),
+                                     torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB")],
+                         ids=["stopped", "failed", "crashed", "out of GPU memory"])
+async def test_a_failed_runs_tensors_are_freed_when_it_ends(failure: BaseException) -> None:
+    """Before, the traceback kept the stage's frames, and a cycle through the worker thread's
+    future kept the traceback: a stopped request held its GPU memory until a collection."""
+    stage = Failing(failure)
+    async with worker("encoder") as w:
+        w._stage = stage
+        w.send(Work(request_id="r1", params=PARAMS))
+        done = await reports(w, 0 if isinstance(failure, StageStopped) else 1)
+        w.tg.cancel_scope.cancel()
+    assert stage.held is not None and stage.held() is None
+    assert all(isinstance(r, Done) and not r.ok for r in done)
+
+
+async def test_running_out_of_gpu_memory_fails_the_request_plainly(logs: list[dict],
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    emptied: list[bool] = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(True))
+    async with worker("encoder") as w:
+        w._stage = Failing(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB\nmore lines"))
+        w.send(Work(request_id="r1", params=PARAMS))
+        [done] = await reports(w, 1)
+        w.tg.cancel_scope.cancel()
+    assert done == Done(request_id="r1", ok=False, compute_ms=done.compute_ms, reason=Reason.STAGE_FAILED,
+                        error="out of GPU memory for this request: CUDA out of memory. Tried to allocate 2 GiB")
+    assert emptied == [True]  # the allocator's cache back to the card the other workers share
+    assert not [e for e in logs if e["event"] == "worker.stage_crashed"]  # a resource failure, not a bug
+
+
+async def test_a_cuda_error_takes_the_worker_down_for_its_supervisor(logs: list[dict]) -> None:
+    """Every later kernel of a poisoned context fails at once, and a worker that fails at once
+    looks idlest to the dispatch: it exits instead, as a hung stage does, and the daemon starts
+    its requests again elsewhere."""
+    exits: list[int] = []
+    async with worker("encoder") as w:
+        w._exit_at_once = exits.append  # type: ignore[method-assign]
+        w._stage = Failing(torch.AcceleratorError("CUDA error: an illegal memory access was encountered"))
+        w.send(Work(request_id="r1", params=PARAMS))
+        assert await reports(w, 0, settle_s=0.3) == []  # no Done: the request is the daemon's to retry
+        w.tg.cancel_scope.cancel()
+    assert exits == [EXIT_DEVICE_BROKEN]
+    [event] = [e for e in logs if e["event"] == "worker.device_broken"]
+    assert event["request_id"] == "r1" and "illegal memory access" in event["error"]
