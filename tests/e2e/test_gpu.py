@@ -63,8 +63,10 @@ def test_a_worker_on_a_gpu_is_started_as_a_process_of_its_own(tmp_path: Path) ->
     and it is its failure to find a GPU, not the fork server's, that the cluster reports."""
     path, _ = cluster_config(tmp_path, model={"kind": "diffusers"}, **{"model.diffusers": {"device": "cuda"}})
     cluster = LocalCluster(path, layout={"encoder": 1}, log_dir=tmp_path / "logs")
-    with pytest.raises(ClusterError, match="encoder0 exited with 1.*sees 0 CUDA devices"):
-        cluster.start(timeout_s=60)
-    cluster.stop(timeout_s=10)
+    try:
+        with pytest.raises(ClusterError, match="encoder0 exited with 1.*sees 0 CUDA devices"):
+            cluster.start(timeout_s=60)
+    finally:
+        cluster.stop(timeout_s=10)
     assert isinstance(cluster.workers["encoder0"], subprocess.Popen)
     assert not (tmp_path / "logs" / "fork-server.log").exists()

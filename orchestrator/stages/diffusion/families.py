@@ -194,10 +194,7 @@ class FamilyAdapter:
             except (OSError, ValueError) as exc:  # a part's weights missing or unreadable, say
                 raise ModelUnloadable(f"{self.cfg.path}: the {role}'s components do not load: {exc}") from None
         else:
-            built = {n: tiny.build_component(self.name, n, self.cfg.seed) for n in wanted}
-            for c in built.values():
-                if isinstance(c, torch.nn.Module) and c.dtype != self.dtype:
-                    c.to(dtype=self.dtype)
+            built = {n: tiny.build_component(self.name, n, self.cfg.seed, self.dtype) for n in wanted}
             pipe = self.pipeline_cls(**built, **absent, **self.pipeline_kwargs)
         pipe.to(self.device)
         pipe.set_progress_bar_config(disable=True)

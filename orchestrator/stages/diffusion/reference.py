@@ -20,7 +20,7 @@ def monolithic(cfg: DiffusersConfig, params: GenParams, output_type: str) -> Any
     """``pipe(...).images`` for the embedded tiny pipeline of ``cfg``, on its device and dtype."""
     if cfg.path:
         raise ValueError("the in-process reference is built for the embedded tiny pipelines only")
-    pipe = tiny.build_pipeline(cfg.family, cfg.seed).to(cfg.device, getattr(torch, cfg.dtype))
+    pipe = tiny.build_pipeline(cfg.family, cfg.seed, getattr(torch, cfg.dtype)).to(cfg.device)
     return pipe(
         params.prompt,
         negative_prompt=params.negative_prompt,

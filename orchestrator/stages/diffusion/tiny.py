@@ -146,8 +146,9 @@ def _t5_tokenizer() -> T5Tokenizer:
     return T5Tokenizer(vocab=pieces, extra_ids=0, model_max_length=120)
 
 
-def build_component(family: Family, name: str, seed: int = 0) -> Any:
-    """One component of a tiny pipeline, alone. Modules come back in eval mode on CPU."""
+def build_component(family: Family, name: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> Any:
+    """One component of a tiny pipeline, alone. Modules come back in eval mode on CPU, in
+    ``dtype`` (built in float32, cast only if another: diffusers warns at every cast)."""
     if family not in CONFIGS:
         raise ValueError(f"unknown tiny family {family!r}; known: {sorted(CONFIGS)}")
     if name == "tokenizer":
@@ -170,6 +171,8 @@ def build_component(family: Family, name: str, seed: int = 0) -> Any:
             module = AutoencoderKL(**config)
         case _:
             raise ValueError(f"tiny {family} has no component {name!r}")
+    if dtype != torch.float32:
+        module.to(dtype=dtype)
     # Built modules start in train mode; dropout (T5 has 0.1) would make outputs random.
     return module.eval().requires_grad_(False)
 
@@ -178,9 +181,9 @@ def component_names(family: Family) -> tuple[str, ...]:
     return ("tokenizer", *CONFIGS[family])
 
 
-def build_pipeline(family: Family, seed: int = 0) -> DiffusionPipeline:
+def build_pipeline(family: Family, seed: int = 0, dtype: torch.dtype = torch.float32) -> DiffusionPipeline:
     """The whole monolithic tiny pipeline: the reference the split stages must match."""
-    components = {name: build_component(family, name, seed) for name in component_names(family)}
+    components = {name: build_component(family, name, seed, dtype) for name in component_names(family)}
     if family == "sd15":
         components.update(safety_checker=None, feature_extractor=None, image_encoder=None)
         pipe = StableDiffusionPipeline(**components, requires_safety_checker=False)
