@@ -53,7 +53,8 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
     .venv/bin/python -m pip install -q --disable-pip-version-check "$@" >.venv/install.log 2>&1 ||
       { cat .venv/install.log >&2; echo "triptych: pip install $* failed" >&2; exit 1; }
   }
-  # torch first and pinned: an open range would pull a multi-GB CUDA build.
+  # torch first and pinned: the version the project is tested with. (From PyPI alone that is
+  # its CUDA build, also on a machine without a GPU; PIP_EXTRA_INDEX_URL, README, gets the CPU one.)
   pip_install "torch==2.13.0"
   pip_install "$MOONCAKE" -e ".[test]"
   .venv/bin/python -c "import torch, mooncake.engine, diffusers" >/dev/null
