@@ -3,9 +3,10 @@
 Used by the demo, the benchmark and the end-to-end tests; the benchmark can swap the workers
 for one process of zero-work protocol peers (orchestrator/instant_workers.py). Workers are forked
 from a server that has imported their runtime once (orchestrator/fork_server.py), except those
-whose model sits on an accelerator; the daemon is started as a process of its own. All of them end with the cluster's process, however it ends
-(orchestrator/parent_death.py). Each process logs to its own file; every wait has a deadline
-and a failure names the process and its log.
+whose model sits on an accelerator; the daemon is started as a process of its own. All of
+them end with the cluster's process, however it ends (orchestrator/parent_death.py). Each
+process logs to its own file; every wait has a deadline and a failure names the process and
+its log.
 """
 
 from __future__ import annotations
