@@ -226,13 +226,14 @@ class FrontendActor:
         self._refused[reason] = self._refused.get(reason, 0) + 1
         self._send(identity, Rejected(request_id=rid, reason=reason, message=message))
 
-    def _admit(self, asked: Asked, timeout_s: float) -> None:
+    def _admit(self, asked: Asked, timeout_s: float, *, again: bool = False) -> None:
         key = f"{asked.request_id}#{next(self._keys)}"
         self._clients[key] = asked
         self._in_flight[asked.request_id] = key
         self._of_connection.setdefault(asked.identity, set()).add(key)
         self._tracker.post(Admit(request_id=key, params=asked.params, timeout_s=timeout_s, priority=asked.priority,
-                                 progress=asked.progress, submitted_at=asked.submitted_at, avoid=asked.avoid))
+                                 progress=asked.progress, submitted_at=asked.submitted_at, avoid=asked.avoid,
+                                 again=again))
 
     def _retry(self, asked: Asked, failure: ClientReply, implicated: frozenset[str]) -> bool:
         """Start a request again whose worker was lost or whose hand-off failed, if it may;
@@ -256,7 +257,7 @@ class FrontendActor:
             self._send(asked.identity, Progress(request_id=asked.request_id, state="retrying",
                                                 elapsed_ms=(time.monotonic() - asked.submitted_at) * 1000,
                                                 why=failure.message))
-        self._admit(asked, left_s)
+        self._admit(asked, left_s, again=True)
         self._log.warning("request.retried", request_id=asked.request_id, why=failure.message,
                           retries_left=asked.retries_left, left_s=round(left_s, 3))
         return True

@@ -99,6 +99,9 @@ class Admit(Mail):
     priority: int = 0
     progress: bool = False
     avoid: frozenset[str] = frozenset()  # Job.avoid
+    # A retry: it waited its turn once already, so it goes before the jobs of its priority
+    # that have not had one (Enqueue.front), rather than spend what is left of its deadline queued.
+    again: bool = False
 
 
 class HandedOff(Mail):
@@ -181,7 +184,8 @@ TrackerMail = (
 
 
 class Enqueue(Mail):
-    """Queue ``job`` until its role has capacity; ``front`` returns a job that lost its slot."""
+    """Queue ``job`` until its role has capacity; ``front``: a job that lost its slot, or a
+    retry, goes before those of its priority that have not had a turn."""
 
     job: Job
     front: bool = False

@@ -99,7 +99,7 @@ class TrackerActor:
     def _handle(self, mail: TrackerMail) -> None:
         match mail:
             case Admit(request_id=rid, params=params, timeout_s=timeout_s, priority=priority, progress=progress,
-                       submitted_at=submitted_at, avoid=avoid):
+                       submitted_at=submitted_at, avoid=avoid, again=again):
                 now = time.monotonic()
                 deadline = now + timeout_s
                 entry = self._table[rid] = Entry(RequestState.ENCODING, deadline, submitted_at, now, progress,
@@ -107,7 +107,7 @@ class TrackerActor:
                 heapq.heappush(self._deadlines, (deadline, rid))
                 self._compact_deadlines()
                 self._admission.post(Enqueue(job=Job(request_id=rid, role="encoder", params=params, deadline=deadline,
-                                                     priority=priority, progress=progress, avoid=avoid)))
+                                                     priority=priority, progress=progress, avoid=avoid), front=again))
                 self._tell_progress(rid, entry, now)
             case HandedOff():
                 self._handed_off(mail)

@@ -213,7 +213,7 @@ async def test_a_request_whose_worker_was_lost_starts_again_once_under_a_new_key
             first = await f.tracker.receive()
             f.inbox.post(lost(first.request_id))
             again = await f.tracker.receive()  # the client hears nothing yet
-            assert isinstance(again, Admit) and again.request_id == "r#1"
+            assert isinstance(again, Admit) and again.request_id == "r#1" and again.again  # first in its line
             assert (again.params, again.priority) == (PARAMS, 7)
             assert 0 < again.timeout_s <= first.timeout_s  # what is left of the deadline, never more
             assert again.submitted_at == first.submitted_at  # its times count from the client's submit

@@ -136,6 +136,18 @@ async def test_admit_queues_the_request_for_an_encoder() -> None:
             await assert_encoder_job(t, "r1", since=since)
 
 
+async def test_a_retry_goes_before_the_jobs_of_its_priority_that_had_no_turn() -> None:
+    """It waited its turn once already: queued behind everything again, it would spend what
+    is left of its deadline there."""
+    with anyio.fail_after(5):
+        async with running_tracker() as t:
+            for rid, again in (("new", False), ("retried", True)):
+                t.inbox.post(Admit(request_id=rid, params=PARAMS, timeout_s=60.0, submitted_at=time.monotonic(),
+                                   again=again))
+                mail = await t.admission.receive()
+                assert isinstance(mail, Enqueue) and (mail.job.request_id, mail.front) == (rid, again)
+
+
 async def test_full_journey_delivers_a_result_with_three_stage_timings() -> None:
     with anyio.fail_after(5):
         async with running_tracker() as t:
