@@ -67,6 +67,11 @@ log = structlog.get_logger()
 RETRIED = frozenset({Reason.WORKER_LOST, Reason.TRANSFER_FAILED})
 # Requests a stopping daemon still reads off its client socket to answer them (draining).
 UNREAD_ANSWERED = 1024
+# A Cancel that finds nothing may have overtaken its Submit: a blocking client interrupted
+# just after sending cancels on a fresh connection, and the ROUTER reads connections in no
+# set order. That id's Submit arriving within this is refused as cancelled, not run for nobody.
+CANCEL_OVERTAKES_S = 1.0
+FORESEEN_CANCELS = 4096  # ids remembered so, at the most (the oldest forgotten first)
 
 
 class FrontendStats(msgspec.Struct, frozen=True):
@@ -117,6 +122,7 @@ class FrontendActor:
         self._keys = itertools.count()
         self._clients: dict[str, Asked] = {}  # internal key -> who asked
         self._in_flight: dict[str, str] = {}  # client's id -> internal key
+        self._foreseen: dict[str, float] = {}  # id cancelled before it came -> until when (monotonic), in order
         self._of_connection: dict[bytes, set[str]] = {}  # client connection -> its internal keys
         self._door = DoorLimits()
         self._draining = False
@@ -200,12 +206,16 @@ class FrontendActor:
                 key = self._in_flight.get(rid)
                 if key is not None:
                     self._cancel(key, BY_THE_CLIENT)
+                else:
+                    self._foresee_cancel(rid)
                 self._send(identity, Cancelled(request_id=rid, found=key is not None))
 
     def _submit(self, identity: bytes, msg: Submit) -> None:
         rid = msg.request_id or uuid.uuid4().hex
         problem: tuple[Reason, str] | None = None
-        if self._draining:
+        if self._foreseen.pop(rid, 0.0) > time.monotonic():
+            problem = Reason.CANCELLED, f"{BY_THE_CLIENT}: its Cancel came first, by another connection"
+        elif self._draining:
             problem = Reason.DRAINING, "the daemon is draining and takes no new work"
         elif rid in self._in_flight:
             problem = Reason.DUPLICATE, f"request {rid!r} is already in flight"
@@ -220,6 +230,16 @@ class FrontendActor:
         now = time.monotonic()
         self._admit(Asked(identity, rid, msg.params, msg.priority, msg.progress, now, now + timeout_s,
                           self._cfg.retries), timeout_s)
+
+    def _foresee_cancel(self, rid: str) -> None:
+        """Remember, for CANCEL_OVERTAKES_S, that ``rid`` was cancelled before it came."""
+        now = time.monotonic()
+        self._foreseen.pop(rid, None)
+        self._foreseen[rid] = now + CANCEL_OVERTAKES_S
+        for old, until in list(itertools.islice(self._foreseen.items(), 64)):  # the oldest first
+            if until > now and len(self._foreseen) <= FORESEEN_CANCELS:
+                break
+            del self._foreseen[old]
 
     def _refuse(self, identity: bytes, rid: str, reason: Reason, message: str) -> None:
         """Refuse a request at the door (never admitted), and count it by reason."""

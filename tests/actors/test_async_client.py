@@ -361,13 +361,13 @@ def test_a_blocking_clients_interrupted_wait_cancels_its_request_and_leaves_it_u
     heard: list[Any] = []
 
     def fake_daemon() -> None:  # answers the Cancel, then the next Submit; never the first
-        for _ in range(3):
+        while not heard or heard[-1].request_id != "next":
             assert daemon.poll(10_000)
             identity, _, body = daemon.recv_multipart()
             heard.append(message := CLIENT_REQUEST.decode(body))
             if isinstance(message, Cancel):
                 daemon.send_multipart([identity, b"", encode(Cancelled(request_id=message.request_id, found=True))])
-            elif len(heard) > 1:
+            elif message.request_id == "next":
                 daemon.send_multipart([identity, b"", encode(Result(request_id=message.request_id, outputs=[],
                                                                     stages=[], total_ms=1.0))])
 
@@ -394,8 +394,12 @@ def test_a_blocking_clients_interrupted_wait_cancels_its_request_and_leaves_it_u
                 client.submit(PARAMS, request_id="interrupted", timeout_s=30)
             assert client.submit(PARAMS, request_id="next", timeout_s=10).result.total_ms == 1.0
         thread.join(timeout=10)
-        assert [(type(m).__name__, m.request_id) for m in heard] == [
-            ("Submit", "interrupted"), ("Cancel", "interrupted"), ("Submit", "next")]
+        # The Cancel goes by the fresh socket. The old one, closed at once, may have sent its
+        # Submit or not, and a ROUTER may read it after the Cancel (the daemon then refuses
+        # it: actors/frontend.py, CANCEL_OVERTAKES_S).
+        first = {(type(m).__name__, m.request_id) for m in heard[:-1]}
+        assert ("Cancel", "interrupted") in first <= {("Cancel", "interrupted"), ("Submit", "interrupted")}
+        assert (type(heard[-1]).__name__, heard[-1].request_id) == ("Submit", "next")
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)

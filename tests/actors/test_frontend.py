@@ -21,6 +21,7 @@ import zmq
 import zmq.asyncio
 from anyio.streams.memory import MemoryObjectReceiveStream
 
+from actors import frontend
 from actors.base import ask_stats
 from actors.frontend import FrontendActor, FrontendStats
 from actors.mail import Admit, CancelRequest, Deliver, FrontendMail, LimitsChanged, SetDraining
@@ -166,6 +167,36 @@ async def test_news_about_an_earlier_admission_never_reaches_the_reused_id(
             assert await f.reply() == (Cancelled(request_id="rid", found=False), [])
             assert (await f.stats()).in_flight == 0
             assert_empty(f.tracker)
+
+
+async def test_a_submit_its_cancel_overtook_is_refused_as_cancelled(ctx: zmq.asyncio.Context, tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """An interrupted blocking client cancels on a fresh connection, and the ROUTER may read
+    that Cancel first: the Submit that follows within CANCEL_OVERTAKES_S is not run for nobody."""
+    monkeypatch.setattr(frontend, "CANCEL_OVERTAKES_S", 0.2)
+    monkeypatch.setattr(frontend, "FORESEEN_CANCELS", 8)
+    with anyio.fail_after(5):
+        async with running_frontend(ctx, tmp_path) as f:
+            await f.ask(Cancel(protocol=PROTOCOL_VERSION, request_id="early"))
+            assert await f.reply() == (Cancelled(request_id="early", found=False), [])
+            await f.ask(Submit(protocol=PROTOCOL_VERSION, params=PARAMS, request_id="early"))
+            refused, _ = await f.reply()
+            assert isinstance(refused, Rejected) and refused.reason == Reason.CANCELLED
+            assert "its Cancel came first" in refused.message
+            assert_empty(f.tracker)
+            await f.admitted("early")  # once: the id is free again
+            # Only for a moment, and only so many of them.
+            await f.ask(Cancel(protocol=PROTOCOL_VERSION, request_id="late"))
+            await f.reply()
+            await anyio.sleep(0.3)
+            await f.admitted("late")
+            for i in range(20):
+                await f.ask(Cancel(protocol=PROTOCOL_VERSION, request_id=f"c{i}"))
+                await f.reply()
+            await f.admitted("c0")  # forgotten: the oldest go past FORESEEN_CANCELS
+            await f.ask(Submit(protocol=PROTOCOL_VERSION, params=PARAMS, request_id="c19"))
+            assert (await f.reply())[0].reason == Reason.CANCELLED
+            assert (await f.stats()).refused == {"cancelled": 2}
 
 
 async def test_a_submit_without_an_id_gets_one(ctx: zmq.asyncio.Context, tmp_path: Path) -> None:
