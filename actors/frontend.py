@@ -42,6 +42,7 @@ from actors.mail import (
     TrackerMail,
 )
 from actors.mailbox import Mailbox, MailboxCounts
+from actors.recent import RecentIds
 from orchestrator.config import DaemonConfig
 from transfer.binding import FLUSH_ON_CLOSE_MS, bound_router
 from transfer.protocol import (
@@ -69,9 +70,10 @@ RETRIED = frozenset({Reason.WORKER_LOST, Reason.TRANSFER_FAILED})
 UNREAD_ANSWERED = 1024
 # A Cancel that finds nothing may have overtaken its Submit: a blocking client interrupted
 # just after sending cancels on a fresh connection, and the ROUTER reads connections in no
-# set order. That id's Submit arriving within this is refused as cancelled, not run for nobody.
+# set order. That id's Submit arriving within this is refused as cancelled, not run for
+# nobody; unless the id's request had just ended (then the Cancel came late, not early).
 CANCEL_OVERTAKES_S = 1.0
-FORESEEN_CANCELS = 4096  # ids remembered so, at the most (the oldest forgotten first)
+FORESEEN_CANCELS = 4096  # ids remembered so, at the most (the oldest forgotten first); as many ended ones
 
 
 class FrontendStats(msgspec.Struct, frozen=True):
@@ -122,7 +124,8 @@ class FrontendActor:
         self._keys = itertools.count()
         self._clients: dict[str, Asked] = {}  # internal key -> who asked
         self._in_flight: dict[str, str] = {}  # client's id -> internal key
-        self._foreseen: dict[str, float] = {}  # id cancelled before it came -> until when (monotonic), in order
+        self._foreseen = RecentIds(CANCEL_OVERTAKES_S, FORESEEN_CANCELS)  # ids cancelled before they came
+        self._just_ended = RecentIds(CANCEL_OVERTAKES_S, FORESEEN_CANCELS)  # ids whose request just ended
         self._of_connection: dict[bytes, set[str]] = {}  # client connection -> its internal keys
         self._door = DoorLimits()
         self._draining = False
@@ -206,14 +209,14 @@ class FrontendActor:
                 key = self._in_flight.get(rid)
                 if key is not None:
                     self._cancel(key, BY_THE_CLIENT)
-                else:
-                    self._foresee_cancel(rid)
+                elif not self._just_ended.holds(rid, now := time.monotonic()):
+                    self._foreseen.add(rid, now)
                 self._send(identity, Cancelled(request_id=rid, found=key is not None))
 
     def _submit(self, identity: bytes, msg: Submit) -> None:
         rid = msg.request_id or uuid.uuid4().hex
         problem: tuple[Reason, str] | None = None
-        if self._foreseen.pop(rid, 0.0) > time.monotonic():
+        if self._foreseen.take(rid, time.monotonic()):
             problem = Reason.CANCELLED, f"{BY_THE_CLIENT}: its Cancel came first, by another connection"
         elif self._draining:
             problem = Reason.DRAINING, "the daemon is draining and takes no new work"
@@ -230,16 +233,6 @@ class FrontendActor:
         now = time.monotonic()
         self._admit(Asked(identity, rid, msg.params, msg.priority, msg.progress, now, now + timeout_s,
                           self._cfg.retries), timeout_s)
-
-    def _foresee_cancel(self, rid: str) -> None:
-        """Remember, for CANCEL_OVERTAKES_S, that ``rid`` was cancelled before it came."""
-        now = time.monotonic()
-        self._foreseen.pop(rid, None)
-        self._foreseen[rid] = now + CANCEL_OVERTAKES_S
-        for old, until in list(itertools.islice(self._foreseen.items(), 64)):  # the oldest first
-            if until > now and len(self._foreseen) <= FORESEEN_CANCELS:
-                break
-            del self._foreseen[old]
 
     def _refuse(self, identity: bytes, rid: str, reason: Reason, message: str) -> None:
         """Refuse a request at the door (never admitted), and count it by reason."""
@@ -295,6 +288,7 @@ class FrontendActor:
                 if asked is not None:
                     del self._in_flight[asked.request_id]
                     self._ended(asked.identity, key)
+                    self._just_ended.add(asked.request_id, time.monotonic())
                     if asked.cancelled and isinstance(message, Rejected) and message.reason in RETRIED:
                         message = Rejected(request_id=key, reason=Reason.CANCELLED, message=asked.cancelled)
                     if not self._retry(asked, message, avoid):

@@ -53,6 +53,13 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
     .venv/bin/python -m pip install -q --disable-pip-version-check "$@" >.venv/install.log 2>&1 ||
       { cat .venv/install.log >&2; echo "triptych: pip install $* failed" >&2; exit 1; }
   }
+  # Mooncake's builds share one package folder: another build's files would linger under this
+  # one's (and go with either's uninstall), so a change of build starts from none.
+  if .venv/bin/python -m pip list --format=freeze 2>/dev/null | grep -i '^mooncake-transfer-engine' |
+     grep -qvi "^${MOONCAKE%%==*}=="; then
+    .venv/bin/python -m pip uninstall -y -q mooncake-transfer-engine mooncake-transfer-engine-cuda13 \
+      mooncake-transfer-engine-non-cuda >/dev/null 2>&1 || true
+  fi
   # torch first and pinned: the version the project is tested with. (From PyPI alone that is
   # its CUDA build, also on a machine without a GPU; PIP_EXTRA_INDEX_URL, README, gets the CPU one.)
   pip_install "torch==2.13.0"

@@ -262,7 +262,7 @@ class Stats(Wire):
     # (or client_held_total_bytes held for all clients together).
     replies_dropped: int = 0
     # Submits refused at the door, never admitted, by reason (overloaded, draining,
-    # duplicate, invalid, unsupported): counted nowhere else.
+    # duplicate, invalid, unsupported, cancelled: its Cancel came first): counted nowhere else.
     refused: dict[str, int] = {}
     # Completed requests ("request"), each stage's wait and compute ("encoder.queued",
     # "denoiser.compute", ...), each hop's write ("encoder->denoiser", ...); and the bytes

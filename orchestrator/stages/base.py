@@ -58,7 +58,8 @@ def released(exc: BaseException) -> BaseException:
         tb = tb.tb_next
     if isinstance(exc, torch.OutOfMemoryError):
         torch.cuda.empty_cache()
-        return StageError(f"out of GPU memory for this request: {str(exc).splitlines()[0]}")
+        first_line = next(iter(str(exc).splitlines()), "")
+        return StageError(f"out of GPU memory for this request: {first_line}".rstrip(": "))
     return exc
 
 

@@ -199,6 +199,21 @@ async def test_a_submit_its_cancel_overtook_is_refused_as_cancelled(ctx: zmq.asy
             assert (await f.stats()).refused == {"cancelled": 2}
 
 
+async def test_a_cancel_that_came_late_does_not_refuse_the_ids_next_request(ctx: zmq.asyncio.Context,
+                                                                              tmp_path: Path) -> None:
+    """The Cancel crossed its request's Result (or a blocking client that timed out cancels
+    after the answer came): it found nothing because it was late, not early."""
+    with anyio.fail_after(5):
+        async with running_frontend(ctx, tmp_path) as f:
+            key = await f.admitted("job")
+            f.inbox.post(Deliver(request_id=key, message=Result(request_id=key, outputs=OUTPUTS, stages=[],
+                                                                 total_ms=1.0), frames=[b"\0" * 4]))
+            assert isinstance((await f.reply())[0], Result)
+            await f.ask(Cancel(protocol=PROTOCOL_VERSION, request_id="job"))
+            assert await f.reply() == (Cancelled(request_id="job", found=False), [])
+            await f.admitted("job")
+
+
 async def test_a_submit_without_an_id_gets_one(ctx: zmq.asyncio.Context, tmp_path: Path) -> None:
     with anyio.fail_after(5):
         async with running_frontend(ctx, tmp_path) as f:

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from orchestrator.stages import RunControl, StageError, StageStopped
+from orchestrator.stages.base import released
 from orchestrator.watchdog import EXIT_DEVICE_BROKEN
 from tests.unit.test_worker_orders import PARAMS, reports, worker
 from transfer.protocol import Done, Reason, Work
@@ -69,6 +70,11 @@ async def test_running_out_of_gpu_memory_fails_the_request_plainly(logs: list[di
                         error="out of GPU memory for this request: CUDA out of memory. Tried to allocate 2 GiB")
     assert emptied == [True]  # the allocator's cache back to the card the other workers share
     assert not [e for e in logs if e["event"] == "worker.stage_crashed"]  # a resource failure, not a bug
+
+
+def test_an_out_of_memory_error_without_a_message_still_fails_plainly() -> None:
+    failure = released(torch.OutOfMemoryError())
+    assert isinstance(failure, StageError) and str(failure) == "out of GPU memory for this request"
 
 
 async def test_a_cuda_error_takes_the_worker_down_for_its_supervisor(logs: list[dict]) -> None:
