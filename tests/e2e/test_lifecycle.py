@@ -170,6 +170,18 @@ async def test_duplicate_in_flight_request_id_is_rejected(start_cluster: StartCl
     assert wait_for(cluster, all_free).completed == 1
 
 
+def test_an_id_is_free_again_once_its_request_ended_even_after_a_late_cancel(start_cluster: StartCluster) -> None:
+    """A Cancel that finds nothing is remembered a moment (it may have overtaken its Submit),
+    but not one that came after its request ended: the id's next request runs."""
+    cluster = start_cluster(layout={"encoder": 1, "denoiser": 1, "decoder": 1})
+    with Client(cluster.config.daemon.client_endpoint) as client:
+        first = client.submit(p(1), request_id="job-7", timeout_s=30)
+        assert client.cancel("job-7") is False
+        again = client.submit(p(1), request_id="job-7", timeout_s=30)
+    assert again.result.request_id == "job-7" and again.result.outputs == first.result.outputs
+    assert not cluster.control.stats().refused
+
+
 async def test_cancel_stops_the_request_and_frees_its_slots(start_cluster: StartCluster) -> None:
     cluster = start_cluster(**SLOW)
     endpoint = cluster.config.daemon.client_endpoint
