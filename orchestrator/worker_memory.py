@@ -24,8 +24,9 @@ from transfer.pool import Block, MemoryPool, PoolError
 from transfer.protocol import Alloc, Allocated, AllocRejected, Push, Pushed, Ready, Staged, Via
 from transfer.shm import LocalCopyError, LocalWriter
 
-# Same-host copies up to this size run on the event loop (about 0.1 ms at memcpy speed):
-# cheaper than the two thread hops a push thread costs.
+# Copies up to this size run on the event loop (about 0.1 ms at memcpy speed): cheaper than
+# the two thread hops a thread costs. Larger ones (same-host writes, staging an output) run
+# on a thread, so the loop keeps answering allocs and pushes meanwhile.
 INLINE_COPY_BYTES = 1 << 20
 # How often the same-host writers look for receivers that exited, to unmap their pools.
 UNMAP_GONE_S = 5.0
@@ -118,7 +119,11 @@ class RequestMemory:
         specs, nbytes = frames.layout(outputs)
         block = await self._pool.alloc(nbytes, timeout_s=self._alloc_timeout_s)
         try:
-            frames.pack(self._pool.view(block), outputs, specs)
+            if nbytes <= INLINE_COPY_BYTES:
+                frames.pack(self._pool.view(block), outputs, specs)
+            else:
+                await anyio.to_thread.run_sync(frames.pack, self._pool.view(block), outputs, specs)
+                await anyio.lowlevel.checkpoint_if_cancelled()  # aborted while it copied: nothing staged
         except BaseException:
             self._pool.free(block)
             raise

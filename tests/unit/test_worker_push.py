@@ -4,13 +4,17 @@ more; one it stopped waiting for may still land, and the daemon must know which.
 from __future__ import annotations
 
 import os
+import threading
+import time
 
 import anyio
 import pytest
+import torch
 
 from orchestrator.config import Config
 from orchestrator.worker import WorkerRuntime
 from orchestrator.worker_memory import INLINE_COPY_BYTES
+from transfer import frames
 from transfer.engine import TransferError, TransferInDoubt
 from transfer.pool import MemoryPool
 from transfer.protocol import WORKER_MESSAGE, LocalMemory, Push, Pushed
@@ -94,3 +98,33 @@ async def test_the_pool_of_a_same_host_receiver_that_left_is_unmapped_without_an
         await worker._memory.unmap_gone_receivers(period_s=0.01)
     kept = staying.describe(0, 0).path
     assert all([path for path, _, _ in writer._mapped] == [kept] for writer in writers)
+
+
+@pytest.mark.parametrize("nbytes", [1024, 2 * INLINE_COPY_BYTES])
+async def test_a_large_output_is_staged_off_the_loop_and_a_small_one_on_it(nbytes: int,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A copy of many MiB on the loop would hold up the allocs and pushes it answers."""
+    copied_on: list[threading.Thread] = []
+    pack = frames.pack
+    monkeypatch.setattr(frames, "pack", lambda *args: (copied_on.append(threading.current_thread()), pack(*args)))
+    worker = WorkerRuntime("encoder", Config(), name="stage-test", engine=object())  # type: ignore[arg-type]
+    worker._use_pool(pool := MemoryPool(4 * INLINE_COPY_BYTES))
+    assert worker._memory is not None
+    output = {"embeds": torch.arange(nbytes // 4, dtype=torch.float32)}
+    await worker._memory.stage_output("r1", output, compute_ms=1.0)
+    assert (copied_on == [threading.main_thread()]) == (nbytes <= INLINE_COPY_BYTES)
+    specs, _ = frames.layout(output)
+    assert torch.equal(frames.unpack(pool.view(worker._memory._staged["r1"]), specs)["embeds"], output["embeds"])
+    assert len(worker._outbox) == 1  # its Staged
+
+
+async def test_a_request_aborted_while_its_output_is_copied_stages_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    pack = frames.pack
+    monkeypatch.setattr(frames, "pack", lambda *args: (time.sleep(0.2), pack(*args)))
+    worker = WorkerRuntime("encoder", Config(), name="stage-test", engine=object())  # type: ignore[arg-type]
+    worker._use_pool(pool := MemoryPool(4 * INLINE_COPY_BYTES))
+    assert worker._memory is not None
+    output = {"embeds": torch.zeros(2 * INLINE_COPY_BYTES // 4)}
+    with anyio.move_on_after(0.05):
+        await worker._memory.stage_output("r1", output, compute_ms=1.0)
+    assert pool.allocated_blocks == 0 and not worker._memory.holds_output("r1") and len(worker._outbox) == 0
