@@ -119,7 +119,8 @@ class LeastLoaded:
 class PowerOfTwo:
     """Two random instances with free slots; the one with more free slots wins.
 
-    Candidates live in a list with an index map, so add, remove and sample are O(1).
+    Candidates live in a list with an index map, so add, remove and sample are O(1); a
+    retry's sample skips the positions of the instances it avoids, O(k log k) for k of them.
     """
 
     def __init__(self, rng: random.Random | None = None) -> None:
@@ -143,13 +144,24 @@ class PowerOfTwo:
 
     def pick(self, avoid: Collection[str] = ()) -> str | None:
         candidates = self._candidates
-        if avoid and any(c not in avoid for c in candidates):
-            candidates = [c for c in candidates if c not in avoid]  # a retry: rare, so a scan
         if not candidates:
             return None
-        a = candidates[self._rng.randrange(len(candidates))]
-        b = candidates[self._rng.randrange(len(candidates))]
+        # A retry's avoided instances sit at these positions; the rest are drawn from by
+        # rank. A few avoided instances cost a few steps, whatever the pool's size.
+        skipped = sorted(self._index[i] for i in avoid if i in self._index)
+        if len(skipped) == len(candidates):
+            skipped = []  # every candidate is avoided: any will do
+        a, b = self._nth_allowed(skipped), self._nth_allowed(skipped)
         return a if self._free[a] >= self._free[b] else b
+
+    def _nth_allowed(self, skipped: list[int]) -> str:
+        """A uniformly drawn candidate whose position is not in ``skipped`` (sorted)."""
+        position = self._rng.randrange(len(self._candidates) - len(skipped))
+        for taken in skipped:
+            if taken > position:
+                break
+            position += 1
+        return self._candidates[position]
 
     def _drop(self, instance: str) -> None:
         position = self._index.pop(instance)

@@ -191,6 +191,32 @@ def test_power_of_two_drops_an_instance_that_went_full() -> None:
     assert "b" not in {p.pick() for _ in range(50)}
 
 
+class _Unscannable(list[str]):
+    """A candidate list that refuses to be walked: indexing only."""
+
+    def __iter__(self):  # type: ignore[override]
+        raise AssertionError("the pick walked every candidate")
+
+
+def test_power_of_two_retry_skips_the_avoided_without_walking_the_pool() -> None:
+    """A retry's pick costs steps for the instances it avoids, not for the pool's size."""
+    p = PowerOfTwo(random.Random(3))
+    for i in range(10_000):
+        p.update(f"w{i}", 1)
+    p._candidates = _Unscannable(p._candidates)
+    avoid = {f"w{i}" for i in range(0, 10_000, 1000)}
+    picks = {p.pick(avoid) for _ in range(200)}
+    assert picks and not picks & avoid
+
+
+def test_power_of_two_retry_draws_every_allowed_instance() -> None:
+    p = PowerOfTwo(random.Random(4))
+    for name in "abcdef":
+        p.update(name, 1)
+    assert {p.pick({"a", "c", "f"}) for _ in range(300)} == {"b", "d", "e"}
+    assert {p.pick(set("abcdef")) for _ in range(300)} == set("abcdef")  # all avoided: any
+
+
 # --------------------------------------------------------------------------- any sequence
 
 
