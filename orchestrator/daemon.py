@@ -132,9 +132,9 @@ async def _watch_signals(drain_requested: anyio.Event, drain_wait: anyio.CancelS
 
 async def _act_on_signals(drain_requested: anyio.Event, drain_wait: anyio.CancelScope,
                           early: list[signal.Signals]) -> None:
-    def heard(signum: int) -> bool:
+    def heard(signum: int, *, during_start_up: bool = False) -> bool:
         """Act on a stop signal; True once there is nothing left to act on."""
-        log.info("daemon.signal", signal=signal.Signals(signum).name)
+        log.info("daemon.signal", signal=signal.Signals(signum).name, during_start_up=during_start_up)
         if drain_requested.is_set():
             drain_wait.cancel()  # second signal: stop waiting for the work in flight
             return True
@@ -143,7 +143,7 @@ async def _act_on_signals(drain_requested: anyio.Event, drain_wait: anyio.Cancel
 
     with anyio.open_signal_receiver(*STOP_SIGNALS) as signals:
         # Those kept before this receiver opened count as if they came now.
-        if any(heard(signum) for signum in early):
+        if any(heard(signum, during_start_up=True) for signum in early):
             return
         async for signum in signals:
             if heard(signum):

@@ -526,7 +526,7 @@ async def run_worker(role: Role, cfg: Config, name: str | None = None, *,
         async def stop_on_signal() -> None:
             with anyio.open_signal_receiver(*STOP_SIGNALS) as signals:
                 for signum in early or ():  # as if they came now
-                    log.info("worker.signal", signal=signum.name)
+                    log.info("worker.signal", signal=signum.name, during_start_up=True)
                     tg.cancel_scope.cancel()
                 async for signum in signals:
                     log.info("worker.signal", signal=signal.Signals(signum).name)
