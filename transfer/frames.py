@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from transfer.protocol import TensorSpec
-from transfer.specs import align_up, check_frames, expected_nbytes
+from transfer.specs import align_up, check_frames, check_headers, expected_nbytes
 
 _DTYPES: dict[str, torch.dtype] = {
     name: dtype
@@ -74,6 +74,7 @@ def layout(tensors: Mapping[str, torch.Tensor]) -> tuple[list[TensorSpec], int]:
             TensorSpec(name=name, dtype=dtype_name(t.dtype), shape=tuple(t.shape), offset=offset, nbytes=size)
         )
         offset = align_up(offset + size)
+    check_headers(specs)
     return specs, offset
 
 
@@ -120,6 +121,7 @@ def to_frames(tensors: Mapping[str, torch.Tensor]) -> tuple[list[TensorSpec], li
         raw = _bytes_view(t)
         specs.append(TensorSpec(name=name, dtype=dtype_name(t.dtype), shape=tuple(t.shape), nbytes=raw.numel()))
         buffers.append(memoryview(raw.numpy()))
+    check_headers(specs)
     return specs, buffers
 
 

@@ -32,6 +32,16 @@ ROLES: tuple[Role, ...] = ("encoder", "denoiser", "decoder")
 RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
 Dim = Annotated[int, msgspec.Meta(ge=1, le=16384)]
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+# A duration a worker reports. NaN or infinity would poison the daemon's running means
+# (ETAs, latency totals) for good; the wire refuses them.
+Millis = Annotated[float, msgspec.Meta(ge=0, le=1e9)]
+# What a worker registers and the daemon relays in its orders to other workers (names,
+# addresses, Mooncake sessions): bounded, with the tensor headers below, so that no order
+# can outgrow the frame limit of a work socket (ORDER_MAX_MESSAGE_BYTES), which would drop it.
+Label = Annotated[str, msgspec.Meta(max_length=512)]
+MAX_TENSORS = 64  # per hand-off or result
+MAX_TENSOR_NAME = 256
+MAX_DIMS = 8
 # How a hand-off's bytes moved: the transfer engine, or a copy into shared memory (same host).
 Via = Literal["mooncake", "memcpy"]
 
@@ -69,11 +79,14 @@ class TensorSpec(Plain):
     ``dtype`` is a torch dtype name without the ``torch.`` prefix (``float32``, ``uint8``).
     """
 
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
+    name: Annotated[str, msgspec.Meta(max_length=MAX_TENSOR_NAME)]
+    dtype: Annotated[str, msgspec.Meta(max_length=16)]
+    shape: Annotated[tuple[int, ...], msgspec.Meta(max_length=MAX_DIMS)]
     offset: NonNegative = 0
     nbytes: NonNegative = 0
+
+
+Manifest = Annotated[list[TensorSpec], msgspec.Meta(max_length=MAX_TENSORS)]
 
 
 # --------------------------------------------------------------------------- client <-> daemon
@@ -133,7 +146,7 @@ class Result(Wire):
     """A finished request. ``outputs[i]`` describes raw frame ``i`` after this header."""
 
     request_id: str
-    outputs: list[TensorSpec]
+    outputs: Manifest
     stages: list[StageTiming]
     total_ms: float
 
@@ -319,8 +332,8 @@ class LocalMemory(Plain):
     """How a peer on the same host maps a worker's pool: a shared file (memfd) it opens at
     ``path`` and checks by ``device``/``inode``, holding ``[base, base + size)``."""
 
-    host: str  # the kernel instance (boot id): equal only for workers of one host
-    path: str  # /proc/<pid>/fd/<fd>
+    host: Label  # the kernel instance (boot id): equal only for workers of one host
+    path: Label  # /proc/<pid>/fd/<fd>
     device: NonNegative
     inode: NonNegative
     base: NonNegative  # the pool's address in its owner, as registered
@@ -331,11 +344,11 @@ class Register(Wire):
     """Worker -> daemon, first message on its DEALER. The connection becomes its identity."""
 
     protocol: int
-    token: str
+    token: Label
     role: Role
-    name: str
-    work_address: str
-    session: str  # Mooncake segment name peers write to
+    name: Label
+    work_address: Label
+    session: Label  # Mooncake segment name peers write to
     pool_base: NonNegative
     pool_size: NonNegative
     slots: list[SlotInfo]
@@ -410,8 +423,8 @@ class Staged(Wire):
 
     request_id: str
     nbytes: NonNegative
-    manifest: list[TensorSpec]
-    compute_ms: float
+    manifest: Manifest
+    compute_ms: Millis
     part: NonNegative = 0
 
 
@@ -454,7 +467,7 @@ class Pushed(Wire):
 
     request_id: str
     ok: bool
-    transfer_ms: float
+    transfer_ms: Millis
     error: str = ""
     part: NonNegative = 0
     via: Via = "mooncake"
@@ -469,7 +482,7 @@ class Ready(Wire):
     request_id: str
     params: GenParams
     address: NonNegative
-    manifest: list[TensorSpec]
+    manifest: Manifest
     slot_id: int | None = None  # the preallocated slot used, or None for an allocation
     progress: bool = False  # report ``Step``s while computing
 
@@ -482,8 +495,8 @@ class Done(Wire):
 
     request_id: str
     ok: bool
-    compute_ms: float
-    outputs: list[TensorSpec] = []
+    compute_ms: Millis
+    outputs: Manifest = []
     reason: Reason = Reason.STAGE_FAILED
     error: str = ""
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from transfer.protocol import TensorSpec
+from transfer.protocol import MAX_DIMS, MAX_TENSOR_NAME, MAX_TENSORS, TensorSpec
 
 # Every tensor, staged block and preallocated slot starts on this boundary.
 ALIGNMENT = 256
@@ -40,6 +40,19 @@ def expected_nbytes(spec: TensorSpec) -> int:
         return count * ITEMSIZE[spec.dtype]
     except KeyError:
         raise ValueError(f"tensor {spec.name!r}: unknown dtype {spec.dtype!r}") from None
+
+
+def check_headers(specs: Sequence[TensorSpec]) -> None:
+    """Raise ``ValueError`` for headers the wire refuses: a worker checks its stage's outputs
+    with this before it reports them, or the daemon would drop the report unread."""
+    if len(specs) > MAX_TENSORS:
+        raise ValueError(f"{len(specs)} output tensors; a hand-off or result carries at most {MAX_TENSORS}")
+    for spec in specs:
+        if len(spec.name) > MAX_TENSOR_NAME:
+            raise ValueError(f"tensor name {spec.name[:32]!r}... is {len(spec.name)} characters, "
+                             f"more than {MAX_TENSOR_NAME}")
+        if len(spec.shape) > MAX_DIMS:
+            raise ValueError(f"tensor {spec.name!r} has {len(spec.shape)} dimensions, more than {MAX_DIMS}")
 
 
 def check_frames(specs: Sequence[TensorSpec], frames: Sequence[Any]) -> None:

@@ -176,3 +176,66 @@ def test_stats_from_a_daemon_before_finishing_slots_still_decode() -> None:
            "slots_free": 1, "slots_total": 1, "prealloc_free": 0, "prealloc_total": 0, "served": 0, "failed": 0,
            "alive": True}
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(old), type=p.InstanceStats).slots_finishing == 0
+
+
+# --------------------------------------------------------------------------- what workers may say
+
+WIDE = "\U0010ffff"  # four bytes in UTF-8: the most a bounded string can weigh
+LARGEST = 2**63 - 1
+
+
+def _largest_spec() -> p.TensorSpec:
+    return p.TensorSpec(name=WIDE * p.MAX_TENSOR_NAME, dtype=WIDE * 16, shape=(LARGEST,) * p.MAX_DIMS,
+                        offset=LARGEST, nbytes=LARGEST)
+
+
+def test_no_order_can_outgrow_a_work_socket_frame() -> None:
+    """The daemon relays what workers register and report (sessions, shared-memory paths,
+    tensor headers) and what clients ask (prompts) in its orders to other workers. A frame
+    over a work socket's limit is dropped whole, with the connection, and its request would
+    wait for nothing: the wire's bounds keep the largest order the daemon can build under it."""
+    from orchestrator.work_socket import ORDER_MAX_MESSAGE_BYTES
+
+    label = WIDE * 512
+    params = p.GenParams(prompt=WIDE * 16384, negative_prompt=WIDE * 16384)
+    manifest = [_largest_spec()] * p.MAX_TENSORS
+    # Every relayed piece is as large as the decoders that take it from workers and clients allow.
+    registered = p.Register(protocol=p.PROTOCOL_VERSION, token=label, role="denoiser", name=label,
+                            work_address=label, session=label, pool_base=0, pool_size=1, slots=[], capacity=1,
+                            local=p.LocalMemory(host=label, path=label, device=LARGEST, inode=LARGEST,
+                                                base=LARGEST, size=LARGEST))
+    staged = p.Staged(request_id="r", nbytes=LARGEST, manifest=manifest, compute_ms=1e9)
+    assert p.WORKER_MESSAGE.decode(p.encode(registered)) == registered
+    assert p.WORKER_MESSAGE.decode(p.encode(staged)) == staged
+    rid = WIDE * 128
+    assert p.CLIENT_REQUEST.decode(p.encode(p.Submit(protocol=p.PROTOCOL_VERSION, params=params, request_id=rid)))
+    orders = [
+        p.Work(request_id=rid, params=params, part=LARGEST, parts=LARGEST, progress=True),
+        p.Ready(request_id=rid, params=params, address=LARGEST, manifest=manifest, slot_id=LARGEST, progress=True),
+        p.Push(request_id=rid, session=registered.session, address=LARGEST, nbytes=LARGEST, part=LARGEST,
+               local=registered.local),
+    ]
+    for order in orders:
+        assert len(p.encode(order)) < ORDER_MAX_MESSAGE_BYTES
+
+
+@pytest.mark.parametrize("report", [
+    p.Register(protocol=p.PROTOCOL_VERSION, token="t", role="encoder", name="e", work_address="ipc://w",
+               session="x" * 513, pool_base=0, pool_size=1, slots=[], capacity=1),
+    p.Staged(request_id="r", nbytes=1, manifest=[_largest_spec()] * (p.MAX_TENSORS + 1), compute_ms=1.0),
+    p.Done(request_id="r", ok=True, compute_ms=1.0,
+           outputs=[p.TensorSpec(name="image", dtype="uint8", shape=(1,) * (p.MAX_DIMS + 1))]),
+], ids=["session", "manifest", "dimensions"])
+def test_what_a_worker_could_make_the_daemon_relay_is_bounded(report: p.Wire) -> None:
+    with pytest.raises(msgspec.ValidationError):
+        p.WORKER_MESSAGE.decode(p.encode(report))
+
+
+@pytest.mark.parametrize("duration", [float("nan"), float("inf"), -1.0])
+def test_a_duration_a_worker_reports_is_a_finite_number_of_ms(duration: float) -> None:
+    """One NaN in the daemon's running means would make every later ETA and latency total NaN."""
+    for report in (p.Staged(request_id="r", nbytes=1, manifest=[], compute_ms=duration),
+                   p.Pushed(request_id="r", ok=True, transfer_ms=duration),
+                   p.Done(request_id="r", ok=False, compute_ms=duration)):
+        with pytest.raises(msgspec.ValidationError, match=r"_ms"):
+            p.WORKER_MESSAGE.decode(p.encode(report))

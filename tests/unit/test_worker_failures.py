@@ -91,3 +91,30 @@ async def test_a_cuda_error_takes_the_worker_down_for_its_supervisor(logs: list[
     assert exits == [EXIT_DEVICE_BROKEN]
     [event] = [e for e in logs if e["event"] == "worker.device_broken"]
     assert event["request_id"] == "r1" and "illegal memory access" in event["error"]
+
+
+class Returning:
+    """A stage that returns ``outputs`` whatever it is asked."""
+
+    def __init__(self, outputs: dict[str, torch.Tensor]) -> None:
+        self.outputs = outputs
+
+    def run(self, params, inputs, *, control: RunControl) -> dict[str, torch.Tensor]:
+        return self.outputs
+
+
+@pytest.mark.parametrize(("role", "outputs", "why"), [
+    ("encoder", {f"t{i}": torch.zeros(1) for i in range(65)}, "65 output tensors; a hand-off or result carries at most 64"),
+    ("encoder", {"x" * 300: torch.zeros(1)}, "is 300 characters, more than 256"),
+    ("decoder", {"images": torch.zeros((1,) * 9, dtype=torch.uint8)}, "has 9 dimensions, more than 8"),
+], ids=["too many", "long name", "too many dimensions"])
+async def test_outputs_the_wire_refuses_fail_their_request_saying_why(role: str, outputs: dict[str, torch.Tensor],
+                                                                       why: str) -> None:
+    """Reported as they are, the daemon would drop the report unread and the request would
+    wait out its deadline. (``reports`` decodes as the daemon does.)"""
+    async with worker(role) as w:
+        w._stage = Returning(outputs)
+        w.send(Work(request_id="r1", params=PARAMS))
+        [done] = await reports(w, 1)
+        w.tg.cancel_scope.cancel()
+    assert isinstance(done, Done) and not done.ok and done.reason == Reason.STAGE_FAILED and why in done.error
