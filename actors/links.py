@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hmac
+import ipaddress
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -86,6 +87,12 @@ def work_address_problem(ctx: zmq.Context, address: str) -> str | None:
     """
     if not address.startswith(("tcp://", "ipc://")):
         return f"work_address {address!r} is not tcp:// or ipc://"
+    host, colon, _ = address.removeprefix("tcp://").rpartition(":")
+    if address.startswith("tcp://") and colon and not _is_ip(host.removeprefix("[").removesuffix("]")):
+        # ZMQ would look the name up on its I/O thread, with a blocking call, and again at
+        # every reconnect: a slow DNS server would stall every socket of the daemon.
+        return (f"work_address {address!r} names its host: the daemon dials only IP addresses "
+                "(workers resolve their advertise_host before registering)")
     try:
         probe = zmq.Socket(ctx, zmq.PUSH)
     except zmq.ZMQError as exc:  # out of sockets or file descriptors: the daemon's, not the address's
@@ -97,3 +104,11 @@ def work_address_problem(ctx: zmq.Context, address: str) -> str | None:
     finally:
         probe.close(linger=0)
     return None
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True

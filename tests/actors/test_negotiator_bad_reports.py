@@ -53,6 +53,7 @@ from transfer.reports import REPORTS_PER_MESSAGE
 @pytest.mark.parametrize(("address", "why"), [
     ("garbage", "is not tcp:// or ipc://"),
     ("tcp://no-port", "Invalid argument"),
+    ("tcp://gpu-node-7.cluster.internal:5555", "names its host: the daemon dials only IP addresses"),
     ("ipc://" + "x" * 200, "File name too long"),
 ])
 async def test_a_work_address_the_daemon_cannot_connect_to_is_refused_at_registration(

@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import tempfile
+import time
 import uuid
 from pathlib import Path
 
@@ -15,7 +16,7 @@ import pytest
 import zmq
 
 from orchestrator.config import Config, WorkerConfig
-from orchestrator.work_socket import ORDER_MAX_MESSAGE_BYTES, bind_work_socket, close_work_socket
+from orchestrator.work_socket import ORDER_MAX_MESSAGE_BYTES, bind_work_socket, close_work_socket, dialable
 from orchestrator.worker import WorkerRuntime
 from transfer.binding import EndpointUnusable
 from transfer.pool import MemoryPool
@@ -101,6 +102,34 @@ def test_closing_an_ipc_work_socket_removes_its_file() -> None:
         close_work_socket(ctx.socket(zmq.PULL), None)  # never bound: nothing to remove
     finally:
         ctx.destroy(linger=0)
+
+
+def test_a_worker_advertises_its_host_by_ip_address() -> None:
+    """The daemon dials only IP addresses (a name would be looked up on its I/O thread, where
+    a slow DNS server stalls every socket it has): a worker looks its advertise_host up itself."""
+    ctx = zmq.Context()
+    try:
+        pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+        address = bind_work_socket(pull, WorkerConfig(bind_host="127.0.0.1", advertise_host="localhost"))
+        assert address.startswith("tcp://127.0.0.1:")
+        push.connect(address)
+        push.send(b"order")
+        assert pull.poll(5000) and pull.recv() == b"order"
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_an_advertise_host_that_does_not_resolve_stops_the_start_naming_it() -> None:
+    with pytest.raises(EndpointUnusable, match=r"advertise_host 'no-such-host\.invalid' does not resolve"):
+        dialable("no-such-host.invalid")
+
+
+def test_a_lookup_that_hangs_stops_the_start_within_its_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(socket, "getaddrinfo", lambda *args, **kwargs: time.sleep(5))  # a DNS server that never answers
+    started = time.monotonic()
+    with pytest.raises(EndpointUnusable, match=r"advertise_host 'gpu-7' did not resolve within 0.2 s"):
+        dialable("gpu-7", timeout_s=0.2)
+    assert time.monotonic() - started < 2
 
 
 def test_an_address_the_work_socket_cannot_bind_is_named() -> None:
