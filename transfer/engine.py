@@ -178,9 +178,17 @@ class MooncakeEngine:
 
         Raises TransferInDoubt when it times out, leaving the id to Mooncake untouched.
         """
+        submitted_at = time.monotonic()
         batch_id = te.transfer_submit_write(session, local_addr, remote_addr, nbytes)
-        if not 0 < batch_id < _MAX_ID:
-            return False  # nothing was submitted, so there is no id to poll
+        if not 0 < batch_id < _MAX_ID:  # nothing was submitted, so there is no id to poll
+            took_s = time.monotonic() - submitted_at
+            if took_s < _STUCK_S:
+                return False
+            # The first write to a peer shakes hands with it inside the submit, and a peer that
+            # takes the connection but never answers (stopped, frozen) holds that for Mooncake's
+            # own handshake timeout, about a minute: trying again would wait as long.
+            raise TransferError(f"write of {nbytes} bytes to {session}: the submit failed after {took_s:.1f} s "
+                                "(the handshake with a peer that does not answer)")
         limit_s = self._timeout_s + nbytes * 1e-9 + _GRACE_S
         started = time.monotonic()
         sleep_s = _FIRST_SLEEP_S

@@ -108,13 +108,15 @@ class ScriptedMooncake:
     Fails the test if an id is polled after it returned 1 or -1 (Mooncake has freed it by
     then) or after -2, or if an id is polled that was never handed out (both segfault)."""
 
-    def __init__(self, *scripts: Sequence[int]) -> None:
+    def __init__(self, *scripts: Sequence[int], submit_s: float = 0.0) -> None:
         self.scripts = [list(script) for script in scripts]  # [] means "submit fails (0)"
+        self.submit_s = submit_s  # how long each submit takes
         self.submits = 0
         self.polls: dict[int, int] = {}
         self.finished: set[int] = set()
 
     def transfer_submit_write(self, session: str, src: int, dst: int, nbytes: int) -> int:
+        time.sleep(self.submit_s)
         self.submits += 1
         if not self.scripts[self.submits - 1]:
             return 0
@@ -293,6 +295,19 @@ def test_a_failure_after_a_stuck_write_is_in_doubt_and_not_retried(pair: Pair, m
     monkeypatch.setattr(transfer.engine, "_STUCK_S", 0.02)
     with pytest.raises(TransferInDoubt, match="write of 64 bytes .* to peer:1 .*failed only after .* stuck"):
         pair.sender.write("peer:1", pair.out.base, 0x1000, 64)
+    assert fake.submits == 1
+
+
+def test_a_submit_that_failed_only_after_hanging_is_not_tried_again(pair: Pair, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A first write to a peer that takes connections but never answers (stopped, frozen)
+    hangs in its handshake for about a minute, then fails: a second try would hang as long,
+    holding the worker's push path twice over."""
+    fake = ScriptedMooncake([], [1], submit_s=0.05)
+    monkeypatch.setattr(pair.sender, "_te", fake)
+    monkeypatch.setattr(transfer.engine, "_STUCK_S", 0.02)
+    with pytest.raises(TransferError, match=r"write of 64 bytes to peer:1: the submit failed after 0\.\d s") as failed:
+        pair.sender.write("peer:1", pair.out.base, 0x1000, 64)
+    assert not isinstance(failed.value, TransferInDoubt)  # nothing was submitted
     assert fake.submits == 1
 
 
