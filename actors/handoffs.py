@@ -101,7 +101,9 @@ class Handoffs:
         self.fast: dict[str, int] = {}  # hand-offs by hop
         self.slow: dict[str, int] = {}
         self.late = 0  # reports about requests that had already ended: counted, then dropped
-        self._quarantine: deque[tuple[float, Flight]] = deque()  # (release at, doomed flight)
+        # (release at, request id) of doomed flights. Ids, not flights: one released by its
+        # Pushed meanwhile (most are) is gone at once, prompts and all, not push_quarantine_s later.
+        self._quarantine: deque[tuple[float, str]] = deque()
         self._acks = itertools.count(1)  # for the Aborts of running stages, answered by Stopped
 
     # ------------------------------------------------------------------ workers
@@ -178,16 +180,18 @@ class Handoffs:
 
     def expire_quarantine(self, now: float) -> None:
         while self._quarantine and self._quarantine[0][0] <= now:
-            ends, flight = self._quarantine.popleft()
-            # Not already released by its Pushed, nor quarantined anew (a push in doubt).
-            if self._flights.get(flight.request_id) is flight and flight.quarantine_ends == ends:
+            ends, rid = self._quarantine.popleft()
+            # Not already released by its Pushed, nor quarantined anew (a push in doubt), nor
+            # a later request under the same id.
+            flight = self._flights.get(rid)
+            if flight is not None and flight.doomed and flight.quarantine_ends == ends:
                 self._release_receiver(flight)
-                del self._flights[flight.request_id]
+                del self._flights[rid]
 
     def _start_quarantine(self, flight: Flight) -> None:
         """Hold the doomed ``flight``'s receiver memory for push_quarantine_s from now."""
         flight.quarantine_ends = time.monotonic() + self._push_quarantine_s
-        self._quarantine.append((flight.quarantine_ends, flight))  # in order: every wait is as long
+        self._quarantine.append((flight.quarantine_ends, flight.request_id))  # in order: every wait is as long
 
     # ------------------------------------------------------------------ reports
 

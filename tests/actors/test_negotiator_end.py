@@ -9,6 +9,7 @@ an allocation), the memory only once no push can still be writing into it.
 
 from __future__ import annotations
 
+import gc
 import time
 from contextlib import ExitStack
 from pathlib import Path
@@ -20,6 +21,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from actors.flight import Flight
 from actors.mail import Enqueue, Failed, Farewell, Forget, HandedOff, Join, Leave, Placed, RunEnded, Send, Tick
 from actors.negotiator import PreallocCounts
 from tests.actors.negotiator_harness import (
@@ -227,6 +229,10 @@ async def test_forget_mid_push_releases_the_pools_now_and_the_slot_when_pushed(
             await encoder.report(Pushed(request_id="r1", ok=True, transfer_ms=1.0))  # a duplicate: late
             assert (await wait_late(n, 1)).prealloc[denoiser.instance] == PreallocCounts(2, 2)
             n.assert_silent()
+            # Released, the flight is let go of at once, its prompts with it: not kept until
+            # push_quarantine_s has passed (a steady rate of cancels would hold rate x 60 s of them).
+            gc.collect()
+            assert not [o for o in gc.get_objects() if isinstance(o, Flight) and o.request_id == "r1"]
 
 
 async def test_forget_mid_push_into_an_allocation_aborts_it_only_when_pushed(
