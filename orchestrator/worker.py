@@ -67,6 +67,7 @@ from transfer.protocol import (
     TensorSpec,
     Work,
     WorkOrder,
+    brief,
     encode,
 )
 from transfer.reports import ReportOutbox
@@ -479,18 +480,20 @@ class WorkerRuntime:
 
     def _failed(self, rid: str, exc: Exception, compute_ms: float) -> Done:
         """The report of a run that raised ``exc``."""
+        reason = Reason.STAGE_FAILED
         match exc:
             case StageError():
-                return Done(request_id=rid, ok=False, compute_ms=compute_ms, reason=exc.reason, error=str(exc))
+                reason, error = exc.reason, str(exc)
             case PoolError():
                 # No room to stage the output for its hand-off: a failed hand-off, as when the
                 # receiver has none, and like it started again on the workers left (daemon.retries).
-                return Done(request_id=rid, ok=False, compute_ms=compute_ms, reason=Reason.TRANSFER_FAILED,
-                            error=f"no room to stage its output: {exc}")
+                reason, error = Reason.TRANSFER_FAILED, f"no room to stage its output: {exc}"
             case ValueError():
-                return Done(request_id=rid, ok=False, compute_ms=compute_ms, error=str(exc))
-        self._log.exception("worker.stage_crashed", request_id=rid)  # called in its except block
-        return Done(request_id=rid, ok=False, compute_ms=compute_ms, error=f"{type(exc).__name__}: {exc}")
+                error = str(exc)
+            case _:
+                self._log.exception("worker.stage_crashed", request_id=rid)  # called in its except block
+                error = f"{type(exc).__name__}: {exc}"
+        return Done(request_id=rid, ok=False, compute_ms=compute_ms, reason=reason, error=brief(error))
 
     async def _compute_on_thread(self, rid: str, order: Work | Ready, inputs: dict[str, torch.Tensor],
                                  control: RunControl) -> tuple[dict[str, torch.Tensor], float]:

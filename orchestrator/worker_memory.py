@@ -21,7 +21,7 @@ import torch
 from transfer import frames
 from transfer.engine import Engine, TransferError, TransferInDoubt
 from transfer.pool import Block, MemoryPool, PoolError
-from transfer.protocol import Alloc, Allocated, AllocRejected, Push, Pushed, Ready, Staged, Via
+from transfer.protocol import Alloc, Allocated, AllocRejected, Push, Pushed, Ready, Staged, Via, brief
 from transfer.shm import LocalCopyError, LocalWriter
 
 # Copies up to this size run on the event loop (about 0.1 ms at memcpy speed): cheaper than
@@ -137,7 +137,7 @@ class RequestMemory:
         try:
             block = await self._pool.alloc(order.nbytes, timeout_s=self._alloc_timeout_s)
         except PoolError as exc:
-            self._report(AllocRejected(request_id=order.request_id, message=str(exc)))
+            self._report(AllocRejected(request_id=order.request_id, message=brief(str(exc))))
             return
         self._allocs[order.request_id] = block
         self._report(Allocated(request_id=order.request_id, address=self._pool.address(block)))
@@ -175,7 +175,7 @@ class RequestMemory:
             # the daemon holds back until push_quarantine_s has passed.
             self._pool.free(block)
         self._report(Pushed(request_id=rid, ok=not error, transfer_ms=(time.perf_counter() - started) * 1000,
-                            error=error, via=via, in_doubt=in_doubt))
+                            error=brief(error), via=via, in_doubt=in_doubt))
 
     async def _deliver(self, order: Push, src_addr: int) -> Via:
         """Copy into a same-host receiver's shared pool, else transfer with the engine.

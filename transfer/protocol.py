@@ -39,6 +39,10 @@ Millis = Annotated[float, msgspec.Meta(ge=0, le=1e9)]
 # addresses, Mooncake sessions): bounded, with the tensor headers below, so that no order
 # can outgrow the frame limit of a work socket (ORDER_MAX_MESSAGE_BYTES), which would drop it.
 Label = Annotated[str, msgspec.Meta(max_length=512)]
+# A worker's account of a failure, relayed to the client: an exception's text can hold a
+# whole tensor's printout.
+MAX_ERROR_TEXT = 4096
+ErrorText = Annotated[str, msgspec.Meta(max_length=MAX_ERROR_TEXT)]
 MAX_TENSORS = 64  # per hand-off or result
 MAX_TENSOR_NAME = 256
 MAX_DIMS = 8
@@ -447,7 +451,7 @@ class AllocRejected(Wire):
     receive slots, or none freed in time)."""
 
     request_id: str
-    message: str
+    message: ErrorText
 
 
 class Push(Wire):
@@ -468,7 +472,7 @@ class Pushed(Wire):
     request_id: str
     ok: bool
     transfer_ms: Millis
-    error: str = ""
+    error: ErrorText = ""
     part: NonNegative = 0
     via: Via = "mooncake"
     # A failed write that timed out rather than ended: it may still land, so the receiver's
@@ -498,7 +502,7 @@ class Done(Wire):
     compute_ms: Millis
     outputs: Manifest = []
     reason: Reason = Reason.STAGE_FAILED
-    error: str = ""
+    error: ErrorText = ""
 
 
 # The reasons a stage's own failure may give; the daemon reads any other as stage_failed
@@ -561,6 +565,11 @@ encode = ENCODER.encode
 # msgspec reaches even inside a field it skips (a 2 KB message). Catch all of them
 # wherever a peer's bytes are decoded.
 DECODE_ERRORS = (msgspec.DecodeError, RecursionError)
+
+
+def brief(text: str) -> str:
+    """``text`` cut to what an ``ErrorText`` holds."""
+    return text if len(text) <= MAX_ERROR_TEXT else text[: MAX_ERROR_TEXT - 1] + "…"
 
 
 def hop_name(sender: Role, receiver: Role) -> str:

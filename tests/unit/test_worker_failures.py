@@ -15,7 +15,7 @@ from orchestrator.stages import RunControl, StageError, StageStopped
 from orchestrator.stages.base import released
 from orchestrator.watchdog import EXIT_DEVICE_BROKEN
 from tests.unit.test_worker_orders import PARAMS, reports, worker
-from transfer.protocol import Done, Reason, Work
+from transfer.protocol import MAX_ERROR_TEXT, Done, Reason, Work
 
 
 class Failing:
@@ -118,3 +118,15 @@ async def test_outputs_the_wire_refuses_fail_their_request_saying_why(role: str,
         [done] = await reports(w, 1)
         w.tg.cancel_scope.cancel()
     assert isinstance(done, Done) and not done.ok and done.reason == Reason.STAGE_FAILED and why in done.error
+
+
+async def test_a_failure_with_a_huge_message_reaches_the_daemon_cut_short() -> None:
+    """An exception's text can hold a whole tensor's printout; the wire bounds what the
+    daemon relays to the client, and a report past it would be dropped unread."""
+    async with worker("encoder") as w:
+        w._stage = Failing(StageError("bad prompt: " + "x" * 100_000))
+        w.send(Work(request_id="r1", params=PARAMS))
+        [done] = await reports(w, 1)  # decoded as the daemon does
+        w.tg.cancel_scope.cancel()
+    assert isinstance(done, Done) and done.error.startswith("bad prompt: xxx") and done.error.endswith("…")
+    assert len(done.error) == MAX_ERROR_TEXT
