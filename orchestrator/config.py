@@ -15,7 +15,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from transfer.protocol import Role
+from transfer.protocol import MAX_SLOTS, Role
 from transfer.specs import align_up
 
 PositiveInt = Annotated[int, msgspec.Meta(gt=0)]
@@ -153,7 +153,7 @@ class WorkerConfig(Section):
     compute_threads: PositiveInt = 1
     torch_threads: PositiveInt = 1
     pool_bytes: PositiveInt = 256 * MiB
-    prealloc_slots: Annotated[int, msgspec.Meta(ge=0)] = 2
+    prealloc_slots: Annotated[int, msgspec.Meta(ge=0, le=MAX_SLOTS)] = 2
     prealloc_slot_bytes: PositiveInt = 16 * MiB
     alloc_timeout_s: PositiveFloat = 10.0
     # For requests whose client asked for progress: the least time between two Step reports.
@@ -189,7 +189,7 @@ class EncoderWorkerConfig(WorkerConfig):
 
 class DecoderWorkerConfig(WorkerConfig):
     capacity: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 4
-    prealloc_slots: Annotated[int, msgspec.Meta(ge=0)] = 4  # a receive slot per unit of capacity
+    prealloc_slots: Annotated[int, msgspec.Meta(ge=0, le=MAX_SLOTS)] = 4  # a receive slot per unit of capacity
 
 
 class WorkersConfig(Section):

@@ -44,6 +44,7 @@ Label = Annotated[str, msgspec.Meta(max_length=512)]
 MAX_ERROR_TEXT = 4096
 ErrorText = Annotated[str, msgspec.Meta(max_length=MAX_ERROR_TEXT)]
 MAX_TENSORS = 64  # per hand-off or result
+MAX_SLOTS = 4096  # preallocated receive slots per worker: the daemon sorts and checks them all on its loop
 MAX_TENSOR_NAME = 256
 MAX_DIMS = 8
 # How a hand-off's bytes moved: the transfer engine, or a copy into shared memory (same host).
@@ -355,7 +356,7 @@ class Register(Wire):
     session: Label  # Mooncake segment name peers write to
     pool_base: NonNegative
     pool_size: NonNegative
-    slots: list[SlotInfo]
+    slots: Annotated[list[SlotInfo], msgspec.Meta(max_length=MAX_SLOTS)]
     capacity: Annotated[int, msgspec.Meta(ge=1, le=1024)]
     limits: StageLimits = StageLimits()
     local: LocalMemory | None = None  # the pool is shared memory peers on this host may write

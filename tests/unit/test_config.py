@@ -166,6 +166,14 @@ def test_a_receiver_pool_must_hold_more_than_its_preallocated_slots(tmp_path: Pa
     load_config(write(tmp_path, text.replace(f"pool_bytes = {pool_bytes}", f"pool_bytes = {3 << 20}")))
 
 
+def test_preallocated_slots_are_at_most_what_the_daemon_takes(tmp_path: Path) -> None:
+    """More would be refused at registration (the daemon sorts and checks every slot on its loop)."""
+    text = "[workers.decoder]\nprealloc_slots = {n}\nprealloc_slot_bytes = 256\npool_bytes = 4194304\n"
+    with pytest.raises(msgspec.ValidationError, match=r"<= 4096 - at `\$\.workers\.decoder\.prealloc_slots`"):
+        load_config(write(tmp_path, text.format(n=4097)))
+    assert load_config(write(tmp_path, text.format(n=4096))).workers.decoder.prealloc_slots == 4096
+
+
 @pytest.mark.parametrize(("endpoint", "token", "refused"), [
     ("tcp://0.0.0.0:5557", "triptych-local-dev", True),  # the built-in token, on every interface
     ("tcp://10.0.0.2:5557", "CHANGE-ME-to-a-long-random-secret", True),  # the example's placeholder

@@ -225,8 +225,11 @@ def test_no_order_can_outgrow_a_work_socket_frame() -> None:
     p.Staged(request_id="r", nbytes=1, manifest=[_largest_spec()] * (p.MAX_TENSORS + 1), compute_ms=1.0),
     p.Done(request_id="r", ok=True, compute_ms=1.0,
            outputs=[p.TensorSpec(name="image", dtype="uint8", shape=(1,) * (p.MAX_DIMS + 1))]),
-], ids=["session", "manifest", "dimensions"])
-def test_what_a_worker_could_make_the_daemon_relay_is_bounded(report: p.Wire) -> None:
+    p.Register(protocol=p.PROTOCOL_VERSION, token="t", role="decoder", name="d", work_address="ipc://w",
+               session="s", pool_base=0, pool_size=1 << 30,
+               slots=[p.SlotInfo(slot_id=i, address=i * 256, size=256) for i in range(p.MAX_SLOTS + 1)], capacity=1),
+], ids=["session", "manifest", "dimensions", "slots"])
+def test_what_a_worker_registers_and_reports_is_bounded(report: p.Wire) -> None:
     with pytest.raises(msgspec.ValidationError):
         p.WORKER_MESSAGE.decode(p.encode(report))
 
