@@ -19,6 +19,10 @@ loopback fake. Facts measured on Mooncake that shaped this wrapper:
   per byte + 1 s) or on status -2, and then leave the id alone: Mooncake keeps that request in
   flight (a small leak) and may still read the source bytes later, as a timed-out sync write
   would too.
+* The first write to a peer shakes hands with it (its segment descriptor, over its RPC port)
+  inside the submit. A peer that takes the connection but does not answer holds that for
+  about a minute, after which the write would still go ahead: so we open the peer first
+  (``_open``) and start no write whose deadline passed meanwhile.
 * TCP accepts an unregistered local source that RDMA would reject, so we check the source
   range ourselves: a missing registration fails in CI, not first in production.
 * After a peer rejects a write the connection's lanes are torn down; once all are gone the
@@ -132,6 +136,7 @@ class MooncakeEngine:
         self._timeout_s = transfer_timeout_s(os.environ.get("MC_TRANSFER_TIMEOUT"))
         # Replaced, never mutated, so a writer thread always sees a consistent tuple.
         self._ranges: tuple[tuple[int, int], ...] = ()
+        self._opened: set[str] = set()  # sessions shaken hands with (``_open``)
         self._closed = False
 
     def register(self, base: int, size: int) -> None:
@@ -165,16 +170,42 @@ class MooncakeEngine:
                 f"(RDMA would reject it; registered: {[(hex(b), s) for b, s in self._ranges]})"
             )
         te = self._te  # held for the whole write, so a concurrent close() cannot pull it away
-        if not self._attempt(te, session, local_addr, remote_addr, nbytes):
+        limit_s = self._timeout_s + nbytes * 1e-9 + _GRACE_S
+        deadline = time.monotonic() + limit_s
+        if session not in self._opened:
+            self._open(te, session, nbytes, limit_s)
+        if not self._attempt(te, session, local_addr, remote_addr, nbytes, deadline):
             log.warning("transfer.retry", session=session, nbytes=nbytes)
-            if not self._attempt(te, session, local_addr, remote_addr, nbytes):
+            if not self._attempt(te, session, local_addr, remote_addr, nbytes, time.monotonic() + limit_s):
                 raise TransferError(
                     f"write of {nbytes} bytes from {local_addr:#x} to {session} at {remote_addr:#x} "
                     "failed twice: peer unreachable or dead, or remote range not registered there"
                 )
 
-    def _attempt(self, te: Any, session: str, local_addr: int, remote_addr: int, nbytes: int) -> bool:
-        """Submit one write and poll it: True when done, False when it failed (worth one retry).
+    def _open(self, te: Any, session: str, nbytes: int, limit_s: float) -> None:
+        """Shake hands with ``session`` before the first byte goes there.
+
+        Mooncake would do it inside the first write's submit, and a peer that takes the
+        connection but does not answer (stopped, frozen, its handshake port held by idle
+        connections) holds that handshake for up to a minute: a write that then went ahead
+        would land long after the daemon gave up on it, in memory it may have handed to
+        another request meanwhile. Here the handshake can take as long, but a write whose
+        deadline passed during it never starts. A peer that cannot be opened at all is left
+        to the submit, which fails at once (and is retried once, as any quick failure).
+        """
+        started = time.monotonic()
+        opened = te.get_first_buffer_address(session) != 0
+        took_s = time.monotonic() - started
+        if took_s >= limit_s:
+            raise TransferError(f"write of {nbytes} bytes to {session}: the handshake with it took {took_s:.1f} s, "
+                                f"past the write's {limit_s:.1f} s: not started (a peer that does not answer)")
+        if opened:
+            self._opened.add(session)
+
+    def _attempt(self, te: Any, session: str, local_addr: int, remote_addr: int, nbytes: int,
+                 deadline: float) -> bool:
+        """Submit one write and poll it until ``deadline`` (monotonic): True when done, False
+        when it failed (worth one retry).
 
         Raises TransferInDoubt when it times out, leaving the id to Mooncake untouched.
         """
@@ -189,7 +220,6 @@ class MooncakeEngine:
             # own handshake timeout, about a minute: trying again would wait as long.
             raise TransferError(f"write of {nbytes} bytes to {session}: the submit failed after {took_s:.1f} s "
                                 "(the handshake with a peer that does not answer)")
-        limit_s = self._timeout_s + nbytes * 1e-9 + _GRACE_S
         started = time.monotonic()
         sleep_s = _FIRST_SLEEP_S
         while True:
@@ -197,12 +227,13 @@ class MooncakeEngine:
             # _DONE and _FAILED have freed the id: return without touching it again.
             if status == _DONE:
                 return True
-            pending_s = time.monotonic() - started
+            now = time.monotonic()
+            pending_s = now - started
             if status == _FAILED and pending_s < _STUCK_S:
                 return False
-            if status != _PENDING or pending_s >= limit_s:
+            if status != _PENDING or now >= deadline:
                 if status == _PENDING:
-                    why = f"not done after {limit_s:.1f} s"
+                    why = f"not done after {pending_s:.1f} s"
                 elif status == _TIMED_OUT:
                     why = "Mooncake reported a timeout"
                 elif status == _FAILED:

@@ -108,12 +108,19 @@ class ScriptedMooncake:
     Fails the test if an id is polled after it returned 1 or -1 (Mooncake has freed it by
     then) or after -2, or if an id is polled that was never handed out (both segfault)."""
 
-    def __init__(self, *scripts: Sequence[int], submit_s: float = 0.0) -> None:
+    def __init__(self, *scripts: Sequence[int], submit_s: float = 0.0, open_s: float = 0.0) -> None:
         self.scripts = [list(script) for script in scripts]  # [] means "submit fails (0)"
         self.submit_s = submit_s  # how long each submit takes
+        self.open_s = open_s  # how long opening a peer's segment (its handshake) takes
+        self.opens = 0
         self.submits = 0
         self.polls: dict[int, int] = {}
         self.finished: set[int] = set()
+
+    def get_first_buffer_address(self, session: str) -> int:
+        time.sleep(self.open_s)
+        self.opens += 1
+        return 0x7000
 
     def transfer_submit_write(self, session: str, src: int, dst: int, nbytes: int) -> int:
         time.sleep(self.submit_s)
@@ -309,6 +316,31 @@ def test_a_submit_that_failed_only_after_hanging_is_not_tried_again(pair: Pair, 
         pair.sender.write("peer:1", pair.out.base, 0x1000, 64)
     assert not isinstance(failed.value, TransferInDoubt)  # nothing was submitted
     assert fake.submits == 1
+
+
+def test_a_write_whose_deadline_passed_in_its_handshake_never_starts(pair: Pair, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A peer that takes connections but answers late (its handshake port held by idle
+    connections: 5 s each) let a write through a minute on, into memory the daemon may have
+    given to another request by then. Nothing is written: a clean failure, not in doubt."""
+    fake = ScriptedMooncake([1], open_s=0.1)
+    monkeypatch.setattr(pair.sender, "_te", fake)
+    monkeypatch.setattr(pair.sender, "_opened", set())  # the shared sender has met peer:1 before
+    monkeypatch.setattr(pair.sender, "_timeout_s", 0.0)
+    monkeypatch.setattr(transfer.engine, "_GRACE_S", 0.05)
+    with pytest.raises(TransferError, match=r"write of 64 bytes to peer:1: the handshake with it took 0\.1 s, past the "
+                                            r"write's 0\.1 s: not started") as failed:
+        pair.sender.write("peer:1", pair.out.base, 0x1000, 64)
+    assert not isinstance(failed.value, TransferInDoubt)
+    assert fake.submits == 0
+
+
+def test_a_peer_is_shaken_hands_with_once(pair: Pair, monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = ScriptedMooncake([1], [1], [1])
+    monkeypatch.setattr(pair.sender, "_te", fake)
+    monkeypatch.setattr(pair.sender, "_opened", set())
+    for _ in range(3):
+        pair.sender.write("peer:1", pair.out.base, 0x1000, 64)
+    assert (fake.opens, fake.submits) == (1, 3)
 
 
 def test_mooncake_timeout_status_raises_without_retry(pair: Pair, monkeypatch: pytest.MonkeyPatch) -> None:
