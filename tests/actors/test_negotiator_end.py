@@ -232,7 +232,7 @@ async def test_forget_mid_push_releases_the_pools_now_and_the_slot_when_pushed(
             # Released, the flight is let go of at once, its prompts with it: not kept until
             # push_quarantine_s has passed (a steady rate of cancels would hold rate x 60 s of them).
             gc.collect()
-            assert not [o for o in gc.get_objects() if isinstance(o, Flight) and o.request_id == "r1"]
+            assert not [o for o in gc.get_objects() if type(o) is Flight and o.request_id == "r1"]
 
 
 async def test_forget_mid_push_into_an_allocation_aborts_it_only_when_pushed(
