@@ -52,6 +52,7 @@ class Flight:
     receiver_role: Role | None = None
     slot: Slot | None = None  # fast path: the receiver's preallocated slot
     address: int = 0
+    push_due: float = 0.0  # pushing: by when (monotonic) its sender should have reported the write
     doomed: bool = False  # the request ended mid-push; freed when the push reports, or at quarantine_ends
     quarantine_ends: float = 0.0  # doomed: when its receiver's memory is freed if no report frees it first
     in_doubt: bool = False  # its push reported a timeout: it may still land, so only the quarantine frees it

@@ -68,6 +68,11 @@ from transfer.specs import check_frames
 log = structlog.get_logger()
 
 
+# A sender reports a write by its own deadline (Mooncake's timeout, 1 ns a byte, a second),
+# done, failed or in doubt; the report's way here gets a second more.
+PUSH_REPORT_GRACE_S = 2.0
+
+
 def largest_fit(link: Link, slots: list[SlotInfo]) -> int:
     """The most a receiver could ever take in one hand-off: its largest preallocated slot, or
     its pool past the slots (carved from its start; alignment takes a little of that)."""
@@ -83,6 +88,7 @@ class Handoffs:
         *,
         links: dict[str, Link],
         push_quarantine_s: float,
+        write_timeout_s: float,
         pools: dict[Role, Mailbox[PoolMail]],
         admission: Mailbox[AdmissionMail],
         tracker: Mailbox[TrackerMail],
@@ -90,6 +96,7 @@ class Handoffs:
     ) -> None:
         self._links = links  # the negotiator's registered workers, by instance (read here)
         self._push_quarantine_s = push_quarantine_s
+        self._write_timeout_s = write_timeout_s
         self._pools = pools
         self._admission = admission
         self._tracker = tracker
@@ -104,6 +111,8 @@ class Handoffs:
         # (release at, request id) of doomed flights. Ids, not flights: one released by its
         # Pushed meanwhile (most are) is gone at once, prompts and all, not push_quarantine_s later.
         self._quarantine: deque[tuple[float, str]] = deque()
+        # Flights whose Push went out and whose sender has not reported it, oldest first.
+        self._pushing: dict[str, Flight] = {}
         self._acks = itertools.count(1)  # for the Aborts of running stages, answered by Stopped
 
     # ------------------------------------------------------------------ workers
@@ -178,6 +187,28 @@ class Handoffs:
         if flight is not None and not flight.doomed:
             self._end(flight, pushing=flight.state == FlightState.PUSHING)
 
+    def late_senders(self, now: float) -> set[str]:
+        """Senders with a push unreported past its due time. Their push path is stuck (a
+        write waits on a peer that does not answer, Mooncake's handshake with a frozen one
+        for a minute), and their writes go one at a time: work sent there would wait too."""
+        late: set[str] = set()
+        ended: list[str] = []
+        for rid, flight in self._pushing.items():
+            if self._flights.get(rid) is not flight or flight.state != FlightState.PUSHING:
+                ended.append(rid)  # without its Pushed: its sender left, or its quarantine ran out
+            elif flight.push_due > now:
+                break
+            else:
+                late.add(flight.instance)
+        for rid in ended:
+            del self._pushing[rid]
+        return late
+
+    def postpone_pushes(self, stalled_s: float) -> None:
+        """The daemon stood still: the reports of that time wait unread in its socket."""
+        for flight in self._pushing.values():
+            flight.push_due += stalled_s
+
     def expire_quarantine(self, now: float) -> None:
         while self._quarantine and self._quarantine[0][0] <= now:
             ends, rid = self._quarantine.popleft()
@@ -242,6 +273,8 @@ class Handoffs:
             self._late(link, msg)
             return
         rid = flight.request_id
+        if self._pushing.get(rid) is flight:
+            del self._pushing[rid]
         if flight.in_doubt:
             self._late(link, msg)  # its push has reported already: a repeat
             return
@@ -411,6 +444,9 @@ class Handoffs:
     # ------------------------------------------------------------------ orders
 
     def _push(self, flight: Flight) -> None:
+        flight.push_due = time.monotonic() + self._write_timeout_s + flight.nbytes * 1e-9 + PUSH_REPORT_GRACE_S
+        self._pushing.pop(flight.request_id, None)  # a retry's earlier push: this one goes last
+        self._pushing[flight.request_id] = flight
         receiver, sender = self._links[flight.receiver], self._links[flight.instance]
         # Two workers of one kernel: the sender may copy into the receiver's shared pool.
         same_host = receiver.local is not None and sender.local is not None and receiver.local.host == sender.local.host

@@ -34,6 +34,7 @@ class Link:
     # none before it is reached.
     suspect: bool = True
     push_failed_at: float | None = None  # a push into it failed then, and it has been silent since
+    pushing_late: bool = False  # a push of its is unreported past its due time: its push path is stuck
     # Runs of ended requests it is finishing, by the ack of their Abort: each holds a slot
     # of its pool until its Stopped comes back (or the link goes, and its slots with it).
     finishing: dict[int, str] = field(default_factory=dict)

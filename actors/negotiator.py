@@ -10,7 +10,8 @@ through untouched on their way to the frontend.
 
 A worker whose ``Probe`` has not yet come back, one silent for two heartbeats, or a
 receiver a push just failed to reach, is a suspect: it gets no new work until it is
-reached or speaks again. A suspect whose push failed is evicted
+reached or speaks again. So is a sender whose push is unreported past its due time,
+until it reports one: work sent there would wait behind that write. A suspect whose push failed is evicted
 if it stays silent for two more heartbeats, so a dead receiver costs one request instead of
 every request dispatched to it until its heartbeats are missed.
 
@@ -112,6 +113,7 @@ class TransferNegotiator:
         *,
         ctx: zmq.asyncio.Context,
         cfg: DaemonConfig,
+        write_timeout_s: float,
         pools: dict[Role, Mailbox[PoolMail]],
         admission: Mailbox[AdmissionMail],
         tracker: Mailbox[TrackerMail],
@@ -126,7 +128,8 @@ class TransferNegotiator:
         self._pump: PlainPump | None = None
         self._links: dict[bytes, Link] = {}
         self._by_instance: dict[str, Link] = {}
-        self._handoffs = Handoffs(links=self._by_instance, push_quarantine_s=cfg.push_quarantine_s, pools=pools,
+        self._handoffs = Handoffs(links=self._by_instance, push_quarantine_s=cfg.push_quarantine_s,
+                                  write_timeout_s=write_timeout_s, pools=pools,
                                   admission=admission, tracker=tracker, push_failed_into=self._push_failed_into)
         self._ids = itertools.count(1)
         self._stopping = False  # farewells sent: registrations get no answer
@@ -166,7 +169,7 @@ class TransferNegotiator:
                     message="not registered (the daemon restarted or evicted this worker)", rejoin=True))
             return
         link.last_seen = time.monotonic()
-        if link.suspect and link.reached:
+        if link.suspect and link.reached and not link.pushing_late:
             self._trust(link)  # it is alive: no longer quiet, and a failed push was not its death
         if isinstance(first, Register):
             return  # a retried Register on a live connection: the first answer stands
@@ -314,6 +317,9 @@ class TransferNegotiator:
                 self._handoffs.alloc_rejected(link, msg)
             case Pushed():
                 self._handoffs.pushed(link, msg)
+                if link.pushing_late:  # its push path moves again
+                    link.pushing_late = False
+                    self._trust(link)
             case Done():
                 self._handoffs.done(link, msg, frames)
             case Step():
@@ -397,6 +403,13 @@ class TransferNegotiator:
                 self._refuse_unreached(link, limit)
             elif silent_s > SUSPECT_HEARTBEATS * heartbeat_s:
                 self._suspect(link)  # quiet: dead, frozen or cut off, work sent now would wait
+        for instance in self._handoffs.late_senders(now):
+            link = self._by_instance.get(instance)
+            if link is not None and not link.pushing_late:
+                link.pushing_late = True
+                self._log.warning("worker.push_overdue", instance=instance,
+                                  why="a push it was sent is unreported past its due time: no new work until it is")
+                self._suspect(link)
         self._handoffs.expire_quarantine(now)
 
     def _forgive_stall(self, now: float, stalled_s: float) -> None:
@@ -411,6 +424,7 @@ class TransferNegotiator:
             link.joined_at = min(now, link.joined_at + stalled_s)
             if link.push_failed_at is not None:
                 link.push_failed_at = min(now, link.push_failed_at + stalled_s)
+        self._handoffs.postpone_pushes(stalled_s)
         self._log.warning("daemon.stalled", stalled_s=round(stalled_s, 3),
                           why="no worker's silence in that time counts against it")
 

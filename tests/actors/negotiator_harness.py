@@ -112,7 +112,8 @@ class FakeWorker:
 
 
 @asynccontextmanager
-async def running_negotiator(ctx: zmq.asyncio.Context, tmp_path: Path, **settings: Any) -> AsyncIterator[Negotiator]:
+async def running_negotiator(ctx: zmq.asyncio.Context, tmp_path: Path, *, write_timeout_s: float = 5.0,
+                             **settings: Any) -> AsyncIterator[Negotiator]:
     cfg = DaemonConfig(worker_endpoint=f"ipc://{tmp_path}/workers", token=TOKEN, **settings)
     async with AsyncExitStack() as stack:
 
@@ -121,7 +122,8 @@ async def running_negotiator(ctx: zmq.asyncio.Context, tmp_path: Path, **setting
         inbox = board.mailbox("negotiator", 32)
         (ad_box, ad_rx), (tr_box, tr_rx), (fe_box, fe_rx) = stream("admission"), stream("tracker"), stream("frontend")
         pools = {role: stream(f"pool.{role}") for role in ROLES}
-        actor = TransferNegotiator(inbox, ctx=ctx, cfg=cfg, pools={r: box for r, (box, _) in pools.items()},
+        actor = TransferNegotiator(inbox, ctx=ctx, cfg=cfg, write_timeout_s=write_timeout_s,
+                                   pools={r: box for r, (box, _) in pools.items()},
                                    admission=ad_box, tracker=tr_box, frontend=fe_box)
         async with anyio.create_task_group() as tg:
             endpoint = await tg.start(actor.run)

@@ -11,6 +11,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
+import actors.handoffs
 from actors.mail import Failed, Forget, HandedOff, Leave, Placed, Release, Send, Suspect, Tick
 from actors.negotiator import PreallocCounts
 from tests.actors.negotiator_harness import (
@@ -483,3 +484,34 @@ async def test_a_stall_of_the_daemon_is_no_workers_silence(ctx: zmq.asyncio.Cont
             await n.stats()
             for worker, role in ((encoder, "encoder"), (denoiser, "denoiser")):
                 assert [(type(mail), mail.instance) for mail in n.take(role)] == [(Leave, worker.instance)]
+
+
+async def test_a_sender_whose_push_is_overdue_gets_no_new_work_until_it_reports_one(
+    ctx: zmq.asyncio.Context, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker's writes go one at a time, and one stuck on a peer that does not answer
+    (Mooncake's handshake with a frozen one lasts a minute) holds every later one: work sent
+    there would wait behind it. Its heartbeats say it lives, not that its pushes move: only
+    a Pushed clears it."""
+    monkeypatch.setattr(actors.handoffs, "PUSH_REPORT_GRACE_S", 0.0)
+    with anyio.fail_after(5):
+        async with encoder_and_denoiser(ctx, tmp_path, slots=2, write_timeout_s=0.05) as (n, encoder, denoiser):
+            await push_on_fast_path(n, encoder, denoiser, "r1")
+            await encoder.report(Heartbeat())
+            n.inbox.post(Tick())
+            await n.stats()
+            assert n.take("encoder") == []  # not due yet
+            await anyio.sleep(0.1)
+            n.inbox.post(Tick())
+            assert await n.pools["encoder"].receive() == Suspect(instance=encoder.instance, suspect=True)
+            n.inbox.post(Tick())
+            await encoder.report(Heartbeat())
+            await n.stats()
+            n.assert_silent()  # once, and a heartbeat does not lift it
+            await encoder.report(Pushed(request_id="r1", ok=True, transfer_ms=60_000.0))
+            await n.stats()
+            assert Suspect(instance=encoder.instance, suspect=False) in n.take("encoder")
+            n.inbox.post(Tick())
+            await n.stats()
+            assert Suspect(instance=encoder.instance, suspect=True) not in n.take("encoder")
+
