@@ -21,8 +21,8 @@ loopback fake. Facts measured on Mooncake that shaped this wrapper:
   would too.
 * The first write to a peer shakes hands with it (its segment descriptor, over its RPC port)
   inside the submit. A peer that takes the connection but does not answer holds that for
-  about a minute, after which the write would still go ahead: so we open the peer first
-  (``_open``) and start no write whose deadline passed meanwhile.
+  about a minute, after which the write would still go ahead: so an empty write goes first
+  (``_open``), and no write starts whose deadline passed meanwhile.
 * TCP accepts an unregistered local source that RDMA would reject, so we check the source
   range ourselves: a missing registration fails in CI, not first in production.
 * After a peer rejects a write the connection's lanes are torn down; once all are gone the
@@ -173,7 +173,7 @@ class MooncakeEngine:
         limit_s = self._timeout_s + nbytes * 1e-9 + _GRACE_S
         deadline = time.monotonic() + limit_s
         if session not in self._opened:
-            self._open(te, session, nbytes, limit_s)
+            self._open(te, session, local_addr, remote_addr, nbytes, limit_s)
         if not self._attempt(te, session, local_addr, remote_addr, nbytes, deadline):
             log.warning("transfer.retry", session=session, nbytes=nbytes)
             if not self._attempt(te, session, local_addr, remote_addr, nbytes, time.monotonic() + limit_s):
@@ -182,19 +182,24 @@ class MooncakeEngine:
                     "failed twice: peer unreachable or dead, or remote range not registered there"
                 )
 
-    def _open(self, te: Any, session: str, nbytes: int, limit_s: float) -> None:
+    def _open(self, te: Any, session: str, local_addr: int, remote_addr: int, nbytes: int, limit_s: float) -> None:
         """Shake hands with ``session`` before the first byte goes there.
 
-        Mooncake would do it inside the first write's submit, and a peer that takes the
+        Mooncake does it inside the first write's submit, and a peer that takes the
         connection but does not answer (stopped, frozen, its handshake port held by idle
         connections) holds that handshake for up to a minute: a write that then went ahead
         would land long after the daemon gave up on it, in memory it may have handed to
-        another request meanwhile. Here the handshake can take as long, but a write whose
-        deadline passed during it never starts. A peer that cannot be opened at all is left
-        to the submit, which fails at once (and is retried once, as any quick failure).
+        another request meanwhile. So an empty write goes first (Mooncake's own lookup call,
+        ``get_first_buffer_address``, holds the GIL all that time: the worker's loop would
+        stop), and a write whose deadline passed during it never starts. A peer that cannot
+        be opened at all fails the empty write at once and is left to the real one, which
+        fails at once too (and is retried once, as any quick failure).
         """
         started = time.monotonic()
-        opened = te.get_first_buffer_address(session) != 0
+        try:
+            opened = self._attempt(te, session, local_addr, remote_addr, 0, started + limit_s)
+        except TransferError:  # stuck, then failed or timed out: an empty write lands nothing
+            opened = False
         took_s = time.monotonic() - started
         if took_s >= limit_s:
             raise TransferError(f"write of {nbytes} bytes to {session}: the handshake with it took {took_s:.1f} s, "

@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import time
+from functools import partial
 from pathlib import Path
 
 import anyio
@@ -207,3 +208,42 @@ async def test_a_worker_stopped_with_sigterm_says_so_and_its_request_starts_agai
     stats = wait_for(cluster, lambda s: all_free(s) and len(s.instances) == 3)
     assert (stats.retried, stats.failed_by_reason) == (1, {"worker_lost": 1})
     assert "left: its process is stopping" in cluster.log_of("daemon")
+
+
+async def test_a_sender_stuck_on_a_frozen_receiver_gets_no_new_work_until_its_push_ends(
+    start_cluster: StartCluster,
+) -> None:
+    """A denoiser frozen (stopped, not dead: its kernel still takes connections) before any
+    encoder wrote to it: the first write there waits a minute in Mooncake's handshake, and
+    that encoder's later writes wait behind it. Past the push's due time (here 5 + 2 s) the
+    daemon sends that encoder no new work, so the other one serves what comes meanwhile;
+    before, it kept taking requests whose pushes queued behind the stuck one."""
+    cluster = start_cluster(layout={"encoder": 2, "denoiser": 1, "decoder": 1})
+    frozen = cluster.workers["denoiser0"]
+    null_cfg = cluster.config.model.null
+    endpoint = cluster.config.daemon.client_endpoint
+    async with AsyncClient(endpoint) as client:
+        os.kill(frozen.pid, signal.SIGSTOP)
+        try:
+            async with anyio.create_task_group() as tg:
+                # Placed before the silence makes the denoiser a suspect: its push will hang.
+                tg.start_soon(partial(client.submit, GenParams(prompt="first", seed=1, output="raw"), timeout_s=60))
+                await anyio.sleep(0.3)
+                cluster.start_worker("denoiser", 1)
+                stats = await anyio.to_thread.run_sync(lambda: wait_for(
+                    cluster, lambda s: any(i.suspect for i in s.instances if i.role == "encoder")
+                    and any(i.name == "denoiser1" and not i.suspect for i in s.instances), timeout_s=30))
+                [stuck] = [i.instance for i in stats.instances if i.role == "encoder" and i.suspect]
+                for i in range(8):  # each within a deadline far shorter than the stuck write's minute
+                    params = GenParams(prompt=f"meanwhile {i}", seed=i, output="raw")
+                    generation = await client.submit(params, timeout_s=5)
+                    assert torch.equal(generation.outputs["images"], expected_outputs(params, null_cfg)["images"])
+                    assert stuck not in {s.instance for s in generation.result.stages}
+        finally:
+            os.kill(frozen.pid, signal.SIGCONT)  # its handshake answers: the stuck write ends, unstarted
+    stats = wait_for(cluster, lambda s: all_free(s) and not any(i.suspect for i in s.instances), timeout_s=30)
+    # The first request's denoiser missed its heartbeats: it started again on the new one.
+    assert (stats.completed, stats.failed_by_reason, stats.retried) == (9, {"worker_lost": 1}, 1)
+    assert stuck in {i.instance for i in stats.instances}  # its loop never stopped: never evicted
+    overdue = [line for line in map(json.loads, cluster.log_of("daemon").splitlines()) if line["event"] == "worker.push_overdue"]
+    assert [line["instance"] for line in overdue] == [stuck]

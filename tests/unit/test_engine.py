@@ -102,6 +102,9 @@ def stop(process: subprocess.Popen[str]) -> None:
     raise AssertionError("peer did not stop")
 
 
+_OPENED = 0x4000  # the id of the fake's empty writes
+
+
 class ScriptedMooncake:
     """Hands out ids and answers each poll from a per-id script of statuses.
 
@@ -117,12 +120,12 @@ class ScriptedMooncake:
         self.polls: dict[int, int] = {}
         self.finished: set[int] = set()
 
-    def get_first_buffer_address(self, session: str) -> int:
-        time.sleep(self.open_s)
-        self.opens += 1
-        return 0x7000
-
     def transfer_submit_write(self, session: str, src: int, dst: int, nbytes: int) -> int:
+        if nbytes == 0:  # the empty write that opens a peer: its handshake, then done at once
+            time.sleep(self.open_s)
+            self.opens += 1
+            self.polls[_OPENED] = 0
+            return _OPENED
         time.sleep(self.submit_s)
         self.submits += 1
         if not self.scripts[self.submits - 1]:
@@ -132,6 +135,9 @@ class ScriptedMooncake:
         return batch_id
 
     def transfer_check_status(self, batch_id: int) -> int:
+        if batch_id == _OPENED:
+            del self.polls[_OPENED]
+            return 1
         assert batch_id in self.polls, f"polled an id never handed out: {batch_id:#x}"
         assert batch_id not in self.finished, f"polled {batch_id:#x} after it finished"
         script = self.scripts[batch_id - 0x5001]
