@@ -10,10 +10,10 @@ through untouched on their way to the frontend.
 
 A worker whose ``Probe`` has not yet come back, one silent for two heartbeats, or a
 receiver a push just failed to reach, is a suspect: it gets no new work until it is
-reached or speaks again. So is a sender whose push is unreported past its due time,
-until it reports one: work sent there would wait behind that write. A suspect whose push failed is evicted
-if it stays silent for two more heartbeats, so a dead receiver costs one request instead of
-every request dispatched to it until its heartbeats are missed.
+reached or speaks again. A suspect whose push failed is evicted if it stays silent for two
+more heartbeats, so a dead receiver costs one request instead of every request dispatched
+to it until its heartbeats are missed. A sender whose push is unreported past its due time
+is a suspect until it reports one: work sent there would wait behind that write.
 
 A worker is identified by its ROUTER connection, which only a registration carrying the
 shared token creates; a report about a request counts only if it comes from the instance
