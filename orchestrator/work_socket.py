@@ -17,7 +17,8 @@ import zmq
 from orchestrator.config import WorkerConfig
 from transfer.binding import EndpointUnusable, bind, remove_ipc_file, unix_listener_at
 
-# An order frame stays under 150 KiB (its two prompts hold at most 16,384 characters each).
+# An order frame stays under about 210 KB (two prompts of 16,384 characters, 64 tensor
+# headers: the wire bounds all it relays, and tests/unit/test_protocol.py builds the largest).
 # Anyone who can reach the port can send, and the key is only checked once a message is
 # read: a frame over this limit disconnects its sender unread.
 ORDER_MAX_MESSAGE_BYTES = 1 << 20
