@@ -76,6 +76,7 @@ from transfer.protocol import (
     Step,
     Stopped,
     WorkerMessage,
+    brief,
     encode,
 )
 from transfer.reports import REPORTS_PER_MESSAGE
@@ -156,7 +157,7 @@ class TransferNegotiator:
         if link is None and len(frames) == 3 and len(frames[1]) == 0:
             self._answer_a_req_peer(routing_id)
             return
-        first = self._decode(frames[1], answer=None if link is not None or self._stopping else routing_id)
+        first = self._decode(frames[1], answer=None if link is not None or self._stopping else routing_id, sender=link)
         if first is None:
             return
         if link is None:
@@ -183,22 +184,36 @@ class TransferNegotiator:
         for frame in frames[2 : 1 + REPORTS_PER_MESSAGE]:
             if self._links.get(routing_id) is not link:
                 return  # evicted by a report of this message (Leaving): the rest is about nothing
-            msg = self._decode(frame)
+            msg = self._decode(frame, sender=link)
             if msg is not None:
                 self._on_report(link, msg, [])
 
-    def _decode(self, frame: zmq.Frame, *, answer: bytes | None = None) -> WorkerMessage | None:
+    def _decode(self, frame: zmq.Frame, *, answer: bytes | None = None,
+                sender: Link | None = None) -> WorkerMessage | None:
         """The message in ``frame``, or None if it is unreadable. An unregistered peer
         (``answer``: its routing id) is told why, as its registration is what failed: a
         worker whose config the wire refuses (a field out of bounds) must not wait out its
-        connect_timeout_s believing no daemon is there."""
+        connect_timeout_s believing no daemon is there. A registered ``sender`` is dropped."""
         try:
             return WORKER_MESSAGE.decode(frame.buffer)
         except DECODE_ERRORS as exc:
             self._peer_log.warning("worker.bad_message", error=str(exc), registered=answer is None)
             if answer is not None:
                 self._reply(answer, RegisterRefused(message=f"unreadable registration: {exc}"))
+            elif sender is not None:
+                self._drop_garbled(sender, str(exc))
             return None
+
+    def _drop_garbled(self, link: Link, error: str) -> None:
+        """``link`` sent a report the wire refuses (a field out of bounds, say). What it said
+        is unknown (a stage's end, a push's?), so the requests it holds would each wait out
+        their deadlines. A worker that speaks so is broken (an honest one checks its outputs
+        against the wire's bounds before it reports): it is evicted as a lost one is, its
+        requests retried elsewhere and the memory a write of its may still reach held back,
+        and told why, which ends it (a restart of the same build would only do it again)."""
+        why = brief(f"{link.instance} sent a report the daemon cannot read: {error}")
+        self._evict(link, why, gone=False)
+        self._reply(link.routing_id, RegisterRefused(message=why))
 
     def _answer_a_req_peer(self, routing_id: bytes) -> None:
         """``[routing_id, b"", body]`` is a REQ socket's envelope (workers speak DEALER, with no

@@ -15,10 +15,12 @@ from pathlib import Path
 import anyio
 import msgspec
 import pytest
+import torch
 import zmq
 
 from orchestrator.client import AsyncClient, Client, Generation, Rejection
 from orchestrator.cluster import LocalCluster
+from orchestrator.stages.null import expected_outputs
 from tests.e2e.conftest import StartCluster, all_free, cluster_config, config_variant, wait_for
 from transfer.protocol import (
     CLIENT_REPLY,
@@ -449,6 +451,58 @@ def test_a_worker_the_daemon_cannot_reach_is_refused_and_stops(start_cluster: St
     assert '"process.failed"' in output and "Traceback" not in output  # a refusal, not a crash
     stats = wait_for(cluster, lambda s: all(i.name != "unreachable" for i in s.instances))
     assert [i.served for i in stats.instances if i.role == "decoder"] == [4]
+
+
+# A worker build with a bug: one field of its Staged reports is out of the wire's bounds.
+GARBLING_WORKER = """
+import math, sys
+import msgspec
+import orchestrator.worker
+from orchestrator.entry import main
+from transfer.protocol import Staged, encode
+
+orchestrator.worker.encode = lambda msg: encode(
+    msgspec.structs.replace(msg, compute_ms=math.nan) if isinstance(msg, Staged) else msg)
+sys.exit(main())
+"""
+
+
+async def test_a_worker_whose_reports_the_daemon_cannot_read_is_dropped_and_its_requests_retried(
+    start_cluster: StartCluster,
+) -> None:
+    """What its report said is unknown (its stage's end?): rather than leave what it holds
+    to the deadlines, the daemon drops it, the requests go to the other encoder, and the
+    worker stops saying why."""
+    cluster = start_cluster(layout={"encoder": 1, "denoiser": 1, "decoder": 1})
+    null_cfg = cluster.config.model.null
+    worker = subprocess.Popen([sys.executable, "-c", GARBLING_WORKER, "worker", "--role", "encoder", "--name",
+                               "garbling", "--config", str(cluster.config_path)], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+    try:
+        await anyio.to_thread.run_sync(partial(
+            wait_for, cluster, lambda s: any(i.name == "garbling" and not i.suspect for i in s.instances),
+            timeout_s=60))
+        with anyio.fail_after(30):
+            async with AsyncClient(cluster.config.daemon.client_endpoint) as client:
+                generations: list[Generation | None] = [None] * 8
+
+                async def one(seed: int) -> None:
+                    generations[seed] = await client.submit(p(seed), timeout_s=20)
+
+                async with anyio.create_task_group() as tg:
+                    for seed in range(8):  # both encoders take some: 4 fill one
+                        tg.start_soon(one, seed)
+        output, _ = await anyio.to_thread.run_sync(partial(worker.communicate, timeout=30))
+    finally:
+        worker.kill()
+    for seed, generation in enumerate(generations):
+        assert generation is not None and torch.equal(generation.outputs["images"], expected_outputs(p(seed), null_cfg)["images"])
+    assert worker.returncode == 1
+    assert "sent a report the daemon cannot read" in output and "$.compute_ms" in output
+    assert '"process.failed"' in output and "Traceback" not in output  # a refusal, not a crash
+    stats = wait_for(cluster, all_free)
+    assert all(i.name != "garbling" for i in stats.instances)
+    assert stats.retried >= 1 and stats.failed_by_reason == {"worker_lost": stats.retried}
 
 
 def test_a_dead_worker_is_evicted_and_a_restart_replaces_it(start_cluster: StartCluster) -> None:
