@@ -28,7 +28,7 @@ import zmq.asyncio
 
 from orchestrator.connection_watch import ConnectionWatch
 from orchestrator.deadlines import checked_s, poll_ms
-from orchestrator.rejection import Rejection
+from orchestrator.rejection import Rejection, answer_as
 from transfer.protocol import (
     CLIENT_REPLY,
     CLIENT_REQUEST,
@@ -116,7 +116,14 @@ async def _cancel_at_daemon(sock: zmq.asyncio.Socket, request_ids: list[str]) ->
     within ``CANCEL_SEND_S``; nothing awaits the answers (they are dropped when they come)."""
     with anyio.CancelScope(shield=True), anyio.move_on_after(CANCEL_SEND_S):
         for rid in request_ids:
-            await sock.send_multipart([b"", _cancel_frame(rid)])
+            try:
+                await sock.send_multipart([b"", _cancel_frame(rid)])
+            except asyncio.CancelledError:
+                # Closing the client closes the socket, which cancels a send still waiting:
+                # the end of these Cancels, not a cancellation of the caller's task.
+                if not sock.closed:
+                    raise
+                return
 
 
 def _decode_reply(parts: list[bytes]) -> Reply:
@@ -132,6 +139,14 @@ def _decode_reply(parts: list[bytes]) -> Reply:
         except ValueError as exc:
             return Rejected(request_id=header.request_id, reason=Reason.INVALID, message=f"unreadable Result: {exc}")
     return header
+
+
+def _read_reply(frames: list[bytes], endpoint: str) -> Reply:
+    """The reply in ``frames``; ``ValueError`` if they are none."""
+    try:
+        return _decode_reply(frames)
+    except DECODE_ERRORS as exc:
+        raise ValueError(f"{endpoint} is not a Triptych client socket: its answer is unreadable ({exc})") from None
 
 
 def _or_default(timeout_s: float | None) -> float:
@@ -187,17 +202,14 @@ class Client:
             with contextlib.suppress(TimeoutError, ConnectionError, ValueError, zmq.ZMQError, Rejection):
                 self.cancel(rid, timeout_s=CANCEL_SEND_S)
             raise
-        if isinstance(reply, Rejected):
-            raise Rejection(reply)
-        assert isinstance(reply, Generation)
-        return reply
+        generation = answer_as(Generation, reply, self.endpoint)
+        if generation.result.request_id != rid:
+            raise ValueError(f"{self.endpoint} answered request {rid!r} with the Result of "
+                             f"{generation.result.request_id!r}")
+        return generation
 
     def cancel(self, request_id: str, *, timeout_s: float = 10.0) -> bool:
-        reply = self._request([_cancel_frame(request_id)], timeout_s)
-        if isinstance(reply, Rejected):
-            raise Rejection(reply)
-        assert isinstance(reply, Cancelled)
-        return reply.found
+        return answer_as(Cancelled, self._request([_cancel_frame(request_id)], timeout_s), self.endpoint).found
 
     def _request(self, parts: list[bytes], timeout_s: float) -> Reply:
         sent_at = time.monotonic()
@@ -215,11 +227,7 @@ class Client:
         except BaseException:
             self._reset()
             raise
-        try:
-            return _decode_reply(frames)
-        except DECODE_ERRORS as exc:
-            raise ValueError(f"{self.endpoint} is not a Triptych client socket: its answer is unreadable "
-                             f"({exc})") from None
+        return _read_reply(frames, self.endpoint)
 
     def _wait(self, sent_at: float, deadline: float, closes: int) -> bool:
         """Wait for the reply until ``deadline``; ``ConnectionError`` as soon as none can come."""
@@ -296,9 +304,12 @@ class AsyncClient:
         # there, and past that a send waits. A request failed meanwhile, or a client closed,
         # stops its send.
         self._sending: dict[str, anyio.CancelScope] = {}
-        # Requests given up on, by id, until when an answer may still come: it must not reach
-        # a new request that reuses the id.
-        self._abandoned: dict[str, float] = {}
+        # Requests given up on, by id, with the count of connections closed when each was
+        # sent: an answer may still come, and must not reach a new request that reuses the id,
+        # until its end comes or its connection closes (the daemon answers only on the
+        # connection a request came by, and every Submit it reads gets an end).
+        self._abandoned: dict[str, int] = {}
+        self._active: set[str] = set()  # ids whose submit runs, answered or not
         self._tg: anyio.abc.TaskGroup | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._cancelling: set[zmq.asyncio.Socket] = set()  # cancel()'s own sockets, while in use
@@ -394,6 +405,8 @@ class AsyncClient:
             # Unconnected, it looks again every WATCH_S: a request sent since may come due.
             with anyio.move_on_after(math.inf if watch.connected else WATCH_S):
                 watch.heard(await watch.monitor.recv_multipart())
+                for rid in [rid for rid, closes in self._abandoned.items() if closes < watch.closes]:
+                    del self._abandoned[rid]  # its answer went with its connection
             lost = {rid: why for rid, (sent_at, closes) in self._sent.items()
                     if (why := watch.problem(sent_at, closes, self.endpoint)) is not None}
             if lost:
@@ -417,12 +430,14 @@ class AsyncClient:
     async def _request(self, rid: str, body: bytes, wait_s: float,
                        on_progress: OnProgress | None = None) -> Generation | Rejected:
         sock = self._open()
-        now = time.monotonic()
-        if rid in self._waiting or self._abandoned.get(rid, -math.inf) > now:
+        assert self._watch is not None
+        if self._abandoned.get(rid, self._watch.closes) < self._watch.closes:
+            # Given up on, on a connection that has closed since: no answer can come (the
+            # watch forgets such ids too, but may not have heard of the close yet).
+            self._abandoned.pop(rid, None)
+        if rid in self._active or rid in self._abandoned:
             raise ValueError(f"request id {rid!r} is in use on this client (in flight, or given up and not ended)")
-        # Given up on long enough ago that no answer can still come (often none ever will:
-        # its connection was lost): the id is this request's now, and so are its answers.
-        self._abandoned.pop(rid, None)
+        self._active.add(rid)
         tx, rx = anyio.create_memory_object_stream[Progress](PROGRESS_BACKLOG)
         self._waiting[rid] = tx
         sent = False
@@ -430,7 +445,6 @@ class AsyncClient:
             with rx:
                 try:
                     with anyio.fail_after(wait_s):
-                        assert self._watch is not None
                         self._sent[rid] = time.monotonic(), self._watch.closes
                         queued = sock.send_multipart([b"", body])
                         sending = self._sending[rid] = anyio.CancelScope()
@@ -460,7 +474,7 @@ class AsyncClient:
             # its on_progress still ran, has ended at the daemon: its id is free at once. A
             # closed socket's client is gone, and the daemon's deadline ends the request.)
             if sent and not isinstance(self._answers.get(rid), (Generation, Rejected)):
-                self._abandon(rid, wait_s)
+                self._abandoned[rid] = self._sent[rid][1]
                 if not sock.closed:
                     await _cancel_at_daemon(sock, [rid])
             if isinstance(exc, TimeoutError):
@@ -468,6 +482,7 @@ class AsyncClient:
                                    f"and {GRACE_S:g} s of grace)") from None
             raise
         finally:
+            self._active.discard(rid)
             self._sent.pop(rid, None)
             self._answers.pop(rid, None)
             leftover = self._waiting.pop(rid, None)
@@ -489,27 +504,19 @@ class AsyncClient:
                 await heard
         return answer
 
-    def _abandon(self, rid: str, wait_s: float) -> None:
-        now = time.monotonic()
-        for old in [old for old, until in self._abandoned.items() if until <= now]:
-            del self._abandoned[old]
-        self._abandoned[rid] = now + wait_s
-
     async def submit(self, params: GenParams, *, request_id: str = "", timeout_s: float | None = None,
                      priority: int = 0, on_progress: OnProgress | None = None) -> Generation:
         """Generate; raises ``Rejection``, ``TimeoutError`` (the wait ran out: the request is
-        cancelled at the daemon), ``ValueError`` for an id in use on this client, or
+        cancelled at the daemon), ``ValueError`` for an id in use on this client (its submit
+        runs, or it was given up on and its end has not come: one sent where no daemon
+        listened waits in ZMQ's queue for the next daemon, which ends it), or
         ``ConnectionError`` if the client is closed while the request waits or no answer can
         come (no daemon took a connection within 3 s, or the connection closed: the request
         is cancelled at the daemon should it get there)."""
         # The client picks the id so it can match the answer among many in flight.
         rid = request_id or uuid.uuid4().hex
         body = _submit_body(params, rid, timeout_s, priority, progress=on_progress is not None)
-        reply = await self._request(rid, body, _wait_s(timeout_s), on_progress)
-        if isinstance(reply, Rejected):
-            raise Rejection(reply)
-        assert isinstance(reply, Generation)
-        return reply
+        return answer_as(Generation, await self._request(rid, body, _wait_s(timeout_s), on_progress), self.endpoint)
 
     async def cancel(self, request_id: str, *, timeout_s: float = 10.0) -> bool:
         """Cancel ``request_id`` at the daemon; whether it was still there to cancel. Raises
@@ -539,8 +546,5 @@ class AsyncClient:
         finally:
             self._cancelling.discard(sock)
             sock.close(linger=0)
-        reply = CLIENT_REPLY.decode(parts[1])
-        if isinstance(reply, Rejected):
-            raise Rejection(reply)
-        assert isinstance(reply, Cancelled)
-        return reply.found
+        frames = parts[1:] if parts[:1] == [b""] else []  # a DEALER's: the empty delimiter first
+        return answer_as(Cancelled, _read_reply(frames, self.endpoint), self.endpoint).found

@@ -11,7 +11,7 @@ from __future__ import annotations
 import zmq
 
 from orchestrator.deadlines import poll_ms
-from orchestrator.rejection import Rejection
+from orchestrator.rejection import answer_as
 from transfer.protocol import (
     CONTROL_REPLY,
     DAEMON_TO_WORKER,
@@ -23,7 +23,6 @@ from transfer.protocol import (
     GetStats,
     ListWorkers,
     RegisterRefused,
-    Rejected,
     Stats,
     Workers,
     encode,
@@ -50,27 +49,18 @@ class Control:
         finally:
             sock.close(linger=0)
         try:
-            reply = CONTROL_REPLY.decode(body)
+            return CONTROL_REPLY.decode(body)
         except DECODE_ERRORS:
             raise ValueError(f"{self.endpoint} is not a control socket: {_what_answered(body)}") from None
-        if isinstance(reply, Rejected):
-            raise Rejection(reply)
-        return reply
 
     def stats(self) -> Stats:
-        reply = self._ask(GetStats())
-        assert isinstance(reply, Stats)
-        return reply
+        return answer_as(Stats, self._ask(GetStats()), self.endpoint)
 
     def workers(self) -> Workers:
-        reply = self._ask(ListWorkers())
-        assert isinstance(reply, Workers)
-        return reply
+        return answer_as(Workers, self._ask(ListWorkers()), self.endpoint)
 
     def drain(self) -> Draining:
-        reply = self._ask(Drain())
-        assert isinstance(reply, Draining)
-        return reply
+        return answer_as(Draining, self._ask(Drain()), self.endpoint)
 
 
 def _what_answered(body: bytes) -> str:

@@ -1,4 +1,5 @@
-"""``Rejection``: what a client raises when the daemon answers ``Rejected``.
+"""``Rejection``: what a client raises when the daemon answers ``Rejected``; ``answer_as``:
+the one check of every answer's kind.
 
 Its own module, free of torch, so that code which only needs to catch it (the CLI's
 outermost handler, which every process runs, the daemon included) does not load torch:
@@ -8,7 +9,11 @@ torch's objects.
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 from transfer.protocol import Rejected
+
+Answer = TypeVar("Answer")
 
 
 class Rejection(Exception):
@@ -22,3 +27,14 @@ class Rejection(Exception):
     def __reduce__(self) -> tuple[type[Rejection], tuple[Rejected]]:
         # Pickled as what it was made from (job queues and process pools pickle exceptions).
         return Rejection, (self.rejected,)
+
+
+def answer_as(kind: type[Answer], reply: object, endpoint: str) -> Answer:
+    """``reply`` if it is the ``kind`` of answer asked for. ``Rejection`` for a ``Rejected``;
+    ``ValueError`` for any other: the peer at ``endpoint`` is no Triptych daemon's socket of
+    that kind, or has a bug, and saying so beats an assertion (which ``python -O`` skips)."""
+    if isinstance(reply, kind):
+        return reply
+    if isinstance(reply, Rejected):
+        raise Rejection(reply)
+    raise ValueError(f"{endpoint} answered with {type(reply).__name__} where {kind.__name__} was due")

@@ -34,6 +34,7 @@ from transfer.protocol import (
     Result,
     Submit,
     TensorSpec,
+    Workers,
     encode,
 )
 
@@ -499,20 +500,27 @@ async def test_a_slow_progress_listener_never_costs_the_answer(
         assert await run(busy_s=0.6, timeout_s=0.3) == [1]
 
 
-async def test_an_id_given_up_on_long_ago_takes_its_new_requests_answer(
+async def test_an_id_given_up_on_is_held_until_its_end_comes_however_late(
     fake_daemon: FakeDaemon, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A request given up on, whose answer never came (its connection was lost, say): once
-    no answer can still come, its id is free, and a new request under it gets its own."""
+    """Past its deadline an answer can still come (a daemon that stalled reads the Submit
+    late, its deadline counting from then): a new request under the id would take it. Every
+    Submit the daemon reads gets an end, so the id waits for that, not for a time."""
     monkeypatch.setattr("orchestrator.client.GRACE_S", 0.05)
     daemon, endpoint = fake_daemon
     with anyio.fail_after(10):
         async with AsyncClient(endpoint) as client:
             with pytest.raises(TimeoutError):
-                await client.submit(PARAMS, request_id="job", timeout_s=0.1)  # never answered
-            assert isinstance(CLIENT_REQUEST.decode((await daemon.recv_multipart())[2]), Submit)
+                await client.submit(PARAMS, request_id="job", timeout_s=0.1)  # not answered yet
+            identity, _, body = await daemon.recv_multipart()
+            assert isinstance(CLIENT_REQUEST.decode(body), Submit)
             assert isinstance(CLIENT_REQUEST.decode((await daemon.recv_multipart())[2]), Cancel)
-            await anyio.sleep(0.2)  # past the first request's deadline and grace
+            await anyio.sleep(0.3)  # well past the first request's deadline and grace
+            with pytest.raises(ValueError, match="in use"):
+                await client.submit(PARAMS, request_id="job", timeout_s=5)
+            await daemon.send_multipart([identity, b"", encode(Rejected(
+                request_id="job", reason=Reason.CANCELLED, message="cancelled by the client"))])
+            await anyio.sleep(0.1)
 
             async def answer() -> None:
                 identity, _, _ = await daemon.recv_multipart()
@@ -522,6 +530,31 @@ async def test_an_id_given_up_on_long_ago_takes_its_new_requests_answer(
             async with anyio.create_task_group() as tg:
                 tg.start_soon(answer)
                 assert (await client.submit(PARAMS, request_id="job", timeout_s=5)).result.total_ms == 2.0
+
+
+async def test_an_id_is_in_use_until_its_submit_returns_even_once_answered(fake_daemon: FakeDaemon) -> None:
+    """The answer is in while the request's on_progress still runs: a second request under
+    the id then would take that answer, and the first fail as if the client had closed."""
+    daemon, endpoint = fake_daemon
+    with anyio.fail_after(10):
+        async with AsyncClient(endpoint) as client, anyio.create_task_group() as tg:
+            got: list[float] = []
+
+            async def first() -> None:
+                generation = await client.submit(PARAMS, request_id="same", on_progress=lambda _: anyio.sleep(0.5))
+                got.append(generation.result.total_ms)
+
+            tg.start_soon(first)
+            identity, _, _ = await daemon.recv_multipart()
+            await daemon.send_multipart([identity, b"", encode(Progress(request_id="same", state="encoding",
+                                                                        elapsed_ms=0.0))])
+            await anyio.sleep(0.1)  # its listener runs
+            await daemon.send_multipart([identity, b"", encode(Result(request_id="same", outputs=[], stages=[],
+                                                                      total_ms=1.0))])
+            await anyio.sleep(0.1)  # the answer is in; the listener still runs
+            with pytest.raises(ValueError, match="in use"):
+                await client.submit(PARAMS, request_id="same")
+        assert got == [1.0]
 
 
 async def test_progress_for_a_request_given_up_on_while_its_cancel_waits_harms_nobody(
@@ -566,6 +599,40 @@ async def test_progress_for_a_request_given_up_on_while_its_cancel_waits_harms_n
             tg.start_soon(dropped)
             await anyio.sleep(0.05)
             assert (await client.submit(PARAMS, request_id="kept", timeout_s=5)).result.total_ms == 3.0
+
+
+def test_an_answer_of_the_wrong_kind_is_a_clear_error_in_every_client(tmp_path: Path) -> None:
+    """A peer that answers a request with another message (no Triptych daemon, or one with a
+    bug): a ValueError naming what came, not an assertion (gone under ``python -O``)."""
+    ctx = zmq.Context()
+    daemon = ctx.socket(zmq.ROUTER)
+    daemon.setsockopt(zmq.LINGER, 0)
+    endpoint = f"ipc://{tmp_path}/odd"
+    daemon.bind(endpoint)
+    answers = [Progress(request_id="mine", state="encoding", elapsed_ms=0.0),
+               Result(request_id="someone-else", outputs=[], stages=[], total_ms=1.0),
+               Workers(instances=[])]
+
+    def answer_wrongly() -> None:
+        for answer in answers:
+            if daemon.poll(5000):
+                identity, _, _ = daemon.recv_multipart()
+                daemon.send_multipart([identity, b"", encode(answer)])
+
+    thread = threading.Thread(target=answer_wrongly, daemon=True)
+    thread.start()
+    try:
+        with Client(endpoint, ctx=ctx) as client:
+            with pytest.raises(ValueError, match=f"^{endpoint} answered with Progress where Generation was due"):
+                client.submit(PARAMS, request_id="mine", timeout_s=5)
+            with pytest.raises(ValueError, match="answered request 'mine' with the Result of 'someone-else'"):
+                client.submit(PARAMS, request_id="mine", timeout_s=5)
+        with pytest.raises(ValueError, match="answered with Workers where Stats was due"):
+            Control(endpoint, ctx=ctx).stats()
+        thread.join(timeout=10)
+    finally:
+        daemon.close(linger=0)
+        ctx.term()
 
 
 def test_a_blocking_client_pointed_at_another_socket_says_so(tmp_path: Path) -> None:

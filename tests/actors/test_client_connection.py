@@ -14,7 +14,7 @@ import zmq
 import zmq.asyncio
 
 from orchestrator.client import AsyncClient, Client
-from transfer.protocol import CLIENT_REQUEST, Cancel, GenParams, Result, Submit, encode
+from transfer.protocol import CLIENT_REQUEST, Cancel, GenParams, Reason, Rejected, Result, Submit, encode
 
 PARAMS = GenParams(prompt="p")
 NO_DAEMON_S = 1.0  # the clients' wait for a daemon, shortened here (3 s in use)
@@ -91,9 +91,46 @@ async def test_submits_past_what_zmq_queues_for_an_absent_daemon_fail_as_soon_as
                 daemon.close(linger=0)
 
 
-async def test_closing_the_client_under_a_send_that_waits_fails_that_submit_as_every_other(tmp_path: Path) -> None:
+async def test_an_id_sent_where_no_daemon_listens_is_held_until_a_daemon_ends_it(
+    ctx: zmq.asyncio.Context, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its Submit waits in ZMQ's queue, and a daemon that comes, however late, gets it (and
+    its Cancel) first: a new request under the id meanwhile would be refused as a duplicate,
+    or take the old one's end. It is refused at the client until that end comes."""
+    monkeypatch.setattr("orchestrator.client.GRACE_S", 0.05)
+    endpoint = f"ipc://{tmp_path}/later"
+    with anyio.fail_after(15):
+        async with AsyncClient(endpoint) as client:
+            with pytest.raises(ConnectionError, match="nothing there took a connection"):
+                await client.submit(PARAMS, request_id="job-7", timeout_s=1.5)
+            await anyio.sleep(1.8)  # past its deadline and grace, counted from its failure
+            with pytest.raises(ValueError, match="in use"):
+                await client.submit(PARAMS, request_id="job-7", timeout_s=60)
+            daemon = fake_daemon(ctx, endpoint)
+            try:
+                heard = [await daemon.recv_multipart() for _ in range(2)]
+                assert [type(CLIENT_REQUEST.decode(body)) for _, _, body in heard] == [Submit, Cancel]
+                identity = heard[0][0]
+                await daemon.send_multipart([identity, b"", encode(Rejected(
+                    request_id="job-7", reason=Reason.CANCELLED, message="cancelled by the client"))])
+                await anyio.sleep(0.1)
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(partial(client.submit, PARAMS, request_id="job-7", timeout_s=60))
+                    _, _, body = await daemon.recv_multipart()
+                    assert CLIENT_REQUEST.decode(body).timeout_s == 60
+                    await daemon.send_multipart([identity, b"", encode(Result(request_id="job-7", outputs=[],
+                                                                              stages=[], total_ms=1.0))])
+            finally:
+                daemon.close(linger=0)
+
+
+@pytest.mark.parametrize("close_after_s", [NO_DAEMON_S / 4, NO_DAEMON_S * 1.6])
+async def test_closing_the_client_under_a_send_that_waits_fails_that_submit_as_every_other(
+    tmp_path: Path, close_after_s: float
+) -> None:
     """A submit whose send waits behind ZMQ's full queue, when the client closes, raises
-    ConnectionError as the queued ones do (pyzmq cancelled its send: a bare CancelledError)."""
+    ConnectionError as the queued ones do (pyzmq cancelled its send: a bare CancelledError);
+    so does one failed for want of a daemon, whose Cancel waits behind that queue."""
     outcomes: list[type[BaseException]] = []
 
     async def submit(client: AsyncClient, rid: str) -> None:
@@ -107,7 +144,7 @@ async def test_closing_the_client_under_a_send_that_waits_fails_that_submit_as_e
             async with AsyncClient(f"ipc://{tmp_path}/nobody") as client:
                 for i in range(1005):
                     tg.start_soon(submit, client, f"r{i}")
-                await anyio.sleep(NO_DAEMON_S / 4)
+                await anyio.sleep(close_after_s)
     assert outcomes == [ConnectionError] * 1005
 
 
@@ -128,7 +165,7 @@ async def test_an_async_request_whose_connection_closes_fails_at_once_and_the_cl
 ) -> None:
     """The daemon's ROUTER answers the connection a request came by: once it closes, the
     answer cannot come, even from a daemon that is back on the same endpoint. The request
-    is cancelled there should it have arrived, and the client serves on."""
+    is cancelled there should it have arrived, and the client serves on, its id free at once."""
     endpoint = f"ipc://{tmp_path}/daemon"
     with anyio.fail_after(10):
         async with AsyncClient(endpoint) as client, anyio.create_task_group() as tg:
@@ -151,13 +188,13 @@ async def test_an_async_request_whose_connection_closes_fails_at_once_and_the_cl
             assert "closed while the request waited" in str(outcome[0])
             daemon = fake_daemon(ctx, endpoint)  # back: it hears the Cancel, then serves
             try:
-                tg.start_soon(partial(client.submit, PARAMS, request_id="next", timeout_s=60))
+                tg.start_soon(partial(client.submit, PARAMS, request_id="lost", timeout_s=60))
                 heard = []
                 while len(heard) < 2:
                     identity, _, body = await daemon.recv_multipart()
                     heard.append(CLIENT_REQUEST.decode(body))
-                assert [(type(m), m.request_id) for m in heard] == [(Cancel, "lost"), (Submit, "next")]
-                await daemon.send_multipart([identity, b"", encode(Result(request_id="next", outputs=[], stages=[],
+                assert [(type(m), m.request_id) for m in heard] == [(Cancel, "lost"), (Submit, "lost")]
+                await daemon.send_multipart([identity, b"", encode(Result(request_id="lost", outputs=[], stages=[],
                                                                           total_ms=1.0))])
             finally:
                 daemon.close(linger=0)
