@@ -133,12 +133,19 @@ async def _watch_signals(drain_requested: anyio.Event, drain_wait: anyio.CancelS
 
 async def _act_on_signals(drain_requested: anyio.Event, drain_wait: anyio.CancelScope,
                           early: list[signal.Signals]) -> None:
+    signalled = False
+
     def heard(signum: int, *, during_start_up: bool = False) -> bool:
-        """Act on a stop signal; True once there is nothing left to act on."""
-        log.info("daemon.signal", signal=signal.Signals(signum).name, during_start_up=during_start_up)
-        if drain_requested.is_set():
+        """Act on a stop signal; True once there is nothing left to act on. A control
+        ``Drain`` before it is no signal: the SIGTERM a supervisor sends after running
+        `triptych drain` (a preStop hook, `systemctl stop`) lets that drain go on."""
+        nonlocal signalled
+        log.info("daemon.signal", signal=signal.Signals(signum).name, during_start_up=during_start_up,
+                 draining=drain_requested.is_set())
+        if signalled:
             drain_wait.cancel()  # second signal: stop waiting for the work in flight
             return True
+        signalled = True
         drain_requested.set()
         return False
 

@@ -319,6 +319,32 @@ async def test_a_drain_that_runs_out_of_time_or_is_cut_short_still_answers_every
     assert '"event":"negotiator.farewell"' in cluster.log_of("daemon")  # the workers were told
 
 
+async def test_a_signal_after_a_control_drain_lets_that_drain_finish(start_cluster: StartCluster) -> None:
+    """`triptych drain`, then the supervisor's SIGTERM (a preStop hook, `systemctl stop`):
+    one signal, so the work in flight still finishes; only a second one cuts it short."""
+    cluster = start_cluster(layout={"encoder": 1, "denoiser": 1, "decoder": 1},
+                            **{"model.null": {"denoiser_ms": 300.0}, "daemon": {"drain_timeout_s": 60.0}})
+    with anyio.fail_after(60):
+        async with AsyncClient(cluster.config.daemon.client_endpoint) as client:
+            served: list[Generation] = []
+
+            async def one(seed: int) -> None:
+                served.append(await client.submit(p(seed), timeout_s=50))
+
+            async with anyio.create_task_group() as tg:
+                for seed in range(12):  # 3 rounds of the denoiser's 4 at a time
+                    tg.start_soon(one, seed)
+                await anyio.to_thread.run_sync(wait_for, cluster, lambda s: s.requests_by_state.get("denoising"))
+                assert (await anyio.to_thread.run_sync(cluster.control.drain)).in_flight == 12
+                assert cluster.daemon is not None
+                cluster.daemon.send_signal(signal.SIGTERM)
+        code = await anyio.to_thread.run_sync(partial(cluster.daemon.wait, timeout=30))
+    assert len(served) == 12 and code == 0
+    log = cluster.log_of("daemon")
+    assert log.count('"event":"daemon.signal"') == 1 and '"draining":true' in log
+    assert '"event":"daemon.drained"' in log and "drain_cut_short" not in log
+
+
 def test_a_second_signal_while_the_daemon_sends_its_last_answers_is_not_its_death(start_cluster: StartCluster) -> None:
     """The drain is over, but the daemon is still handing a client that has not read them
     its last replies (up to a second): a second SIGTERM then cuts that short, as during
