@@ -121,7 +121,7 @@ class AdmissionActor:
     def _handle(self, mail: AdmissionMail) -> None:
         match mail:
             case Enqueue(job=job, front=front):
-                ahead = self._queues[job.role].push(job, front=front)
+                ahead = self._queues[job.role].push(job, front=front or job.again)
                 self._dispatch(job.role)
                 if job.progress and job.request_id in self._queues[job.role]:
                     self._tracker.post(Queued(request_id=job.request_id, role=job.role, position=ahead + 1))

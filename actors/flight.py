@@ -41,6 +41,7 @@ class Flight:
     priority: int = 0  # carried into the next stage's job
     progress: bool = False  # its client wants progress: every stage's order says so
     avoid: frozenset[str] = frozenset()  # Job.avoid, carried into the next stage's job
+    again: bool = False  # Job.again, carried into the next stage's job
     state: FlightState = FlightState.RUNNING
     input_slot: Slot | None = None  # preallocated slot holding the running stage's input
     nbytes: int = 0

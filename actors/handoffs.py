@@ -158,7 +158,7 @@ class Handoffs:
         if job.role == "encoder":
             self._flights[rid] = Flight(request_id=rid, params=job.params, role="encoder", instance=instance,
                                         deadline=job.deadline, priority=job.priority, progress=job.progress,
-                                        avoid=job.avoid)
+                                        avoid=job.avoid, again=job.again)
             self._order("encoder", instance, Work(request_id=rid, params=job.params, progress=job.progress))
             return
         flight = self._flights.get(rid)
@@ -247,7 +247,7 @@ class Handoffs:
         flight.stage_output(msg.nbytes, msg.manifest, msg.compute_ms, at=time.monotonic())
         self._admission.post(Enqueue(job=Job(request_id=rid, role=following, params=flight.params,
                                              deadline=flight.deadline, priority=flight.priority,
-                                             progress=flight.progress, avoid=flight.avoid)))
+                                             progress=flight.progress, avoid=flight.avoid, again=flight.again)))
 
     def allocated(self, link: Link, msg: Allocated) -> None:
         flight = self._reported(msg.request_id, FlightState.ALLOCATING, link, by_receiver=True)

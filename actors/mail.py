@@ -33,6 +33,9 @@ class Job(msgspec.Struct, frozen=True, kw_only=True):
     # For a retry: the instances its failed attempts involved. The pools place it elsewhere
     # when another instance has room, so a worker that broke it once does not get it again.
     avoid: frozenset[str] = frozenset()
+    # A retry: it waited its turn once already, so at every role it queues before the jobs
+    # of its priority that have not had one, rather than spend what is left of its deadline queued.
+    again: bool = False
 
 
 class QueryStats(Mail):
@@ -99,9 +102,7 @@ class Admit(Mail):
     priority: int = 0
     progress: bool = False
     avoid: frozenset[str] = frozenset()  # Job.avoid
-    # A retry: it waited its turn once already, so it goes before the jobs of its priority
-    # that have not had one (Enqueue.front), rather than spend what is left of its deadline queued.
-    again: bool = False
+    again: bool = False  # Job.again
 
 
 class HandedOff(Mail):
@@ -184,8 +185,8 @@ TrackerMail = (
 
 
 class Enqueue(Mail):
-    """Queue ``job`` until its role has capacity; ``front``: a job that lost its slot, or a
-    retry, goes before those of its priority that have not had a turn."""
+    """Queue ``job`` until its role has capacity; ``front``: a job that lost its slot goes
+    before those of its priority that have not had a turn (as a retry's does: ``Job.again``)."""
 
     job: Job
     front: bool = False

@@ -107,7 +107,7 @@ class TrackerActor:
                 heapq.heappush(self._deadlines, (deadline, rid))
                 self._compact_deadlines()
                 self._admission.post(Enqueue(job=Job(request_id=rid, role="encoder", params=params, deadline=deadline,
-                                                     priority=priority, progress=progress, avoid=avoid), front=again))
+                                                     priority=priority, progress=progress, avoid=avoid, again=again)))
                 self._tell_progress(rid, entry, now)
             case HandedOff():
                 self._handed_off(mail)

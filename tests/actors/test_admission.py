@@ -12,6 +12,7 @@ from functools import partial
 from typing import Any
 
 import anyio
+import msgspec
 import pytest
 from anyio.streams.memory import MemoryObjectReceiveStream
 
@@ -192,6 +193,16 @@ async def test_enqueue_front_goes_first() -> None:
             await a.enqueue("lost1", "lost2", front=True)  # bounced together, in this order
             a.inbox.post(Credit(role="encoder", delta=4))
             assert await a.dispatched() == ["lost1", "lost2", "r1", "r2"]
+
+
+async def test_a_retrys_job_goes_first_as_a_bounced_one_does() -> None:
+    """It waited its turn once: at every role, not only where it started again."""
+    with anyio.fail_after(5):
+        async with running_admission() as a:
+            await a.enqueue("r1", role="denoiser")
+            a.inbox.post(Enqueue(job=msgspec.structs.replace(job("retry", "denoiser"), again=True)))
+            a.inbox.post(Credit(role="denoiser", delta=2))
+            assert await a.dispatched("denoiser") == ["retry", "r1"]
 
 
 async def test_negative_credit_holds_dispatch() -> None:

@@ -483,12 +483,15 @@ async def test_a_failure_reason_no_stage_gives_reads_as_stage_failed(
                                                        avoid=frozenset({denoiser.instance}))
 
 
-async def test_what_a_retry_avoids_follows_it_to_the_next_stage(ctx: zmq.asyncio.Context, tmp_path: Path) -> None:
+async def test_what_a_retry_avoids_and_its_turn_follow_it_to_the_next_stage(
+    ctx: zmq.asyncio.Context, tmp_path: Path
+) -> None:
     with anyio.fail_after(5):
         async with encoder_and_denoiser(ctx, tmp_path, slots=2) as (n, encoder, _):
             avoid = frozenset({"denoiser-7"})
-            n.inbox.post(Placed(job=msgspec.structs.replace(job("r1", "encoder"), avoid=avoid), instance=encoder.instance))
+            n.inbox.post(Placed(job=msgspec.structs.replace(job("r1", "encoder"), avoid=avoid, again=True),
+                                instance=encoder.instance))
             await n.pools["encoder"].receive()  # Work
             await encoder.report(Staged(request_id="r1", nbytes=NBYTES, manifest=MANIFEST, compute_ms=1.0))
             assert await n.admission.receive() == Enqueue(job=msgspec.structs.replace(job("r1", "denoiser"),
-                                                                                      avoid=avoid))
+                                                                                      avoid=avoid, again=True))

@@ -145,7 +145,7 @@ async def test_a_retry_goes_before_the_jobs_of_its_priority_that_had_no_turn() -
                 t.inbox.post(Admit(request_id=rid, params=PARAMS, timeout_s=60.0, submitted_at=time.monotonic(),
                                    again=again))
                 mail = await t.admission.receive()
-                assert isinstance(mail, Enqueue) and (mail.job.request_id, mail.front) == (rid, again)
+                assert isinstance(mail, Enqueue) and (mail.job.request_id, mail.job.again) == (rid, again)
 
 
 async def test_full_journey_delivers_a_result_with_three_stage_timings() -> None:

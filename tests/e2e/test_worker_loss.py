@@ -210,6 +210,35 @@ async def test_a_worker_stopped_with_sigterm_says_so_and_its_request_starts_agai
     assert "left: its process is stopping" in cluster.log_of("daemon")
 
 
+async def test_a_retry_goes_before_requests_that_have_not_had_their_turn_at_every_stage(
+    start_cluster: StartCluster,
+) -> None:
+    """A runs on one denoiser, B on the other, C and D wait for one. A's denoiser stops: A
+    starts again, and having waited its turn once, it is next at the denoiser (not behind
+    C and D, whose deadlines have had less of their time spent)."""
+    cluster = start_cluster(workers={"denoiser": {"capacity": 1}}, **{"model.null": {"denoiser_ms": 1000.0}})
+    order: list[str] = []
+    with anyio.fail_after(40):
+        async with AsyncClient(cluster.config.daemon.client_endpoint) as client, anyio.create_task_group() as tg:
+
+            async def one(rid: str, seed: int) -> None:
+                await client.submit(GenParams(prompt=rid, seed=seed, output="raw"), request_id=rid, timeout_s=30)
+                order.append(rid)
+
+            tg.start_soon(one, "A", 1)
+            stats = await anyio.to_thread.run_sync(lambda: wait_for(cluster, lambda s: denoising_instance(s) is not None))
+            running_a = denoising_instance(stats)
+            assert running_a is not None
+            tg.start_soon(one, "B", 2)
+            await anyio.to_thread.run_sync(wait_for, cluster, lambda s: s.requests_by_state.get("denoising") == 2)
+            for seed, rid in enumerate("CD", start=3):
+                tg.start_soon(one, rid, seed)
+                await anyio.to_thread.run_sync(wait_for, cluster, lambda s, n=seed - 2: s.queue_depths["denoiser"] == n)
+            cluster.workers[running_a].send_signal(signal.SIGTERM)
+    assert order == ["B", "A", "C", "D"]
+    assert wait_for(cluster, all_free).retried == 1
+
+
 async def test_a_sender_stuck_on_a_frozen_receiver_gets_no_new_work_until_its_push_ends(
     start_cluster: StartCluster,
 ) -> None:
