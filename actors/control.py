@@ -142,6 +142,7 @@ class ControlActor:
             instances=instances,
             queue_depths=admission.queue_depths,
             handoffs_in_flight=negotiator.handoffs_in_flight,
+            handoffs_held=negotiator.handoffs_held,
             fast_path=negotiator.fast_path,
             slow_path=negotiator.slow_path,
             requests_by_state=tracker.by_state,

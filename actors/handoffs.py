@@ -148,8 +148,13 @@ class Handoffs:
         return self._slots.counts(instance)
 
     def in_flight(self) -> int:
-        """Hand-offs under way: flights between two stages."""
-        return sum(1 for f in self._flights.values() if f.state != FlightState.RUNNING)
+        """Hand-offs under way: flights of live requests between two stages."""
+        return sum(1 for f in self._flights.values() if f.state != FlightState.RUNNING and not f.doomed)
+
+    def held(self) -> int:
+        """Hand-offs of ended requests whose receiver's memory waits for the push to report
+        (or for push_quarantine_s): a write may still land in it."""
+        return sum(1 for f in self._flights.values() if f.doomed)
 
     # ------------------------------------------------------------------ mail
 

@@ -99,6 +99,7 @@ class NegotiatorStats(msgspec.Struct, frozen=True):
     prealloc: dict[str, PreallocCounts]
     limits: dict[str, StageLimits]
     handoffs_in_flight: int
+    handoffs_held: int
     fast_path: dict[str, int]
     slow_path: dict[str, int]
     late_reports: int
@@ -364,7 +365,7 @@ class TransferNegotiator:
                 h = self._handoffs
                 prealloc = {instance: PreallocCounts(*h.prealloc_counts(instance)) for instance in self._by_instance}
                 limits = {instance: link.limits for instance, link in self._by_instance.items()}
-                reply_once(reply, NegotiatorStats(prealloc, limits, h.in_flight(), dict(h.fast), dict(h.slow), h.late,
+                reply_once(reply, NegotiatorStats(prealloc, limits, h.in_flight(), h.held(), dict(h.fast), dict(h.slow), h.late,
                                                   self._inbox.counts()))
             case _:
                 raise AssertionError(f"unexpected mail {mail!r}")

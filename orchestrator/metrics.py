@@ -80,7 +80,8 @@ def _daemon_metrics(stats: Stats) -> Iterator[Metric]:
     yield _labelled(CounterMetricFamily, "triptych_requests_failed", "Requests that ended in an error, by reason",
                     "reason", stats.failed_by_reason)
     yield _labelled(CounterMetricFamily, "triptych_requests_refused",
-                    "Requests refused at the door, never admitted (overloaded, draining...), by reason", "reason",
+                    "Client messages refused at the door: submits never admitted (overloaded, draining...), "
+                    "unreadable ones, by reason", "reason",
                     stats.refused)
     yield CounterMetricFamily("triptych_requests_retried", "Requests started again after a lost worker or a failed hand-off",
                               value=stats.retried)
@@ -93,6 +94,8 @@ def _daemon_metrics(stats: Stats) -> Iterator[Metric]:
     yield _labelled(GaugeMetricFamily, "triptych_queue_depth", "Jobs waiting for a free slot, by role", "role",
                     stats.queue_depths)
     yield _gauge("triptych_handoffs_in_flight", "Hand-offs between stages in progress", stats.handoffs_in_flight)
+    yield _gauge("triptych_handoffs_held", "Hand-offs of ended requests whose receiver memory waits for the push "
+                 "to report (or push_quarantine_s)", stats.handoffs_held)
     handoffs = CounterMetricFamily("triptych_handoffs", "Hand-offs by hop and path (fast: a preallocated slot)",
                                    labels=["hop", "path"])
     for path, counts in (("fast", stats.fast_path), ("slow", stats.slow_path)):

@@ -25,7 +25,8 @@ def stats_table(stats: Stats) -> str:
         f"failed={sum(stats.failed_by_reason.values())} {stats.failed_by_reason or ''} retried={stats.retried}"
         + (f"  replies dropped={stats.replies_dropped}" if stats.replies_dropped else "")
         + (f"  refused at the door={sum(stats.refused.values())} {stats.refused}" if stats.refused else ""),
-        f"in flight: {stats.requests_by_state or 'none'}  hand-offs in flight: {stats.handoffs_in_flight}",
+        f"in flight: {stats.requests_by_state or 'none'}  hand-offs in flight: {stats.handoffs_in_flight}"
+        + (f" (held for ended requests' pushes: {stats.handoffs_held})" if stats.handoffs_held else ""),
         f"queues: {stats.queue_depths}",
         f"fast path: {stats.fast_path}  slow path: {stats.slow_path}",
         "",

@@ -279,14 +279,18 @@ class Stats(Wire):
     # daemon.client_send_hwm replies queued in ZMQ and client_held_bytes held by the daemon
     # (or client_held_total_bytes held for all clients together).
     replies_dropped: int = 0
-    # Submits refused at the door, never admitted, by reason (overloaded, draining,
-    # duplicate, invalid, unsupported, cancelled: its Cancel came first): counted nowhere else.
+    # Client messages refused at the door, by reason: submits never admitted (overloaded,
+    # draining, duplicate, invalid, unsupported, cancelled: its Cancel came first), and any
+    # message unreadable (invalid) or of another protocol (unsupported). Counted nowhere else.
     refused: dict[str, int] = {}
     # Completed requests ("request"), each stage's wait and compute ("encoder.queued",
     # "denoiser.compute", ...), each hop's write ("encoder->denoiser", ...); and the bytes
     # each hop moved, which over its latency's total_ms is its bandwidth.
     latency: dict[str, Latency] = {}
     handoff_bytes: dict[str, int] = {}
+    # Hand-offs of requests that ended mid-push (not in handoffs_in_flight): their
+    # receivers' memory waits for the push to report, or for push_quarantine_s.
+    handoffs_held: int = 0
 
 
 class Workers(Wire):

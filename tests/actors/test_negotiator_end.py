@@ -215,7 +215,7 @@ async def test_forget_mid_push_releases_the_pools_now_and_the_slot_when_pushed(
             # ...but the encoder may be writing into slot 0 right now: it stays taken.
             stats = await n.stats()
             assert stats.prealloc[denoiser.instance] == PreallocCounts(1, 2)
-            assert stats.handoffs_in_flight == 1
+            assert (stats.handoffs_in_flight, stats.handoffs_held) == (0, 1)
             await forget(n, "r1", times=2)  # the other pools' copies: nothing more is released
             n.assert_silent()
 
@@ -223,7 +223,7 @@ async def test_forget_mid_push_releases_the_pools_now_and_the_slot_when_pushed(
             await wait_prealloc(n, denoiser, 2)
             stats = await n.stats()
             assert stats.prealloc[denoiser.instance] == PreallocCounts(2, 2)
-            assert (stats.handoffs_in_flight, stats.late_reports) == (0, 0)
+            assert (stats.handoffs_in_flight, stats.handoffs_held, stats.late_reports) == (0, 0, 0)
             n.assert_silent()  # no Ready, no HandedOff, no second Release
 
             await encoder.report(Pushed(request_id="r1", ok=True, transfer_ms=1.0))  # a duplicate: late
@@ -381,12 +381,12 @@ async def test_a_live_sender_whose_name_registers_anew_mid_push_keeps_the_receiv
             assert (failed.request_id, failed.reason) == ("r1", Reason.WORKER_LOST)
             stats = await n.stats()
             assert stats.prealloc[denoiser.instance] == PreallocCounts(1, 2)  # the old sender may be writing
-            assert stats.handoffs_in_flight == 1
+            assert (stats.handoffs_in_flight, stats.handoffs_held) == (0, 1)
             await anyio.sleep(0.35)
             n.inbox.post(Tick())
             stats = await n.stats()
             assert stats.prealloc[denoiser.instance] == PreallocCounts(2, 2)
-            assert stats.handoffs_in_flight == 0
+            assert (stats.handoffs_in_flight, stats.handoffs_held) == (0, 0)
             await forget(n, "r1", times=3)
             n.assert_silent()
 
@@ -404,13 +404,15 @@ async def test_a_dead_receiver_mid_push_keeps_its_allocation_until_pushed(
             assert n.take("encoder") == [released("r1", encoder), aborted("r1", encoder)]
             failed = await n.tracker.receive()
             assert (failed.request_id, failed.reason) == ("r1", Reason.WORKER_LOST)
-            assert (await n.stats()).handoffs_in_flight == 1
+            stats = await n.stats()
+            assert (stats.handoffs_in_flight, stats.handoffs_held) == (0, 1)
             await forget(n, "r1", times=3)
             n.assert_silent()
             await encoder.report(Pushed(request_id="r1", ok=False, transfer_ms=0.0, error="peer gone"))
             # The abort goes to the pool, which drops it (the instance left with its memory).
             assert await n.pools["denoiser"].receive() == aborted("r1", denoiser)
-            assert (await n.stats()).handoffs_in_flight == 0
+            stats = await n.stats()
+            assert (stats.handoffs_in_flight, stats.handoffs_held) == (0, 0)
             n.assert_silent()
 
 

@@ -151,13 +151,13 @@ async def test_a_push_in_doubt_keeps_the_receivers_memory_until_the_quarantine_e
                 n.inbox.post(Tick())
                 stats = await n.stats()
                 assert stats.prealloc[denoiser.instance] == (held or stats.prealloc[denoiser.instance])
-                assert stats.handoffs_in_flight == 1
+                assert (stats.handoffs_in_flight, stats.handoffs_held) == (0, 1)
                 n.assert_silent()  # no Abort of the allocation yet
                 await anyio.sleep(0.05)
             await anyio.sleep(0.1)
             n.inbox.post(Tick())
             stats = await n.stats()
-            assert stats.handoffs_in_flight == 0
+            assert (stats.handoffs_in_flight, stats.handoffs_held) == (0, 0)
             if slots:
                 assert stats.prealloc[denoiser.instance] == PreallocCounts(2, 2)
             else:
@@ -187,7 +187,7 @@ async def test_a_push_in_doubt_after_its_request_ended_keeps_the_memory_a_quaran
             while time.monotonic() - reported < 0.8:
                 n.inbox.post(Tick())
                 stats = await n.stats()
-                assert stats.handoffs_in_flight == 1
+                assert (stats.handoffs_in_flight, stats.handoffs_held) == (0, 1)
                 if slots:
                     assert stats.prealloc[denoiser.instance] == PreallocCounts(1, 2)
                 n.assert_silent()  # no Abort of the allocation yet
@@ -195,7 +195,7 @@ async def test_a_push_in_doubt_after_its_request_ended_keeps_the_memory_a_quaran
             await anyio.sleep(0.3)
             n.inbox.post(Tick())
             stats = await n.stats()
-            assert stats.handoffs_in_flight == 0 and stats.late_reports == 1
+            assert (stats.handoffs_in_flight, stats.handoffs_held, stats.late_reports) == (0, 0, 1)
             if slots:
                 assert stats.prealloc[denoiser.instance] == PreallocCounts(2, 2)
             else:
@@ -373,7 +373,10 @@ async def test_forget_mid_push_keeps_the_slot_until_the_push_reports(ctx: zmq.as
         async with encoder_and_denoiser(ctx, tmp_path, slots=2) as (n, encoder, denoiser):
             await push_on_fast_path(n, encoder, denoiser, "r1")
             n.inbox.post(Forget(request_id="r1"))
-            assert (await n.stats()).prealloc[denoiser.instance] == PreallocCounts(1, 2)
+            stats = await n.stats()
+            assert stats.prealloc[denoiser.instance] == PreallocCounts(1, 2)
+            # Its request ended: no hand-off under way, one holding its receiver's memory.
+            assert (stats.handoffs_in_flight, stats.handoffs_held) == (0, 1)
             assert n.take("encoder") == [
                 released("r1", encoder),
                 aborted("r1", encoder),
@@ -383,7 +386,7 @@ async def test_forget_mid_push_keeps_the_slot_until_the_push_reports(ctx: zmq.as
             while (stats := await n.stats()).prealloc[denoiser.instance].free == 1:
                 await anyio.sleep(0.005)
             assert stats.prealloc[denoiser.instance] == PreallocCounts(2, 2)
-            assert stats.handoffs_in_flight == 0
+            assert (stats.handoffs_in_flight, stats.handoffs_held) == (0, 0)
             n.assert_silent()  # no Ready, no HandedOff, nothing released twice
 
 

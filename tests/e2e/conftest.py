@@ -126,6 +126,7 @@ def all_free(stats: Stats) -> bool:
     return (
         all(i.slots_free == i.slots_total and i.prealloc_free == i.prealloc_total for i in stats.instances)
         and stats.handoffs_in_flight == 0
+        and stats.handoffs_held == 0
         and not stats.requests_by_state
         and not any(stats.queue_depths.values())
     )

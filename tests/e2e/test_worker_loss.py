@@ -268,6 +268,11 @@ async def test_a_sender_stuck_on_a_frozen_receiver_gets_no_new_work_until_its_pu
                     generation = await client.submit(params, timeout_s=5)
                     assert torch.equal(generation.outputs["images"], expected_outputs(params, null_cfg)["images"])
                     assert stuck not in {s.instance for s in generation.result.stages}
+                # The first request's first try ended with the frozen denoiser's eviction, its
+                # push still hanging: no hand-off under way, one holding where it may write.
+                stats = await anyio.to_thread.run_sync(lambda: wait_for(
+                    cluster, lambda s: not s.requests_by_state, timeout_s=30))
+                assert (stats.handoffs_in_flight, stats.handoffs_held) == (0, 1)
         finally:
             os.kill(frozen.pid, signal.SIGCONT)  # its handshake answers: the stuck write ends, unstarted
     stats = wait_for(cluster, lambda s: all_free(s) and not any(i.suspect for i in s.instances), timeout_s=30)
