@@ -164,7 +164,8 @@ class Handoffs:
             self._flights[rid] = Flight(request_id=rid, params=job.params, role="encoder", instance=instance,
                                         deadline=job.deadline, priority=job.priority, progress=job.progress,
                                         avoid=job.avoid, again=job.again)
-            self._order("encoder", instance, Work(request_id=rid, params=job.params, progress=job.progress))
+            self._order("encoder", instance, Work(request_id=rid, params=job.params, progress=job.progress,
+                                                  priority=job.priority))
             return
         flight = self._flights.get(rid)
         if flight is None or flight.state != FlightState.AWAITING:
@@ -310,7 +311,8 @@ class Handoffs:
                                       nbytes=flight.nbytes, fast_path=flight.slot is not None, via=msg.via,
                                       waited_ms=flight.waited_ms))
         ready = Ready(request_id=rid, params=flight.params, address=flight.address, manifest=flight.manifest,
-                      slot_id=flight.slot.slot_id if flight.slot else None, progress=flight.progress)
+                      slot_id=flight.slot.slot_id if flight.slot else None, progress=flight.progress,
+                      priority=flight.priority)
         flight.delivered()
         self._order(flight.role, flight.instance, ready)
 

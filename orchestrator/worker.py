@@ -34,6 +34,7 @@ import zmq.asyncio
 from orchestrator.config import Config
 from orchestrator.early_signals import STOP_SIGNALS
 from orchestrator.log import Throttled
+from orchestrator.priority_gate import PriorityGate
 from orchestrator.stages import RunControl, Stage, StageError, StageStopped, build_stage
 from orchestrator.stages.base import StepFn, released
 from orchestrator.watchdog import EXIT_DEVICE_BROKEN, StageWatchdog
@@ -115,7 +116,8 @@ class WorkerRuntime:
         self._memory: RequestMemory | None = None  # once the pool and the engine exist
         self._outbox = ReportOutbox()
         self._key = b""
-        self._compute = anyio.CapacityLimiter(self._wcfg.compute_threads)
+        self._compute = PriorityGate(self._wcfg.compute_threads)  # the runs it holds wait by priority
+        self._threads = anyio.CapacityLimiter(self._wcfg.compute_threads)
         self._scopes: dict[str, anyio.CancelScope] = {}  # compute and alloc tasks, by request
         self._runs: dict[str, RunControl] = {}  # stage runs, by request: stopped, they end at their next step
         self._owed: dict[anyio.CancelScope, Stopped] = {}  # said once the task of that scope has ended
@@ -518,8 +520,9 @@ class WorkerRuntime:
 
         # Watched until the thread returns, stopped or not: not cancellable, this await
         # outlasts even the request's end.
-        with self._watchdog.watching(control, rid):
-            return await anyio.to_thread.run_sync(run, limiter=self._compute)
+        async with self._compute.slot(order.priority):
+            with self._watchdog.watching(control, rid):
+                return await anyio.to_thread.run_sync(run, limiter=self._threads)
 
 async def run_worker(role: Role, cfg: Config, name: str | None = None, *,
                      early: list[signal.Signals] | None = None) -> None:

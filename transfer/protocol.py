@@ -425,6 +425,7 @@ class Work(Wire):
     part: NonNegative = 0
     parts: Annotated[int, msgspec.Meta(ge=1)] = 1
     progress: bool = False  # report ``Step``s while computing
+    priority: int = 0  # Submit.priority: requests held waiting for a compute thread go in by it
 
 
 class Staged(Wire):
@@ -494,6 +495,7 @@ class Ready(Wire):
     manifest: Manifest
     slot_id: int | None = None  # the preallocated slot used, or None for an allocation
     progress: bool = False  # report ``Step``s while computing
+    priority: int = 0  # Work.priority
 
 
 class Done(Wire):

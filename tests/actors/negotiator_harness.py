@@ -196,11 +196,11 @@ async def speak(n: Negotiator, worker: FakeWorker) -> None:
 
 
 async def stage_encoder_output(n: Negotiator, encoder: FakeWorker, rid: str, priority: int = 0) -> None:
-    """The encoder pool placed ``rid``; the negotiator ordered the work; the encoder staged its
-    output, and the denoiser job went to admission with the request's priority."""
+    """The encoder pool placed ``rid``; the negotiator ordered the work (with the request's
+    priority); the encoder staged its output, and the denoiser job went to admission with it."""
     n.inbox.post(Placed(job=job(rid, "encoder", priority), instance=encoder.instance))
     assert await n.pools["encoder"].receive() == Send(instance=encoder.instance,
-                                                      order=Work(request_id=rid, params=PARAMS))
+                                                      order=Work(request_id=rid, params=PARAMS, priority=priority))
     await encoder.report(Staged(request_id=rid, nbytes=NBYTES, manifest=MANIFEST, compute_ms=1.0))
     assert await n.admission.receive() == Enqueue(job=job(rid, "denoiser", priority))
 

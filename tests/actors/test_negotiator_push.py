@@ -62,10 +62,15 @@ def suspected(worker: FakeWorker, suspect: bool = True) -> Suspect:
 # --------------------------------------------------------------------------- the next stage's job
 
 
-async def test_the_next_stages_job_keeps_the_requests_priority(ctx: zmq.asyncio.Context, tmp_path: Path) -> None:
+async def test_the_next_stages_job_and_order_keep_the_requests_priority(ctx: zmq.asyncio.Context, tmp_path: Path) -> None:
     with anyio.fail_after(5):
-        async with encoder_and_denoiser(ctx, tmp_path, slots=1) as (n, encoder, _):
+        async with encoder_and_denoiser(ctx, tmp_path, slots=1) as (n, encoder, denoiser):
             await stage_encoder_output(n, encoder, "r1", priority=9)
+            n.inbox.post(Placed(job=job("r1", "denoiser", 9), instance=denoiser.instance))
+            assert isinstance((await n.pools["encoder"].receive()).order, Push)
+            await encoder.report(Pushed(request_id="r1", ok=True, transfer_ms=1.0))
+            sent = await n.pools["denoiser"].receive()
+            assert isinstance(sent, Send) and isinstance(sent.order, Ready) and sent.order.priority == 9
 
 
 # --------------------------------------------------------------------------- failed push

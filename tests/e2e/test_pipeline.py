@@ -182,15 +182,20 @@ def test_wrong_protocol_version_is_unsupported(cluster: LocalCluster) -> None:
     assert isinstance(reply, Rejected) and reply.reason == Reason.UNSUPPORTED
 
 
-async def test_a_higher_priority_request_overtakes_queued_ones_at_a_busy_stage(start_cluster: StartCluster) -> None:
-    """One denoiser, busy: two requests queue for it, then an urgent one arrives and goes next.
+@pytest.mark.parametrize("capacity", [1, 4], ids=["waiting at the daemon", "waiting in the worker"])
+async def test_a_higher_priority_request_overtakes_queued_ones_at_a_busy_stage(
+    start_cluster: StartCluster, capacity: int
+) -> None:
+    """One denoiser, busy: two requests wait for it, then an urgent one arrives and goes next.
 
     The priority travels from the Submit to the encoder's job and on, through the
-    negotiator, to the denoiser's queue, where it decides the order. The time a request's
-    embeddings waited there is the denoiser's queueing in its Result, not the encoder's.
+    negotiator, to the denoiser's queue, where it decides the order; and to the denoiser,
+    which holds up to its capacity and computes one at a time: those waiting there go in by
+    it too. The time a request's embeddings waited is the denoiser's queueing in its Result,
+    not the encoder's.
     """
     cluster = start_cluster(layout={"encoder": 1, "denoiser": 1, "decoder": 1},
-                            **{"workers.denoiser": {"capacity": 1}, "model.null": {"denoiser_ms": 2000.0}})
+                            **{"workers.denoiser": {"capacity": capacity}, "model.null": {"denoiser_ms": 2000.0}})
     finished: dict[str, Generation] = {}
     with anyio.fail_after(60):
         async with AsyncClient(endpoint(cluster)) as client, anyio.create_task_group() as tg:
@@ -201,7 +206,8 @@ async def test_a_higher_priority_request_overtakes_queued_ones_at_a_busy_stage(s
             await anyio.to_thread.run_sync(wait_for, cluster, lambda s: s.requests_by_state.get("denoising") == 1)
             for rid in ("later-1", "later-2"):
                 tg.start_soon(submit, rid, 0)
-            await anyio.to_thread.run_sync(wait_for, cluster, lambda s: s.queue_depths.get("denoiser") == 2)
+            await anyio.to_thread.run_sync(wait_for, cluster, lambda s: s.queue_depths.get("denoiser") == 2 if capacity == 1
+                                           else s.requests_by_state.get("denoising") == 3)
             tg.start_soon(submit, "urgent", 10)
     assert list(finished) == ["first", "urgent", "later-1", "later-2"]
     encoder, denoiser, _ = finished["later-2"].result.stages

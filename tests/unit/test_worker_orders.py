@@ -256,6 +256,19 @@ async def test_compute_time_counts_from_when_a_compute_thread_takes_the_run() ->
     assert all(300 <= r.compute_ms < 450 for r in staged), [r.compute_ms for r in staged]
 
 
+async def test_runs_waiting_for_the_compute_thread_take_it_by_priority() -> None:
+    """The worker holds more requests than it computes at once: those waiting go in as the
+    daemon's queues would send them, higher priority first, not in the order they came."""
+    cfg = Config(model=ModelConfig(kind="null", null=NullStageConfig(encoder_ms=100.0)))
+    async with worker("encoder", cfg=cfg) as w:
+        w.send(Work(request_id="running", params=PARAMS))
+        await anyio.sleep(0.03)
+        # (Three staged outputs fill this worker's pool.)
+        w.send(Work(request_id="low", params=PARAMS, priority=-1), Work(request_id="high", params=PARAMS, priority=5))
+        staged = await reports(w, 3)
+    assert [r.request_id for r in staged] == ["running", "high", "low"]
+
+
 async def test_an_abort_with_an_ack_is_answered_once_the_run_it_stopped_has_ended() -> None:
     """The daemon holds the worker's slot until then: a pass that cannot stop early (the
     null encoder's 300 ms) answers at its end, a run still waiting for the compute thread and
