@@ -299,16 +299,19 @@ class AsyncClient:
         self._watch: ConnectionWatch | None = None
         self._waiting: dict[str, anyio.abc.ObjectSendStream[Progress]] = {}  # requests waiting, their progress
         self._answers: dict[str, Generation | Rejected | Lost] = {}  # taken ahead of any progress queued
-        self._sent: dict[str, tuple[float, int]] = {}  # waiting requests: when sent, connections closed by then
+        # Waiting requests: when sent, connections closed by then, whether a daemon was connected.
+        self._sent: dict[str, tuple[float, int, bool]] = {}
         # Sends under way: a DEALER queues SNDHWM messages (1,000) for a daemon that is not
         # there, and past that a send waits. A request failed meanwhile, or a client closed,
         # stops its send.
         self._sending: dict[str, anyio.CancelScope] = {}
-        # Requests given up on, by id, with the count of connections closed when each was
-        # sent: an answer may still come, and must not reach a new request that reuses the id,
-        # until its end comes or its connection closes (the daemon answers only on the
-        # connection a request came by, and every Submit it reads gets an end).
-        self._abandoned: dict[str, int] = {}
+        # Requests given up on, by id, until when an answer may still come: it must not reach
+        # a new request that reuses the id. Each is held until its end comes, or the daemon
+        # answers its Cancel with found=False (its end came first, or its Submit never got
+        # there); else for its wait once more, or, sent while no daemon was connected, until
+        # one is and ends it: that Submit waits in ZMQ's queue, however long, for the next.
+        # (ZMQ hides which connection a message leaves by: no close proves one lost.)
+        self._abandoned: dict[str, float] = {}
         self._active: set[str] = set()  # ids whose submit runs, answered or not
         self._tg: anyio.abc.TaskGroup | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -384,7 +387,11 @@ class AsyncClient:
                         waiter.send_nowait(reply)
                 continue
             if isinstance(reply, Cancelled):
-                continue  # the ack of an abandoned request's Cancel: cancel() reads its own
+                # The ack of an abandoned request's Cancel (cancel() reads its own). The daemon
+                # reads a connection in order, so what it found nothing of will send no more.
+                if not reply.found:
+                    self._abandoned.pop(reply.request_id, None)
+                continue
             rid = reply.result.request_id if isinstance(reply, Generation) else reply.request_id
             if self._abandoned.pop(rid, None) is None:  # else the end of a request given up on
                 self._answer(rid, reply)
@@ -405,9 +412,7 @@ class AsyncClient:
             # Unconnected, it looks again every WATCH_S: a request sent since may come due.
             with anyio.move_on_after(math.inf if watch.connected else WATCH_S):
                 watch.heard(await watch.monitor.recv_multipart())
-                for rid in [rid for rid, closes in self._abandoned.items() if closes < watch.closes]:
-                    del self._abandoned[rid]  # its answer went with its connection
-            lost = {rid: why for rid, (sent_at, closes) in self._sent.items()
+            lost = {rid: why for rid, (sent_at, closes, _) in self._sent.items()
                     if (why := watch.problem(sent_at, closes, self.endpoint)) is not None}
             if lost:
                 await self._read_what_came()
@@ -431,12 +436,9 @@ class AsyncClient:
                        on_progress: OnProgress | None = None) -> Generation | Rejected:
         sock = self._open()
         assert self._watch is not None
-        if self._abandoned.get(rid, self._watch.closes) < self._watch.closes:
-            # Given up on, on a connection that has closed since: no answer can come (the
-            # watch forgets such ids too, but may not have heard of the close yet).
-            self._abandoned.pop(rid, None)
-        if rid in self._active or rid in self._abandoned:
+        if rid in self._active or self._abandoned.get(rid, -math.inf) > time.monotonic():
             raise ValueError(f"request id {rid!r} is in use on this client (in flight, or given up and not ended)")
+        self._abandoned.pop(rid, None)  # held long enough: no answer can still come
         self._active.add(rid)
         tx, rx = anyio.create_memory_object_stream[Progress](PROGRESS_BACKLOG)
         self._waiting[rid] = tx
@@ -445,7 +447,7 @@ class AsyncClient:
             with rx:
                 try:
                     with anyio.fail_after(wait_s):
-                        self._sent[rid] = time.monotonic(), self._watch.closes
+                        self._sent[rid] = time.monotonic(), self._watch.closes, self._watch.connected
                         queued = sock.send_multipart([b"", body])
                         sending = self._sending[rid] = anyio.CancelScope()
                         try:
@@ -474,7 +476,7 @@ class AsyncClient:
             # its on_progress still ran, has ended at the daemon: its id is free at once. A
             # closed socket's client is gone, and the daemon's deadline ends the request.)
             if sent and not isinstance(self._answers.get(rid), (Generation, Rejected)):
-                self._abandoned[rid] = self._sent[rid][1]
+                self._abandon(rid, wait_s if self._sent[rid][2] else math.inf)
                 if not sock.closed:
                     await _cancel_at_daemon(sock, [rid])
             if isinstance(exc, TimeoutError):
@@ -488,6 +490,12 @@ class AsyncClient:
             leftover = self._waiting.pop(rid, None)
             if leftover is not None:
                 leftover.close()
+
+    def _abandon(self, rid: str, hold_s: float) -> None:
+        now = time.monotonic()
+        for old in [old for old, until in self._abandoned.items() if until <= now]:
+            del self._abandoned[old]
+        self._abandoned[rid] = now + hold_s
 
     async def _answer_to(self, rid: str, rx: anyio.abc.ObjectReceiveStream[Progress],
                          on_progress: OnProgress | None) -> Generation | Rejected | Lost:
@@ -508,8 +516,9 @@ class AsyncClient:
                      priority: int = 0, on_progress: OnProgress | None = None) -> Generation:
         """Generate; raises ``Rejection``, ``TimeoutError`` (the wait ran out: the request is
         cancelled at the daemon), ``ValueError`` for an id in use on this client (its submit
-        runs, or it was given up on and its end has not come: one sent where no daemon
-        listened waits in ZMQ's queue for the next daemon, which ends it), or
+        runs, or it was given up on and an answer may still come: until its end comes or
+        its Cancel finds nothing, at the most for its wait once more; one sent where no
+        daemon listened waits in ZMQ's queue for the next daemon, which ends it), or
         ``ConnectionError`` if the client is closed while the request waits or no answer can
         come (no daemon took a connection within 3 s, or the connection closed: the request
         is cancelled at the daemon should it get there)."""
