@@ -63,7 +63,7 @@ from transfer.protocol import (
     hop_name,
     next_role,
 )
-from transfer.specs import check_frames
+from transfer.specs import ALIGNMENT, align_up, check_frames
 
 log = structlog.get_logger()
 
@@ -75,9 +75,12 @@ PUSH_REPORT_GRACE_S = 2.0
 
 def largest_fit(link: Link, slots: list[SlotInfo]) -> int:
     """The most a receiver could ever take in one hand-off: its largest preallocated slot, or
-    its pool past the slots (carved from its start; alignment takes a little of that)."""
+    its general region, as its pool carves them (transfer/pool.py): the slots from the
+    pool's start, each taking whole alignment units, and the region after them trimmed to
+    whole units."""
     slots_end = max((s.address + s.size for s in slots), default=link.pool_base)
-    return max([link.pool_base + link.pool_size - slots_end, *(s.size for s in slots)])
+    region = max(link.pool_size - align_up(slots_end - link.pool_base), 0) // ALIGNMENT * ALIGNMENT
+    return max([region, *(s.size for s in slots)])
 
 
 class Handoffs:

@@ -1,0 +1,38 @@
+"""largest_fit: the daemon's idea of the most a receiver takes in one hand-off is exactly what
+the receiver's pool can hold, for any pool and slot sizes (odd ones included)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from actors.handoffs import largest_fit
+from actors.links import Link
+from transfer.pool import MemoryPool, PoolTooSmall
+
+
+@settings(max_examples=150, deadline=None)
+@given(slot_sizes=st.lists(st.integers(1, 3000), max_size=4), spare=st.integers(0, 3000))
+def test_largest_fit_is_what_the_pool_can_hold(slot_sizes: list[int], spare: int) -> None:
+    size = sum(slot_sizes) + len(slot_sizes) * 255 + spare + 1  # room for the slots' alignment
+    pool = MemoryPool(size, slot_sizes=slot_sizes)
+    link = Link(routing_id=b"r", instance="decoder-1", role="decoder", name="d", session="s",
+                pool_base=pool.base, pool_size=size, work_address="ipc://x", joined_at=0.0, last_seen=0.0)
+    fit = largest_fit(link, pool.slots)
+    assert fit == max([pool.capacity, *slot_sizes])
+    if fit == pool.capacity and fit:
+        block = pool.try_alloc(fit)  # the region takes it whole...
+        assert block is not None
+        pool.free(block)
+    with pytest.raises(PoolTooSmall):  # ...and one byte more fits nowhere
+        pool.try_alloc(pool.capacity + 1)
+
+
+def test_a_slot_that_ends_off_the_alignment_leaves_less_region_than_its_end_suggests() -> None:
+    """A 1,000-byte slot takes 1,024 bytes; the region after it is trimmed to whole units
+    (the case an audit found: the daemon said 65,544 bytes where the pool holds 65,280)."""
+    pool = MemoryPool(256 * 259 + 240, slot_sizes=[1000])
+    link = Link(routing_id=b"r", instance="decoder-1", role="decoder", name="d", session="s",
+                pool_base=pool.base, pool_size=pool.size, work_address="ipc://x", joined_at=0.0, last_seen=0.0)
+    assert largest_fit(link, pool.slots) == pool.capacity == 65280
