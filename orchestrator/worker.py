@@ -117,7 +117,7 @@ class WorkerRuntime:
         self._outbox = ReportOutbox()
         self._key = b""
         self._compute = PriorityGate(self._wcfg.compute_threads)  # the runs it holds wait by priority
-        self._threads = anyio.CapacityLimiter(self._wcfg.compute_threads)
+        self._threads = anyio.CapacityLimiter(self._wcfg.compute_threads)  # never behind anyio's shared 40
         self._scopes: dict[str, anyio.CancelScope] = {}  # compute and alloc tasks, by request
         self._runs: dict[str, RunControl] = {}  # stage runs, by request: stopped, they end at their next step
         self._owed: dict[anyio.CancelScope, Stopped] = {}  # said once the task of that scope has ended
