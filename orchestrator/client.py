@@ -305,13 +305,15 @@ class AsyncClient:
         # there, and past that a send waits. A request failed meanwhile, or a client closed,
         # stops its send.
         self._sending: dict[str, anyio.CancelScope] = {}
-        # Requests given up on, by id, until when an answer may still come: it must not reach
-        # a new request that reuses the id. Each is held until its end comes, or the daemon
-        # answers its Cancel with found=False (its end came first, or its Submit never got
-        # there); else for its wait once more, or, sent while no daemon was connected, until
-        # one is and ends it: that Submit waits in ZMQ's queue, however long, for the next.
-        # (ZMQ hides which connection a message leaves by: no close proves one lost.)
-        self._abandoned: dict[str, float] = {}
+        # Requests given up on, by id: until when an answer may still come (it must not reach
+        # a new request that reuses the id), and for how long to hold it. Each is held until
+        # its end comes, or the daemon answers its latest Cancel with found=False (its end
+        # came first, or its Submit never got there); else for its wait once more, counted,
+        # for one sent while no daemon was connected, from when one is (that Submit waits in
+        # ZMQ's queue for the next daemon, and leaves first). ZMQ hides which connection a
+        # message leaves by, so no close proves one lost.
+        self._abandoned: dict[str, tuple[float, float]] = {}
+        self._cancels_out: dict[str, int] = {}  # given-up ids' Cancels not yet answered, by id
         self._active: set[str] = set()  # ids whose submit runs, answered or not
         self._tg: anyio.abc.TaskGroup | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -388,8 +390,13 @@ class AsyncClient:
                 continue
             if isinstance(reply, Cancelled):
                 # The ack of an abandoned request's Cancel (cancel() reads its own). The daemon
-                # reads a connection in order, so what it found nothing of will send no more.
-                if not reply.found:
+                # reads a connection in order, so what the latest Cancel of an id found
+                # nothing of will send no more (an earlier one's may be about an earlier
+                # request under the id).
+                owed = self._cancels_out.pop(reply.request_id, 0) - 1
+                if owed > 0:
+                    self._cancels_out[reply.request_id] = owed
+                elif not reply.found:
                     self._abandoned.pop(reply.request_id, None)
                 continue
             rid = reply.result.request_id if isinstance(reply, Generation) else reply.request_id
@@ -412,6 +419,8 @@ class AsyncClient:
             # Unconnected, it looks again every WATCH_S: a request sent since may come due.
             with anyio.move_on_after(math.inf if watch.connected else WATCH_S):
                 watch.heard(await watch.monitor.recv_multipart())
+                if watch.connected:
+                    self._count_holds_from_now()
             lost = {rid: why for rid, (sent_at, closes, _) in self._sent.items()
                     if (why := watch.problem(sent_at, closes, self.endpoint)) is not None}
             if lost:
@@ -436,7 +445,7 @@ class AsyncClient:
                        on_progress: OnProgress | None = None) -> Generation | Rejected:
         sock = self._open()
         assert self._watch is not None
-        if rid in self._active or self._abandoned.get(rid, -math.inf) > time.monotonic():
+        if rid in self._active or self._abandoned.get(rid, (-math.inf, 0.0))[0] > time.monotonic():
             raise ValueError(f"request id {rid!r} is in use on this client (in flight, or given up and not ended)")
         self._abandoned.pop(rid, None)  # held long enough: no answer can still come
         self._active.add(rid)
@@ -476,8 +485,9 @@ class AsyncClient:
             # its on_progress still ran, has ended at the daemon: its id is free at once. A
             # closed socket's client is gone, and the daemon's deadline ends the request.)
             if sent and not isinstance(self._answers.get(rid), (Generation, Rejected)):
-                self._abandon(rid, wait_s if self._sent[rid][2] else math.inf)
+                self._abandon(rid, wait_s, queued=not self._sent[rid][2])
                 if not sock.closed:
+                    self._cancels_out[rid] = self._cancels_out.get(rid, 0) + 1
                     await _cancel_at_daemon(sock, [rid])
             if isinstance(exc, TimeoutError):
                 raise TimeoutError(f"no reply from {self.endpoint} for {rid!r} within {wait_s:.1f}s (its deadline "
@@ -491,11 +501,20 @@ class AsyncClient:
             if leftover is not None:
                 leftover.close()
 
-    def _abandon(self, rid: str, hold_s: float) -> None:
+    def _abandon(self, rid: str, hold_s: float, *, queued: bool) -> None:
         now = time.monotonic()
-        for old in [old for old, until in self._abandoned.items() if until <= now]:
+        for old in [old for old, (until, _) in self._abandoned.items() if until <= now]:
             del self._abandoned[old]
-        self._abandoned[rid] = now + hold_s
+            self._cancels_out.pop(old, None)
+        self._abandoned[rid] = (math.inf if queued else now + hold_s), hold_s
+
+    def _count_holds_from_now(self) -> None:
+        """A daemon took the connection: what waited in ZMQ's queue for one leaves first, so
+        the holds of requests sent meanwhile count from now."""
+        now = time.monotonic()
+        for rid, (until, hold_s) in self._abandoned.items():
+            if until == math.inf:
+                self._abandoned[rid] = now + hold_s, hold_s
 
     async def _answer_to(self, rid: str, rx: anyio.abc.ObjectReceiveStream[Progress],
                          on_progress: OnProgress | None) -> Generation | Rejected | Lost:

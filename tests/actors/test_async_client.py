@@ -527,6 +527,44 @@ async def test_an_id_given_up_on_is_free_once_its_cancel_finds_nothing(fake_daem
                 assert (await client.submit(PARAMS, request_id="job", timeout_s=5)).result.total_ms == 2.0
 
 
+async def test_only_the_latest_cancel_of_an_id_finding_nothing_frees_it(fake_daemon: FakeDaemon) -> None:
+    """An id given up on twice: the first Cancel's ack (found nothing: its request had just
+    ended) comes after the second request was given up on too, whose end may still come."""
+    daemon, endpoint = fake_daemon
+
+    async def given_up_on() -> bytes:
+        with anyio.move_on_after(0.1):
+            await client.submit(PARAMS, request_id="X", timeout_s=30)
+        identity, _, submit = await daemon.recv_multipart()
+        _, _, cancel = await daemon.recv_multipart()
+        assert (type(CLIENT_REQUEST.decode(submit)), type(CLIENT_REQUEST.decode(cancel))) == (Submit, Cancel)
+        return identity
+
+    async def reply(identity: bytes, message: object) -> None:
+        await daemon.send_multipart([identity, b"", encode(message)])
+        await anyio.sleep(0.05)
+
+    with anyio.fail_after(10):
+        async with AsyncClient(endpoint) as client:
+            identity = await given_up_on()
+            await reply(identity, Result(request_id="X", outputs=[], stages=[], total_ms=1.0))  # its end: X is free
+            await given_up_on()
+            await reply(identity, Cancelled(request_id="X", found=False))  # the first Cancel's ack
+            with pytest.raises(ValueError, match="in use"):
+                await client.submit(PARAMS, request_id="X", timeout_s=30)
+            await reply(identity, Cancelled(request_id="X", found=True))  # the second's
+            await reply(identity, Rejected(request_id="X", reason=Reason.CANCELLED, message="cancelled by the client"))
+
+            async def answer() -> None:
+                identity, _, _ = await daemon.recv_multipart()
+                await daemon.send_multipart([identity, b"", encode(Result(
+                    request_id="X", outputs=[], stages=[], total_ms=3.0))])
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(answer)
+                assert (await client.submit(PARAMS, request_id="X", timeout_s=5)).result.total_ms == 3.0
+
+
 async def test_an_id_is_in_use_until_its_submit_returns_even_once_answered(fake_daemon: FakeDaemon) -> None:
     """The answer is in while the request's on_progress still runs: a second request under
     the id then would take that answer, and the first fail as if the client had closed."""

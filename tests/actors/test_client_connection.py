@@ -180,6 +180,38 @@ async def test_an_id_sent_where_no_daemon_listens_is_held_until_a_daemon_ends_it
                 daemon.close(linger=0)
 
 
+async def test_an_id_held_for_a_daemon_to_come_is_held_for_its_wait_once_one_took_it(
+    ctx: zmq.asyncio.Context, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A daemon takes the queued Submit and its Cancel, then dies before answering (a crash
+    loop): the id must not stay in use for good (nor its hold in the client's memory)."""
+    monkeypatch.setattr("orchestrator.client.GRACE_S", 0.05)
+    endpoint = f"ipc://{tmp_path}/flaky"
+    with anyio.fail_after(20):
+        async with AsyncClient(endpoint) as client:
+            with pytest.raises(ConnectionError, match="nothing there took a connection"):
+                await client.submit(PARAMS, request_id="job-7", timeout_s=1.5)
+            dying = fake_daemon(ctx, endpoint)
+            try:
+                for kind in (Submit, Cancel):
+                    _, _, body = await dying.recv_multipart()
+                    assert isinstance(CLIENT_REQUEST.decode(body), kind)
+            finally:
+                dying.close(linger=0)
+            with pytest.raises(ValueError, match="in use"):  # an answer could still be on its way
+                await client.submit(PARAMS, request_id="job-7", timeout_s=1.5)
+            await anyio.sleep(1.6)  # its wait (1.55 s) from when that daemon took the connection
+            daemon = fake_daemon(ctx, endpoint)
+            try:
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(partial(client.submit, PARAMS, request_id="job-7", timeout_s=60))
+                    identity, _, _ = await daemon.recv_multipart()
+                    await daemon.send_multipart([identity, b"", encode(Result(request_id="job-7", outputs=[],
+                                                                              stages=[], total_ms=1.0))])
+            finally:
+                daemon.close(linger=0)
+
+
 @pytest.mark.parametrize("close_after_s", [NO_DAEMON_S / 4, NO_DAEMON_S * 1.6])
 async def test_closing_the_client_under_a_send_that_waits_fails_that_submit_as_every_other(
     tmp_path: Path, close_after_s: float
