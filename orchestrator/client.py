@@ -26,7 +26,7 @@ import structlog
 import zmq
 import zmq.asyncio
 
-from orchestrator.connection_watch import ConnectionWatch
+from orchestrator.connection_watch import ConnectionWatch, closed_why
 from orchestrator.deadlines import checked_s, poll_ms
 from orchestrator.rejection import Rejection, answer_as
 from transfer.protocol import (
@@ -299,19 +299,20 @@ class AsyncClient:
         self._watch: ConnectionWatch | None = None
         self._waiting: dict[str, anyio.abc.ObjectSendStream[Progress]] = {}  # requests waiting, their progress
         self._answers: dict[str, Generation | Rejected | Lost] = {}  # taken ahead of any progress queued
-        # Waiting requests: when sent, connections closed by then, whether a daemon was connected.
+        # Waiting requests: when sent, on which socket (``_generation``), whether a daemon was connected.
         self._sent: dict[str, tuple[float, int, bool]] = {}
+        # The socket's number: a new one replaces it when its connection closes (_replace_socket).
+        self._generation = 0
         # Sends under way: a DEALER queues SNDHWM messages (1,000) for a daemon that is not
         # there, and past that a send waits. A request failed meanwhile, or a client closed,
         # stops its send.
         self._sending: dict[str, anyio.CancelScope] = {}
         # Requests given up on, by id: until when an answer may still come (it must not reach
         # a new request that reuses the id), and for how long to hold it. Each is held until
-        # its end comes, or the daemon answers its latest Cancel with found=False (its end
-        # came first, or its Submit never got there); else for its wait once more, counted,
-        # for one sent while no daemon was connected, from when one is (that Submit waits in
-        # ZMQ's queue for the next daemon, and leaves first). ZMQ hides which connection a
-        # message leaves by, so no close proves one lost.
+        # its end comes, the daemon answers its latest Cancel with found=False (its end came
+        # first, or its Submit never got there), or its socket is replaced; else for its wait
+        # once more, counted, for one sent while no daemon was connected, from when one is
+        # (that Submit waits in ZMQ's queue for the next daemon, and leaves first).
         self._abandoned: dict[str, tuple[float, float]] = {}
         self._cancels_out: dict[str, int] = {}  # given-up ids' Cancels not yet answered, by id
         self._active: set[str] = set()  # ids whose submit runs, answered or not
@@ -325,19 +326,28 @@ class AsyncClient:
         self._loop = asyncio.get_running_loop()
         self._ctx = zmq.asyncio.Context()
         try:
-            sock = self._ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            watch = ConnectionWatch(sock)
-            sock.connect(self.endpoint)  # a malformed endpoint raises here
+            self._sock, self._watch = self._connect()  # a malformed endpoint raises here
             self._tg = anyio.create_task_group()
             await self._tg.__aenter__()
         except BaseException:
             self._ctx.destroy(linger=0)
             raise
-        self._sock, self._watch = sock, watch
         self._tg.start_soon(self._read)
-        self._tg.start_soon(self._watch_connection, watch)
+        self._tg.start_soon(self._watch_connection)
         return self
+
+    def _connect(self) -> tuple[zmq.asyncio.Socket, ConnectionWatch]:
+        assert self._ctx is not None
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        watch = ConnectionWatch(sock)
+        try:
+            sock.connect(self.endpoint)
+        except BaseException:
+            watch.close()
+            sock.close(linger=0)
+            raise
+        return sock, watch
 
     async def __aexit__(self, *exc: object) -> None:
         assert self._tg is not None and self._ctx is not None and self._sock is not None
@@ -370,9 +380,15 @@ class AsyncClient:
         return self._sock
 
     async def _read(self) -> None:
-        assert self._sock is not None
         while True:
-            parts = await self._sock.recv_multipart()
+            sock = self._sock
+            assert sock is not None
+            try:
+                parts = await sock.recv_multipart()
+            except asyncio.CancelledError:
+                if sock.closed and sock is not self._sock:
+                    continue  # replaced (its close cancels this receive): read the new one
+                raise
             try:
                 if not parts or parts[0]:
                     raise msgspec.DecodeError("a reply without the empty delimiter frame first")
@@ -412,21 +428,46 @@ class AsyncClient:
             if (sending := self._sending.get(rid)) is not None:
                 sending.cancel()
 
-    async def _watch_connection(self, watch: ConnectionWatch) -> None:
+    async def _watch_connection(self) -> None:
         """Fail the waiting requests that can get no answer, at once: when their connection
         closes, or when no daemon has taken one for ``NO_DAEMON_S``."""
         while True:
+            watch = self._watch
+            assert watch is not None
             # Unconnected, it looks again every WATCH_S: a request sent since may come due.
             with anyio.move_on_after(math.inf if watch.connected else WATCH_S):
                 watch.heard(await watch.monitor.recv_multipart())
                 if watch.connected:
                     self._count_holds_from_now()
-            lost = {rid: why for rid, (sent_at, closes, _) in self._sent.items()
-                    if (why := watch.problem(sent_at, closes, self.endpoint)) is not None}
+            if watch.closes:
+                await self._read_what_came()
+                await self._replace_socket()
+                continue
+            lost = {rid: why for rid, (sent_at, _, _) in self._sent.items()
+                    if (why := watch.no_daemon(sent_at, self.endpoint)) is not None}
             if lost:
                 await self._read_what_came()
                 for rid, why in lost.items():
                     self._answer(rid, Lost(why))
+
+    async def _replace_socket(self) -> None:
+        """The connection closed. The daemon answers a request only on the connection it came
+        by, and ZMQ would hand what this socket still queues (a Submit sent as it closed) to
+        the next connection: a new socket starts clean. Nothing sent on the old one can get
+        an answer now, so its requests fail and the ids given up on are free."""
+        old, old_watch = self._sock, self._watch
+        assert old is not None and old_watch is not None
+        with contextlib.suppress(zmq.ZMQError):
+            old.disconnect(self.endpoint)  # no reconnecting: its queue goes (LINGER 0)
+        self._sock, self._watch = self._connect()
+        self._generation += 1
+        for rid in [rid for rid, (_, generation, _) in self._sent.items() if generation < self._generation]:
+            self._answer(rid, Lost(closed_why(self.endpoint)))
+        self._abandoned.clear()
+        self._cancels_out.clear()  # their answers would have come on the old connection
+        await anyio.lowlevel.checkpoint()  # the sends those losses stopped end before the socket does
+        old_watch.close()
+        old.close(linger=0)
 
     async def _read_what_came(self) -> None:
         """Let the reader take the replies that came before a connection closed (a daemon
@@ -456,7 +497,7 @@ class AsyncClient:
             with rx:
                 try:
                     with anyio.fail_after(wait_s):
-                        self._sent[rid] = time.monotonic(), self._watch.closes, self._watch.connected
+                        self._sent[rid] = time.monotonic(), self._generation, self._watch.connected
                         queued = sock.send_multipart([b"", body])
                         sending = self._sending[rid] = anyio.CancelScope()
                         try:
@@ -485,10 +526,12 @@ class AsyncClient:
             # its on_progress still ran, has ended at the daemon: its id is free at once. A
             # closed socket's client is gone, and the daemon's deadline ends the request.)
             if sent and not isinstance(self._answers.get(rid), (Generation, Rejected)):
-                self._abandon(rid, wait_s, queued=not self._sent[rid][2])
-                if not sock.closed:
+                # (One sent on a socket since replaced can get no answer: its id is free.)
+                if self._sent[rid][1] == self._generation:
+                    self._abandon(rid, wait_s, queued=not self._sent[rid][2])
+                if (current := self._sock) is not None and not current.closed:
                     self._cancels_out[rid] = self._cancels_out.get(rid, 0) + 1
-                    await _cancel_at_daemon(sock, [rid])
+                    await _cancel_at_daemon(current, [rid])
             if isinstance(exc, TimeoutError):
                 raise TimeoutError(f"no reply from {self.endpoint} for {rid!r} within {wait_s:.1f}s (its deadline "
                                    f"and {GRACE_S:g} s of grace)") from None
@@ -535,9 +578,10 @@ class AsyncClient:
                      priority: int = 0, on_progress: OnProgress | None = None) -> Generation:
         """Generate; raises ``Rejection``, ``TimeoutError`` (the wait ran out: the request is
         cancelled at the daemon), ``ValueError`` for an id in use on this client (its submit
-        runs, or it was given up on and an answer may still come: until its end comes or
-        its Cancel finds nothing, at the most for its wait once more; one sent where no
-        daemon listened waits in ZMQ's queue for the next daemon, which ends it), or
+        runs, or it was given up on and an answer may still come: until its end comes, its
+        latest Cancel finds nothing or its connection closes (the client then starts a new
+        socket, which nothing sent on the old one reaches), else for its wait once more;
+        one sent where no daemon listened waits in ZMQ's queue for the next daemon), or
         ``ConnectionError`` if the client is closed while the request waits or no answer can
         come (no daemon took a connection within 3 s, or the connection closed: the request
         is cancelled at the daemon should it get there)."""

@@ -24,6 +24,11 @@ NO_DAEMON_S = 3.0
 _EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
 
 
+def closed_why(endpoint: str) -> str:
+    return (f"the connection to the daemon at {endpoint} closed while the request waited: the daemon answers on "
+            "the connection a request came by")
+
+
 class ConnectionWatch:
     """The monitor of one client socket, and what its events say: connected or not since
     when, and how many connections have closed."""
@@ -67,9 +72,11 @@ class ConnectionWatch:
     def problem(self, sent_at: float, closes: int, endpoint: str) -> str | None:
         """Why a request sent at ``sent_at``, when ``closes`` connections had closed, can get
         no answer; None while it still can."""
-        if self.closes > closes:
-            return (f"the connection to the daemon at {endpoint} closed while the request waited: the daemon "
-                    "answers on the connection a request came by")
+        return closed_why(endpoint) if self.closes > closes else self.no_daemon(sent_at, endpoint)
+
+    def no_daemon(self, sent_at: float, endpoint: str) -> str | None:
+        """Why a request sent at ``sent_at`` waits for nothing: no daemon took a connection
+        for ``NO_DAEMON_S``; None while one has or may yet."""
         due = self.no_daemon_at(sent_at)
         if due is not None and time.monotonic() >= due:
             return f"no daemon at {endpoint}: nothing there took a connection within {NO_DAEMON_S:g}s"
