@@ -465,9 +465,11 @@ class AsyncClient:
             self._answer(rid, Lost(closed_why(self.endpoint)))
         self._abandoned.clear()
         self._cancels_out.clear()  # their answers would have come on the old connection
-        await anyio.lowlevel.checkpoint()  # the sends those losses stopped end before the socket does
-        old_watch.close()
-        old.close(linger=0)
+        try:
+            await anyio.lowlevel.checkpoint()  # the sends those losses stopped end before the socket does
+        finally:  # the client closing meanwhile included
+            old_watch.close()
+            old.close(linger=0)
 
     async def _read_what_came(self) -> None:
         """Let the reader take the replies that came before a connection closed (a daemon
@@ -525,13 +527,16 @@ class AsyncClient:
             # sent has nothing to cancel and no answer to come; one whose end came, while
             # its on_progress still ran, has ended at the daemon: its id is free at once. A
             # closed socket's client is gone, and the daemon's deadline ends the request.)
-            if sent and not isinstance(self._answers.get(rid), (Generation, Rejected)):
-                # (One sent on a socket since replaced can get no answer: its id is free.)
-                if self._sent[rid][1] == self._generation:
-                    self._abandon(rid, wait_s, queued=not self._sent[rid][2])
-                if (current := self._sock) is not None and not current.closed:
+            # One sent on a socket since replaced can get no answer, and needs no Cancel: a
+            # daemon that lives on ends it when its answer finds the connection gone (a
+            # Cancel by the new connection would also refuse a retry under its id, as a
+            # Cancel that overtook its Submit).
+            if (sent and not isinstance(self._answers.get(rid), (Generation, Rejected))
+                    and self._sent[rid][1] == self._generation):
+                self._abandon(rid, wait_s, queued=not self._sent[rid][2])
+                if not sock.closed:
                     self._cancels_out[rid] = self._cancels_out.get(rid, 0) + 1
-                    await _cancel_at_daemon(current, [rid])
+                    await _cancel_at_daemon(sock, [rid])
             if isinstance(exc, TimeoutError):
                 raise TimeoutError(f"no reply from {self.endpoint} for {rid!r} within {wait_s:.1f}s (its deadline "
                                    f"and {GRACE_S:g} s of grace)") from None
@@ -583,8 +588,9 @@ class AsyncClient:
         socket, which nothing sent on the old one reaches), else for its wait once more;
         one sent where no daemon listened waits in ZMQ's queue for the next daemon), or
         ``ConnectionError`` if the client is closed while the request waits or no answer can
-        come (no daemon took a connection within 3 s, or the connection closed: the request
-        is cancelled at the daemon should it get there)."""
+        come (no daemon took a connection within 3 s: the request is cancelled at the daemon
+        should it get there; or the connection closed: a daemon that lives on ends it when
+        its answer finds the connection gone)."""
         # The client picks the id so it can match the answer among many in flight.
         rid = request_id or uuid.uuid4().hex
         body = _submit_body(params, rid, timeout_s, priority, progress=on_progress is not None)

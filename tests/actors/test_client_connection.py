@@ -3,6 +3,7 @@ fails at once with ConnectionError, never after its whole deadline in silence.""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from functools import partial
@@ -13,12 +14,12 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from actors.mail import Admit
 from orchestrator.client import AsyncClient, Client
+from tests.actors.test_frontend import running_frontend
 from transfer.protocol import (
     CLIENT_REQUEST,
-    PROTOCOL_VERSION,
     Cancel,
-    Cancelled,
     GenParams,
     Reason,
     Rejected,
@@ -127,11 +128,8 @@ async def test_a_submit_sent_as_its_connection_closed_never_reaches_the_next_dae
             second = fake_daemon(ctx, endpoint)
             try:
                 tg.start_soon(submit)
-                heard = []
-                while len(heard) < 2:
-                    identity, _, body = await second.recv_multipart()
-                    heard.append(CLIENT_REQUEST.decode(body))
-                assert [type(m) for m in heard] == [Cancel, Submit]  # the lost one's Cancel, then the retry
+                identity, _, body = await second.recv_multipart()
+                assert isinstance(CLIENT_REQUEST.decode(body), Submit)  # the retry, and nothing before it
                 await second.send_multipart([identity, b"", encode(Result(request_id="X", outputs=[], stages=[],
                                                                           total_ms=222.0))])
                 while not answers:
@@ -247,9 +245,10 @@ async def test_an_async_request_whose_connection_closes_fails_at_once_and_the_cl
     ctx: zmq.asyncio.Context, tmp_path: Path
 ) -> None:
     """The daemon's ROUTER answers the connection a request came by: once it closes, the
-    answer cannot come, even from a daemon that is back on the same endpoint. The request
-    is cancelled there should it have arrived, and the client serves on, its id free once
-    the daemon that is back says it has nothing of it."""
+    answer cannot come, even from a daemon that is back on the same endpoint. The client
+    serves on, its id free at once: a retry under it is the first thing the daemon that is
+    back hears (a Cancel of the lost one before it would have it refused, as a Cancel that
+    overtook its Submit)."""
     endpoint = f"ipc://{tmp_path}/daemon"
     with anyio.fail_after(10):
         async with AsyncClient(endpoint) as client, anyio.create_task_group() as tg:
@@ -270,12 +269,8 @@ async def test_an_async_request_whose_connection_closes_fails_at_once_and_the_cl
                 await anyio.sleep(0.01)
             assert time.monotonic() - closed < 1.0
             assert "closed while the request waited" in str(outcome[0])
-            daemon = fake_daemon(ctx, endpoint)  # back: it hears the Cancel, finds nothing, then serves
+            daemon = fake_daemon(ctx, endpoint)
             try:
-                identity, _, body = await daemon.recv_multipart()
-                assert CLIENT_REQUEST.decode(body) == Cancel(protocol=PROTOCOL_VERSION, request_id="lost")
-                await daemon.send_multipart([identity, b"", encode(Cancelled(request_id="lost", found=False))])
-                await anyio.sleep(0.1)
                 tg.start_soon(partial(client.submit, PARAMS, request_id="lost", timeout_s=60))
                 identity, _, body = await daemon.recv_multipart()
                 assert isinstance(CLIENT_REQUEST.decode(body), Submit)
@@ -283,6 +278,51 @@ async def test_an_async_request_whose_connection_closes_fails_at_once_and_the_cl
                                                                           total_ms=1.0))])
             finally:
                 daemon.close(linger=0)
+
+
+async def test_a_request_lost_with_its_connection_is_retried_under_its_id_at_the_daemon_back(
+    ctx: zmq.asyncio.Context, tmp_path: Path
+) -> None:
+    """Against the daemon's real client socket, restarted: a Cancel of the lost request by
+    the new connection would find nothing there and have the retry refused, as a Cancel
+    that overtook its Submit (the frontend remembers those for a second)."""
+    with anyio.fail_after(20):
+        async with AsyncClient(f"ipc://{tmp_path}/clients") as client, anyio.create_task_group() as tg:
+
+            failed = anyio.Event()
+
+            async def lost() -> None:
+                with pytest.raises(ConnectionError, match="closed while the request waited"):
+                    await client.submit(PARAMS, request_id="X", timeout_s=30)
+                failed.set()
+
+            async with running_frontend(ctx, tmp_path) as daemon:
+                tg.start_soon(lost)
+                assert isinstance(await daemon.tracker.receive(), Admit)  # X runs there...
+            await failed.wait()
+            async with running_frontend(ctx, tmp_path) as back:  # ...until a restart
+                tg.start_soon(partial(client.submit, PARAMS, request_id="X", timeout_s=30))
+                admitted = await back.tracker.receive()
+                assert isinstance(admitted, Admit) and admitted.request_id.startswith("X#")
+                tg.cancel_scope.cancel()
+
+
+async def test_closing_the_client_as_it_replaces_its_socket_closes_the_old_one_too(
+    ctx: zmq.asyncio.Context, tmp_path: Path
+) -> None:
+    """The client closes while the socket its connection's close made it replace is not yet
+    closed: left open, it would keep the context's end (a thread) waiting for good."""
+    endpoint = f"ipc://{tmp_path}/daemon"
+    daemon = fake_daemon(ctx, endpoint)
+    with anyio.fail_after(10):
+        async with AsyncClient(endpoint) as client:
+            while not (client._watch and client._watch.connected):
+                await anyio.sleep(0.01)
+            old = client._sock
+            daemon.close(linger=0)
+            while client._generation == 0:
+                await asyncio.sleep(0)  # returns as the replacement waits a turn for the old one
+    assert old is not None and old.closed
 
 
 def test_a_blocking_request_whose_connection_closes_fails_at_once(tmp_path: Path) -> None:
