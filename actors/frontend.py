@@ -228,6 +228,8 @@ class FrontendActor:
             problem = Reason.INVALID, violation
         if problem is not None:
             self._refuse(identity, rid, *problem)
+            # Ended here: a Cancel of it that finds nothing now came late, not before its Submit.
+            self._just_ended.add(rid, time.monotonic())
             return
         timeout_s = min(msg.timeout_s or self._cfg.request_timeout_s, self._cfg.max_request_timeout_s)
         now = time.monotonic()

@@ -111,9 +111,10 @@ def _cancel_frame(request_id: str) -> bytes:
     return encode(Cancel(protocol=PROTOCOL_VERSION, request_id=request_id))
 
 
-async def _cancel_at_daemon(sock: zmq.asyncio.Socket, request_ids: list[str]) -> None:
+async def _cancel_at_daemon(sock: zmq.asyncio.Socket, request_ids: list[str]) -> int:
     """Send a ``Cancel`` for each of ``request_ids`` given up on, whatever cancels the caller,
-    within ``CANCEL_SEND_S``; nothing awaits the answers (they are dropped when they come)."""
+    within ``CANCEL_SEND_S``; how many left. Nothing awaits the answers."""
+    sent = 0
     with anyio.CancelScope(shield=True), anyio.move_on_after(CANCEL_SEND_S):
         for rid in request_ids:
             try:
@@ -123,7 +124,9 @@ async def _cancel_at_daemon(sock: zmq.asyncio.Socket, request_ids: list[str]) ->
                 # the end of these Cancels, not a cancellation of the caller's task.
                 if not sock.closed:
                     raise
-                return
+                break
+            sent += 1
+    return sent
 
 
 def _decode_reply(parts: list[bytes]) -> Reply:
@@ -299,8 +302,8 @@ class AsyncClient:
         self._watch: ConnectionWatch | None = None
         self._waiting: dict[str, anyio.abc.ObjectSendStream[Progress]] = {}  # requests waiting, their progress
         self._answers: dict[str, Generation | Rejected | Lost] = {}  # taken ahead of any progress queued
-        # Waiting requests: when sent, on which socket (``_generation``), whether a daemon was connected.
-        self._sent: dict[str, tuple[float, int, bool]] = {}
+        # Waiting requests: when sent, and on which socket (``_generation``).
+        self._sent: dict[str, tuple[float, int]] = {}
         # The socket's number: a new one replaces it when its connection closes (_replace_socket).
         self._generation = 0
         # Sends under way: a DEALER queues SNDHWM messages (1,000) for a daemon that is not
@@ -409,10 +412,7 @@ class AsyncClient:
                 # reads a connection in order, so what the latest Cancel of an id found
                 # nothing of will send no more (an earlier one's may be about an earlier
                 # request under the id).
-                owed = self._cancels_out.pop(reply.request_id, 0) - 1
-                if owed > 0:
-                    self._cancels_out[reply.request_id] = owed
-                elif not reply.found:
+                if not self._uncount_cancel(reply.request_id) and not reply.found:
                     self._abandoned.pop(reply.request_id, None)
                 continue
             rid = reply.result.request_id if isinstance(reply, Generation) else reply.request_id
@@ -443,7 +443,7 @@ class AsyncClient:
                 await self._read_what_came()
                 await self._replace_socket()
                 continue
-            lost = {rid: why for rid, (sent_at, _, _) in self._sent.items()
+            lost = {rid: why for rid, (sent_at, _) in self._sent.items()
                     if (why := watch.no_daemon(sent_at, self.endpoint)) is not None}
             if lost:
                 await self._read_what_came()
@@ -461,7 +461,7 @@ class AsyncClient:
             old.disconnect(self.endpoint)  # no reconnecting: its queue goes (LINGER 0)
         self._sock, self._watch = self._connect()
         self._generation += 1
-        for rid in [rid for rid, (_, generation, _) in self._sent.items() if generation < self._generation]:
+        for rid in [rid for rid, (_, generation) in self._sent.items() if generation < self._generation]:
             self._answer(rid, Lost(closed_why(self.endpoint)))
         self._abandoned.clear()
         self._cancels_out.clear()  # their answers would have come on the old connection
@@ -499,7 +499,7 @@ class AsyncClient:
             with rx:
                 try:
                     with anyio.fail_after(wait_s):
-                        self._sent[rid] = time.monotonic(), self._generation, self._watch.connected
+                        self._sent[rid] = time.monotonic(), self._generation
                         queued = sock.send_multipart([b"", body])
                         sending = self._sending[rid] = anyio.CancelScope()
                         try:
@@ -533,10 +533,14 @@ class AsyncClient:
             # Cancel that overtook its Submit).
             if (sent and not isinstance(self._answers.get(rid), (Generation, Rejected))
                     and self._sent[rid][1] == self._generation):
-                self._abandon(rid, wait_s, queued=not self._sent[rid][2])
+                # Queued: no daemon has taken a connection yet, so its Submit waits for one.
+                self._abandon(rid, wait_s, queued=not self._watch.connected)
                 if not sock.closed:
+                    # Counted before it leaves (its answer can come before this task runs
+                    # again), and uncounted if it does not: none will answer it.
                     self._cancels_out[rid] = self._cancels_out.get(rid, 0) + 1
-                    await _cancel_at_daemon(sock, [rid])
+                    if not await _cancel_at_daemon(sock, [rid]):
+                        self._uncount_cancel(rid)
             if isinstance(exc, TimeoutError):
                 raise TimeoutError(f"no reply from {self.endpoint} for {rid!r} within {wait_s:.1f}s (its deadline "
                                    f"and {GRACE_S:g} s of grace)") from None
@@ -555,6 +559,13 @@ class AsyncClient:
             del self._abandoned[old]
             self._cancels_out.pop(old, None)
         self._abandoned[rid] = (math.inf if queued else now + hold_s), hold_s
+
+    def _uncount_cancel(self, rid: str) -> int:
+        """One Cancel of ``rid`` fewer out; how many are left."""
+        owed = self._cancels_out.pop(rid, 0) - 1
+        if owed > 0:
+            self._cancels_out[rid] = owed
+        return max(owed, 0)
 
     def _count_holds_from_now(self) -> None:
         """A daemon took the connection: what waited in ZMQ's queue for one leaves first, so

@@ -20,6 +20,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
+import orchestrator.client
 from orchestrator.client import CANCEL_SEND_S, DEFAULT_TIMEOUT_S, AsyncClient, Client, Generation, Rejection
 from orchestrator.control_client import Control
 from transfer.protocol import (
@@ -554,6 +555,73 @@ async def test_only_the_latest_cancel_of_an_id_finding_nothing_frees_it(fake_dae
                 await client.submit(PARAMS, request_id="X", timeout_s=30)
             await reply(identity, Cancelled(request_id="X", found=True))  # the second's
             await reply(identity, Rejected(request_id="X", reason=Reason.CANCELLED, message="cancelled by the client"))
+
+            async def answer() -> None:
+                identity, _, _ = await daemon.recv_multipart()
+                await daemon.send_multipart([identity, b"", encode(Result(
+                    request_id="X", outputs=[], stages=[], total_ms=3.0))])
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(answer)
+                assert (await client.submit(PARAMS, request_id="X", timeout_s=5)).result.total_ms == 3.0
+
+
+async def test_an_id_given_up_on_just_after_opening_is_held_for_its_wait_only(
+    fake_daemon: FakeDaemon, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Sent before the client heard the daemon take its connection, but given up on after:
+    its Submit left, so its hold is its wait once more, not until another daemon comes."""
+    monkeypatch.setattr("orchestrator.client.GRACE_S", 0.05)
+    daemon, endpoint = fake_daemon
+    with anyio.fail_after(10):
+        async with AsyncClient(endpoint) as client:
+            with pytest.raises(TimeoutError):
+                await client.submit(PARAMS, request_id="X", timeout_s=0.2)  # never answered
+            for kind in (Submit, Cancel):
+                assert isinstance(CLIENT_REQUEST.decode((await daemon.recv_multipart())[2]), kind)
+            await anyio.sleep(0.4)  # past its wait once more
+
+            async def answer() -> None:
+                identity, _, _ = await daemon.recv_multipart()
+                await daemon.send_multipart([identity, b"", encode(Result(
+                    request_id="X", outputs=[], stages=[], total_ms=2.0))])
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(answer)
+                assert (await client.submit(PARAMS, request_id="X", timeout_s=5)).result.total_ms == 2.0
+
+
+async def test_a_cancel_that_never_left_is_not_counted_among_those_to_answer(
+    fake_daemon: FakeDaemon, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """(It waited behind a full queue past its second.) Counted, it would make the found=False
+    of the id's next Cancel look like an earlier one's, and hold the id for its wait."""
+    daemon, endpoint = fake_daemon
+    leave = orchestrator.client._cancel_at_daemon
+
+    async def first_never_leaves(sock: zmq.asyncio.Socket, request_ids: list[str]) -> int:
+        first_never_leaves.calls += 1
+        return 0 if first_never_leaves.calls == 1 else await leave(sock, request_ids)
+
+    first_never_leaves.calls = 0
+    monkeypatch.setattr("orchestrator.client._cancel_at_daemon", first_never_leaves)
+
+    async def given_up_on() -> bytes:
+        with anyio.move_on_after(0.1):
+            await client.submit(PARAMS, request_id="X", timeout_s=30)
+        identity, _, _ = await daemon.recv_multipart()
+        return identity
+
+    with anyio.fail_after(10):
+        async with AsyncClient(endpoint) as client:
+            identity = await given_up_on()  # its Cancel never leaves
+            await daemon.send_multipart([identity, b"", encode(Result(request_id="X", outputs=[], stages=[],
+                                                                      total_ms=1.0))])
+            await anyio.sleep(0.05)  # its end frees the id
+            await given_up_on()
+            assert isinstance(CLIENT_REQUEST.decode((await daemon.recv_multipart())[2]), Cancel)
+            await daemon.send_multipart([identity, b"", encode(Cancelled(request_id="X", found=False))])
+            await anyio.sleep(0.05)
 
             async def answer() -> None:
                 identity, _, _ = await daemon.recv_multipart()

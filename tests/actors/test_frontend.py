@@ -402,6 +402,23 @@ async def test_past_max_in_flight_submits_are_overloaded_until_one_ends(ctx: zmq
             assert await f.admitted("c") == "c#2"
 
 
+async def test_a_cancel_of_a_submit_refused_at_the_door_came_late_not_early(ctx: zmq.asyncio.Context,
+                                                                          tmp_path: Path) -> None:
+    """Its caller gave up before the refusal came, and its Cancel finds nothing: that id's
+    next Submit must not be refused as one its Cancel overtook."""
+    with anyio.fail_after(5):
+        async with running_frontend(ctx, tmp_path, max_in_flight=1) as f:
+            first = await f.admitted("a")
+            await f.ask(Submit(protocol=PROTOCOL_VERSION, params=PARAMS, request_id="c"))
+            assert (await f.reply())[0].reason == Reason.OVERLOADED
+            await f.ask(Cancel(protocol=PROTOCOL_VERSION, request_id="c"))
+            assert (await f.reply())[0] == Cancelled(request_id="c", found=False)
+            f.inbox.post(Deliver(request_id=first, message=Result(request_id=first, outputs=[], stages=[],
+                                                                  total_ms=1.0)))
+            await f.reply()
+            assert await f.admitted("c") == "c#1"  # admitted, not refused cancelled
+
+
 async def test_a_submits_timeout_is_capped_by_max_request_timeout_s(ctx: zmq.asyncio.Context,
                                                                     tmp_path: Path) -> None:
     with anyio.fail_after(5):
