@@ -110,10 +110,12 @@ class ControlActor:
         admission: AdmissionStats = answers["admission"]
         negotiator: NegotiatorStats = answers["negotiator"]
         instances: list[InstanceStats] = []
+        queue_depths = dict(admission.queue_depths)
         for owner, answer in answers.items():
             if not owner.startswith("pool."):
                 continue
             pool: PoolStats = answer
+            queue_depths[pool.role] += pool.waiting  # queued too: for a worker that can hold their input
             for slots in pool.instances:
                 prealloc = negotiator.prealloc.get(slots.instance)
                 instances.append(
@@ -140,7 +142,7 @@ class ControlActor:
             uptime_s=time.monotonic() - self._started,
             draining=frontend.draining,
             instances=instances,
-            queue_depths=admission.queue_depths,
+            queue_depths=queue_depths,
             handoffs_in_flight=negotiator.handoffs_in_flight,
             handoffs_held=negotiator.handoffs_held,
             fast_path=negotiator.fast_path,

@@ -1,7 +1,11 @@
 """One request's journey through the stages, as the negotiator tracks it.
 
-    RUNNING --staged--> AWAITING --slot free--> PUSHING --pushed--> RUNNING (next role)
-                            \\--no slot--> ALLOCATING --allocated--/
+    RUNNING --staged--> AWAITING --slot free---------------------------> PUSHING --pushed--> RUNNING (next role)
+                            |--no slot--------------> ALLOCATING --allocated^
+                            \\--only a slot fits--> SLOT_WAIT --slot freed^
+
+SLOT_WAIT: the output is larger than the receiver's general region, so only one of its
+preallocated slots can take it, and none is free yet; one frees as a request it holds moves on.
 
 ``role``/``instance`` name the stage that is computing (RUNNING) or sending (the rest);
 ``receiver`` is the next stage's instance once one is reserved.
@@ -20,13 +24,15 @@ class FlightState(enum.StrEnum):
     RUNNING = "running"
     AWAITING = "awaiting_receiver"
     ALLOCATING = "allocating"
+    SLOT_WAIT = "awaiting_slot"
     PUSHING = "pushing"
 
 
 ALLOWED: dict[FlightState, frozenset[FlightState]] = {
     FlightState.RUNNING: frozenset({FlightState.AWAITING}),
-    FlightState.AWAITING: frozenset({FlightState.PUSHING, FlightState.ALLOCATING}),
+    FlightState.AWAITING: frozenset({FlightState.PUSHING, FlightState.ALLOCATING, FlightState.SLOT_WAIT}),
     FlightState.ALLOCATING: frozenset({FlightState.PUSHING}),
+    FlightState.SLOT_WAIT: frozenset({FlightState.PUSHING}),
     FlightState.PUSHING: frozenset({FlightState.RUNNING}),
 }
 
@@ -48,7 +54,7 @@ class Flight:
     manifest: list[TensorSpec] | None = None
     compute_ms: float = 0.0
     staged_at: float = 0.0  # monotonic: when its output began waiting for the next role
-    waited_ms: float = 0.0  # from then until a receiver was reserved
+    waited_ms: float = 0.0  # from then until a receiver was reserved (and, in SLOT_WAIT, a slot freed there)
     receiver: str | None = None
     receiver_role: Role | None = None
     slot: Slot | None = None  # fast path: the receiver's preallocated slot
@@ -77,6 +83,19 @@ class Flight:
         else:
             self.address = address
             self._move(FlightState.PUSHING)
+
+    def wait_for_slot(self, receiver: str, receiver_role: Role, *, at: float) -> None:
+        """``receiver`` is reserved, but only one of its preallocated slots can hold the output,
+        and none is free yet."""
+        self._move(FlightState.SLOT_WAIT)
+        self.receiver, self.receiver_role = receiver, receiver_role
+
+    def take_slot(self, slot: Slot, *, at: float) -> None:
+        if self.state != FlightState.SLOT_WAIT:
+            raise RuntimeError(f"flight {self.request_id}: a slot taken while {self.state}")
+        self._move(FlightState.PUSHING)
+        self.slot, self.address = slot, slot.address
+        self.waited_ms = (at - self.staged_at) * 1000
 
     def allocated(self, address: int) -> None:
         if self.state != FlightState.ALLOCATING:

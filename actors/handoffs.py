@@ -20,6 +20,7 @@ import itertools
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import structlog
 import zmq
@@ -41,7 +42,7 @@ from actors.mail import (
     TrackerMail,
 )
 from actors.mailbox import Mailbox
-from actors.slots import SlotBook
+from actors.slots import Slot, SlotBook
 from transfer.protocol import (
     STAGE_REASONS,
     Abort,
@@ -73,14 +74,28 @@ log = structlog.get_logger()
 PUSH_REPORT_GRACE_S = 2.0
 
 
-def largest_fit(link: Link, slots: list[SlotInfo]) -> int:
-    """The most a receiver could ever take in one hand-off: its largest preallocated slot, or
-    its general region, as its pool carves them (transfer/pool.py): the slots from the
-    pool's start, each taking whole alignment units, and the region after them trimmed to
-    whole units."""
-    slots_end = max((s.address + s.size for s in slots), default=link.pool_base)
-    region = max(link.pool_size - align_up(slots_end - link.pool_base), 0) // ALIGNMENT * ALIGNMENT
-    return max([region, *(s.size for s in slots)])
+@dataclass(frozen=True, slots=True)
+class Room:
+    """What one receiver can take in one hand-off, as its pool carves its memory
+    (transfer/pool.py): the preallocated slots from the pool's start, each taking whole
+    alignment units, and the general region after them trimmed to whole units."""
+
+    region: int
+    largest_slot: int
+
+    @classmethod
+    def of(cls, link: Link, slots: list[SlotInfo]) -> Room:
+        slots_end = max((s.address + s.size for s in slots), default=link.pool_base)
+        region = max(link.pool_size - align_up(slots_end - link.pool_base), 0) // ALIGNMENT * ALIGNMENT
+        return cls(region, max((s.size for s in slots), default=0))
+
+    @property
+    def largest_fit(self) -> int:
+        """The most it could ever take in one hand-off."""
+        return max(self.region, self.largest_slot)
+
+    def only_a_slot_fits(self, nbytes: int) -> bool:
+        return self.region < nbytes <= self.largest_slot
 
 
 class Handoffs:
@@ -105,8 +120,11 @@ class Handoffs:
         self._tracker = tracker
         self._push_failed_into = push_failed_into  # a receiver a write could not reach
         self._slots = SlotBook()
-        self._fits: dict[str, tuple[Role, int]] = {}  # receiver -> (its role, its largest_fit)
+        self._rooms: dict[str, tuple[Role, Room]] = {}  # receiver -> (its role, what it takes)
         self._largest: dict[Role, int] = {}  # role -> the most any of its receivers takes
+        # Per receiver, flights in SLOT_WAIT there, first come first served (a large output
+        # is never starved by smaller ones). Ended flights are dropped when they reach the front.
+        self._slot_waits: dict[str, deque[Flight]] = {}
         self._flights: dict[str, Flight] = {}
         self.fast: dict[str, int] = {}  # hand-offs by hop
         self.slow: dict[str, int] = {}
@@ -120,15 +138,19 @@ class Handoffs:
 
     # ------------------------------------------------------------------ workers
 
-    def add_receiver(self, link: Link, slots: list[SlotInfo]) -> None:
+    def add_receiver(self, link: Link, slots: list[SlotInfo]) -> int:
+        """Book ``link``'s memory; returns the most it can take in one hand-off."""
         self._slots.add_instance(link.instance, slots)
-        self._fits[link.instance] = link.role, largest_fit(link, slots)
+        room = Room.of(link, slots)
+        self._rooms[link.instance] = link.role, room
         self._measure(link.role)
+        return room.largest_fit
 
     def worker_lost(self, link: Link, why: str, *, gone: bool) -> None:
         """End every flight ``link`` takes part in. ``gone``: no write of its can still land."""
         self._slots.remove_instance(link.instance)
-        if self._fits.pop(link.instance, None) is not None:
+        self._slot_waits.pop(link.instance, None)  # its flights fail below
+        if self._rooms.pop(link.instance, None) is not None:
             self._measure(link.role)
         # Eviction is rare, so a pass over the flights is fine here (never on the hot path).
         for flight in [f for f in self._flights.values() if link.instance in (f.instance, f.receiver)]:
@@ -185,6 +207,11 @@ class Handoffs:
             self.fast[hop] = self.fast.get(hop, 0) + 1
             flight.reserve(instance, job.role, slot=slot, address=slot.address, at=now)
             self._push(flight)
+        elif self._rooms[instance][1].only_a_slot_fits(flight.nbytes):
+            # Asking it to allocate would be refused (its region is too small) and fail the
+            # request; its slots free as the requests it holds move on.
+            flight.wait_for_slot(instance, job.role, at=now)
+            self._slot_waits.setdefault(instance, deque()).append(flight)
         else:
             self.slow[hop] = self.slow.get(hop, 0) + 1
             flight.reserve(instance, job.role, slot=None, address=None, at=now)
@@ -256,7 +283,8 @@ class Handoffs:
         flight.stage_output(msg.nbytes, msg.manifest, msg.compute_ms, at=time.monotonic())
         self._admission.post(Enqueue(job=Job(request_id=rid, role=following, params=flight.params,
                                              deadline=flight.deadline, priority=flight.priority,
-                                             progress=flight.progress, avoid=flight.avoid, again=flight.again)))
+                                             progress=flight.progress, avoid=flight.avoid, again=flight.again,
+                                             nbytes=msg.nbytes)))
 
     def allocated(self, link: Link, msg: Allocated) -> None:
         flight = self._reported(msg.request_id, FlightState.ALLOCATING, link, by_receiver=True)
@@ -363,7 +391,7 @@ class Handoffs:
     # ------------------------------------------------------------------ ends
 
     def _measure(self, role: Role) -> None:
-        fits = [fit for of_role, fit in self._fits.values() if of_role == role]
+        fits = [room.largest_fit for of_role, room in self._rooms.values() if of_role == role]
         if fits:
             self._largest[role] = max(fits)
         else:
@@ -409,15 +437,36 @@ class Handoffs:
         self._tracker.post(Failed(request_id=flight.request_id, reason=reason, message=message, avoid=implicated))
 
     def _release_receiver(self, flight: Flight) -> None:
+        if flight.state == FlightState.SLOT_WAIT:
+            return  # it holds nothing there yet (its place in line is dropped when reached)
         if flight.slot is not None:
-            self._slots.recycle(flight.slot)
+            self._give_back(flight.slot)
         if flight.slot is None or flight.abort_receiver:
             self._order(flight.receiver_role, flight.receiver, Abort(request_id=flight.request_id))
 
     def _recycle_input(self, flight: Flight) -> None:
         if flight.input_slot is not None:
-            self._slots.recycle(flight.input_slot)
+            self._give_back(flight.input_slot)
             flight.input_slot = None
+
+    def _give_back(self, slot: Slot) -> None:
+        """Recycle ``slot``, and push into it for the first flight in SLOT_WAIT at its receiver."""
+        self._slots.recycle(slot)
+        waits = self._slot_waits.get(slot.instance)
+        while waits:
+            flight = waits[0]
+            if (self._flights.get(flight.request_id) is not flight or flight.state != FlightState.SLOT_WAIT
+                    or flight.receiver != slot.instance):
+                waits.popleft()  # ended while it waited
+                continue
+            taken = self._slots.take(slot.instance, flight.nbytes)
+            if taken is None:
+                return  # the first in line needs a larger slot than any free
+            waits.popleft()
+            hop = hop_name(flight.role, flight.receiver_role)
+            self.fast[hop] = self.fast.get(hop, 0) + 1
+            flight.take_slot(taken, at=time.monotonic())
+            self._push(flight)
 
     def _reported(self, rid: str, state: FlightState, link: Link, *, by_receiver: bool = False) -> Flight | None:
         """The flight of ``rid`` if it is in ``state`` and ``link`` is the instance that reports

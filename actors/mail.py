@@ -36,6 +36,9 @@ class Job(msgspec.Struct, frozen=True, kw_only=True):
     # A retry: it waited its turn once already, so at every role it queues before the jobs
     # of its priority that have not had one, rather than spend what is left of its deadline queued.
     again: bool = False
+    # The size of its input (the previous stage's staged output); 0 at the encoder. Only a
+    # worker whose memory can ever hold it is offered the job.
+    nbytes: int = 0
 
 
 class QueryStats(Mail):
@@ -220,6 +223,9 @@ class Join(Mail):
     session: str
     key: bytes
     capacity: int
+    # The largest input it can ever take in one hand-off (its largest preallocated slot, or
+    # its general region); 0 for an encoder, whose inputs come with its orders.
+    fits: int = 0
 
 
 class Leave(Mail):

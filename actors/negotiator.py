@@ -262,11 +262,10 @@ class TransferNegotiator:
                     model_digest=msg.model_digest)
         self._links[routing_id] = link
         self._by_instance[instance] = link
-        if msg.role != "encoder":
-            self._handoffs.add_receiver(link, msg.slots)
+        fits = self._handoffs.add_receiver(link, msg.slots) if msg.role != "encoder" else 0
         key = secrets.token_bytes(16)
         self._pools[msg.role].post(Join(instance=instance, name=msg.name, work_address=msg.work_address,
-                                         session=msg.session, key=key, capacity=msg.capacity))
+                                         session=msg.session, key=key, capacity=msg.capacity, fits=fits))
         self._frontend.post(LimitsChanged(role=msg.role, instance=instance, limits=msg.limits))
         self._reply(routing_id, Registered(instance=instance, key=key, heartbeat_s=self._cfg.heartbeat_s))
         self._log.info("worker.registered", instance=instance, name=msg.name, role=msg.role,

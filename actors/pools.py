@@ -7,10 +7,18 @@ pool is the only sender on each instance's PUSH socket; every order is prefixed 
 key the worker was given at registration, so nobody else can drive a worker. An instance
 the negotiator suspects (silent, or a push into it failed) keeps its slots but is offered none,
 and so does a new instance until its first order, a ``Probe``, is known to have reached it.
+
+A receiver is offered only jobs whose input its memory can ever hold (``Join.fits``), so
+workers of one role may have pools of different sizes. A job that only busy workers can
+take waits here, its slot of admission's count handed back for other jobs, and takes the
+next slot that frees at one that can: the highest priority first, then the oldest. Finding
+it scans those waiting, which only a pool of unequal workers ever has.
 """
 
 from __future__ import annotations
 
+import bisect
+import time
 from dataclasses import dataclass, field
 
 import anyio
@@ -27,6 +35,7 @@ from actors.mail import (
     Enqueue,
     Failed,
     Forget,
+    Job,
     Join,
     Leave,
     NegotiatorMail,
@@ -56,6 +65,7 @@ class Instance:
     key: bytes
     capacity: int
     socket: zmq.Socket
+    fits: int  # Join.fits: the largest input it can ever take
     free: int = 0
     finishing: int = 0  # slots held by runs of requests that ended, until those runs end
     served: int = 0
@@ -83,6 +93,7 @@ class InstanceSlots(msgspec.Struct, frozen=True):
 class PoolStats(msgspec.Struct, frozen=True):
     role: str
     instances: list[InstanceSlots]
+    waiting: int  # jobs waiting for a worker whose memory can hold their input
     mailbox: MailboxCounts
 
 
@@ -113,6 +124,8 @@ class PoolActor:
         self._holds: dict[str, str] = {}  # request -> the instance holding a slot for it
         self._bounced: set[str] = set()  # jobs handed back to admission for lack of an instance
         self._unsent: dict[str, Instance] = {}  # instances with orders waiting for the flush
+        self._by_fits: list[tuple[int, str]] = []  # (fits, instance), ascending
+        self._waiting: dict[str, Job] = {}  # jobs only a busy instance can hold, oldest first
         self._log = log.bind(actor="pool", role=role)
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
@@ -125,19 +138,21 @@ class PoolActor:
     def _handle(self, mail: PoolMail) -> None:
         match mail:
             case Dispatch(job=job):
-                picked = self._policy.pick(job.avoid)
-                if picked is None:
+                self._bounced.discard(job.request_id)
+                picked = self._pick(job)
+                if picked is not None:
+                    self._place(self._instances[picked], job)
+                elif self._policy.pick() is not None:
+                    # Free slots, but none at a worker that can hold its input: it waits for
+                    # one here, and the slot goes back to admission for a job that fits it.
+                    self._waiting[job.request_id] = job
+                    self._admission.post(Credit(role=self.role, delta=1))
+                else:
                     # The slot admission counted on left with its worker: requeue the job
                     # first in line and give back the credit spent on it.
                     self._bounced.add(job.request_id)
                     self._admission.post(Enqueue(job=job, front=True))
                     self._admission.post(Credit(role=self.role, delta=1))
-                    return
-                self._bounced.discard(job.request_id)
-                self._take(self._instances[picked], job.request_id)
-                # The negotiator records the request's flight before any order goes out,
-                # so even an instant worker's first report finds it.
-                self._negotiator.post(Placed(job=job, instance=picked))
             case Send(instance=instance, order=order):
                 inst = self._instances.get(instance)
                 if inst is None:
@@ -172,6 +187,7 @@ class PoolActor:
                 # are safely over. Passing the Forget on after any Placed this pool posted
                 # keeps the negotiator from ever restarting a request that ended.
                 self._negotiator.post(mail)
+                self._waiting.pop(rid, None)
                 if rid in self._bounced:
                     # Admission may have handled this Forget before the job came back to
                     # it; this copy arrives behind the requeue and removes it.
@@ -190,7 +206,49 @@ class PoolActor:
                     InstanceSlots(i.instance, i.name, i.address, i.session, i.free, i.capacity, i.finishing,
                                   i.served, i.failed, i.suspect)
                     for i in self._instances.values()
-                ], self._inbox.counts()))
+                ], len(self._waiting), self._inbox.counts()))
+
+    def _pick(self, job: Job) -> str | None:
+        """An instance with a free slot whose memory can hold ``job``'s input, preferring one
+        its failed attempts did not involve; None if none has both."""
+        small = self._too_small(job.nbytes)
+        if not small:
+            return self._policy.pick(job.avoid)
+        picked = self._policy.pick(job.avoid | small)
+        if picked in small:  # every one that fits with room is avoided: take one of those
+            picked = self._policy.pick(small)
+        return None if picked in small else picked
+
+    def _too_small(self, nbytes: int) -> frozenset[str]:
+        """Instances whose memory can never hold ``nbytes``: none where all are alike."""
+        if not self._by_fits or nbytes <= self._by_fits[0][0]:
+            return frozenset()
+        return frozenset(instance for _, instance in self._by_fits[:bisect.bisect_left(self._by_fits, (nbytes, ""))])
+
+    def _place(self, inst: Instance, job: Job) -> None:
+        self._take(inst, job.request_id)
+        # The negotiator records the request's flight before any order goes out, so even
+        # an instant worker's first report finds it.
+        self._negotiator.post(Placed(job=job, instance=inst.instance))
+
+    def _waiting_for(self, inst: Instance) -> Job | None:
+        """The waiting job ``inst`` should take next: the highest priority, then the oldest,
+        among those it can hold whose deadline has not passed (the tracker ends those)."""
+        now = time.monotonic()
+        chosen: Job | None = None
+        for job in self._waiting.values():
+            if job.nbytes <= inst.fits and job.deadline > now and (chosen is None or job.priority > chosen.priority):
+                chosen = job
+        return chosen
+
+    def _serve_waiting(self, inst: Instance) -> None:
+        """Give ``inst``'s free slots to the jobs waiting for a worker like it."""
+        while self._waiting and inst.free > 0:
+            job = self._waiting_for(inst)
+            if job is None:
+                return
+            del self._waiting[job.request_id]
+            self._place(inst, job)
 
     def _take(self, inst: Instance, rid: str) -> None:
         inst.free -= 1
@@ -204,7 +262,10 @@ class PoolActor:
 
     def _give_slot(self, inst: Instance) -> None:
         inst.free += 1
-        if not inst.suspect:
+        if inst.suspect:
+            return
+        self._serve_waiting(inst)
+        if inst.free > 0:  # not taken by a waiting job: admission's to hand out
             self._policy.update(inst.instance, inst.free)
             self._admission.post(Credit(role=self.role, delta=1))
 
@@ -215,6 +276,8 @@ class PoolActor:
         find no instance to take it and come straight back, again and again.
         """
         inst.suspect = suspect
+        if not suspect:
+            self._serve_waiting(inst)
         self._policy.update(inst.instance, 0 if suspect else inst.free)
         self._admission.post(Credit(role=self.role, delta=-inst.free if suspect else inst.free))
         if suspect:
@@ -252,8 +315,9 @@ class PoolActor:
         sock.setsockopt(zmq.SNDHWM, self._send_hwm)
         sock.connect(mail.work_address)
         inst = Instance(mail.instance, mail.name, mail.work_address, mail.session, mail.key, mail.capacity, sock,
-                        free=mail.capacity)
+                        mail.fits, free=mail.capacity)
         self._instances[mail.instance] = inst
+        bisect.insort(self._by_fits, (mail.fits, mail.instance))
         # Offered no work until the negotiator hears the Probe arrived (a Suspect(False)).
         self._policy.update(mail.instance, 0)
         send_frames(sock, [mail.key, encode(Probe(instance=mail.instance))], NOBLOCK)
@@ -265,6 +329,7 @@ class PoolActor:
         if inst is None:
             return
         self._policy.remove(instance)
+        self._by_fits.remove((inst.fits, instance))
         self._unsent.pop(instance, None)  # its requests fail below; its socket closes
         if not inst.suspect:  # a suspect's free slots were withdrawn already
             self._admission.post(Credit(role=self.role, delta=-inst.free))

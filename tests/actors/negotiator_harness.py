@@ -65,7 +65,9 @@ DEADLINE = 1e9
 
 
 def job(rid: str, role: Role, priority: int = 0) -> Job:
-    return Job(request_id=rid, role=role, params=PARAMS, deadline=DEADLINE, priority=priority)
+    """``rid``'s job at ``role``; past the encoder, its input is the NBYTES staged before it."""
+    return Job(request_id=rid, role=role, params=PARAMS, deadline=DEADLINE, priority=priority,
+               nbytes=0 if role == "encoder" else NBYTES)
 
 
 @dataclass
@@ -138,20 +140,20 @@ def shared_pool(host: str, role: Role) -> LocalMemory:
 
 
 def registration(role: Role, session: str, slots: int, local: LocalMemory | None = None,
-                 token: str = TOKEN, work_address: str = "ipc://unused") -> Register:
+                 token: str = TOKEN, work_address: str = "ipc://unused", pool_size: int = POOL_SIZE) -> Register:
     """``role``'s Register, with ``slots`` preallocated slots."""
     return Register(
         protocol=PROTOCOL_VERSION, token=token, role=role, name=f"{role}-worker", work_address=work_address,
-        session=session, pool_base=POOL_BASE, pool_size=POOL_SIZE,
+        session=session, pool_base=POOL_BASE, pool_size=pool_size,
         slots=[SlotInfo(slot_id=i, address=POOL_BASE + i * SLOT_SIZE, size=SLOT_SIZE) for i in range(slots)],
         capacity=2, local=local,
     )
 
 
 async def register(sock: zmq.asyncio.Socket, role: Role, session: str, slots: int,
-                   local: LocalMemory | None = None) -> Registered:
+                   local: LocalMemory | None = None, pool_size: int = POOL_SIZE) -> Registered:
     """Send ``role``'s Register on ``sock`` and await the Registered."""
-    await sock.send(encode(registration(role, session, slots, local)))
+    await sock.send(encode(registration(role, session, slots, local, pool_size=pool_size)))
     registered = DAEMON_TO_WORKER.decode(await sock.recv())
     assert isinstance(registered, Registered), registered
     return registered
@@ -159,15 +161,16 @@ async def register(sock: zmq.asyncio.Socket, role: Role, session: str, slots: in
 
 @asynccontextmanager
 async def fake_worker(ctx: zmq.asyncio.Context, n: Negotiator, role: Role, *,
-                      slots: int = 0, host: str | None = None) -> AsyncIterator[FakeWorker]:
-    """Register a ``role`` worker whose memory pool carries ``slots`` preallocated slots
-    (and, with ``host``, is shared memory on that host)."""
+                      slots: int = 0, host: str | None = None, pool_size: int = POOL_SIZE) -> AsyncIterator[FakeWorker]:
+    """Register a ``role`` worker whose memory pool of ``pool_size`` bytes carries ``slots``
+    preallocated slots (and, with ``host``, is shared memory on that host)."""
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(n.endpoint)
     try:
         session = f"{role}-session"
-        registered = await register(sock, role, session, slots, shared_pool(host, role) if host else None)
+        registered = await register(sock, role, session, slots, shared_pool(host, role) if host else None,
+                                    pool_size)
         # Posted before the reply went out, so both are there already.
         join = n.pools[role].receive_nowait()
         assert isinstance(join, Join) and join.instance == registered.instance and join.session == session
@@ -228,13 +231,14 @@ async def allocate_on_slow_path(n: Negotiator, encoder: FakeWorker, denoiser: Fa
 
 
 @asynccontextmanager
-async def encoder_and_denoiser(ctx: zmq.asyncio.Context, tmp_path: Path, *, slots: int,
+async def encoder_and_denoiser(ctx: zmq.asyncio.Context, tmp_path: Path, *, slots: int, pool_size: int = POOL_SIZE,
                                **settings: Any) -> AsyncIterator[tuple[Negotiator, FakeWorker, FakeWorker]]:
-    """A running negotiator with a registered encoder and a denoiser carrying ``slots`` slots."""
+    """A running negotiator with a registered encoder and a denoiser carrying ``slots`` slots
+    in a pool of ``pool_size`` bytes."""
     async with (
         running_negotiator(ctx, tmp_path, **settings) as n,
         fake_worker(ctx, n, "encoder") as encoder,
-        fake_worker(ctx, n, "denoiser", slots=slots) as denoiser,
+        fake_worker(ctx, n, "denoiser", slots=slots, pool_size=pool_size) as denoiser,
     ):
         yield n, encoder, denoiser
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import anyio
+import msgspec
 import pytest
 import zmq
 import zmq.asyncio
@@ -178,7 +179,8 @@ async def test_an_output_no_receiver_could_ever_take_is_invalid_and_not_handed_o
                         f"(the most one takes is {largest} bytes)")
             assert n.take("encoder") == [released("too-big", encoder, ok=True), aborted("too-big", encoder)]
             await staged("fits", largest)
-            assert await n.admission.receive() == Enqueue(job=job("fits", "denoiser"))
+            assert await n.admission.receive() == Enqueue(job=msgspec.structs.replace(job("fits", "denoiser"),
+                                                                                  nbytes=largest))
             n.assert_silent()
             assert (await n.stats()).prealloc[denoiser.instance] == PreallocCounts(2, 2)
 

@@ -20,6 +20,7 @@ from tests.actors.negotiator_harness import (
     NBYTES,
     PARAMS,
     POOL_BASE,
+    SLOT_SIZE,
     TOKEN,
     FakeWorker,
     Negotiator,
@@ -51,6 +52,7 @@ from transfer.protocol import (
     Registered,
     RegisterRefused,
     SlotInfo,
+    Staged,
     encode,
 )
 
@@ -345,6 +347,49 @@ async def test_report_after_a_failed_push_is_late(ctx: zmq.asyncio.Context, tmp_
             assert stats.prealloc[denoiser.instance] == PreallocCounts(2, 2)
             assert [type(m) for m in n.take("encoder")] == [Release, Send]  # the first report's
             assert n.take("denoiser") == [suspected(denoiser), released("r1", denoiser)]
+            n.assert_silent()
+
+
+# --------------------------------------------------------------------------- inputs only a slot holds
+
+
+async def test_an_input_only_a_slot_can_hold_waits_for_one_instead_of_failing(
+    ctx: zmq.asyncio.Context, tmp_path: Path
+) -> None:
+    """A denoiser of capacity 2 with one slot and a 256-byte region: a 512-byte input fits
+    only the slot. Before, with the slot taken, it was asked to allocate in its region,
+    refused ("can never fit"), and the request failed with transfer_failed."""
+    with anyio.fail_after(5):
+        async with encoder_and_denoiser(ctx, tmp_path, slots=1, pool_size=SLOT_SIZE + 256) as (n, encoder, denoiser):
+            pushed_into_the_slot = {rid: Send(instance=encoder.instance, order=Push(
+                request_id=rid, session=denoiser.session, address=POOL_BASE, nbytes=NBYTES)) for rid in ("r1", "r2")}
+            await stage_encoder_output(n, encoder, "r1")
+            n.inbox.post(Placed(job=job("r1", "denoiser"), instance=denoiser.instance))
+            assert await n.pools["encoder"].receive() == pushed_into_the_slot["r1"]
+            await encoder.report(Pushed(request_id="r1", ok=True, transfer_ms=1.0))
+            assert await n.pools["encoder"].receive() == released("r1", encoder, ok=True)
+            assert isinstance(await n.tracker.receive(), HandedOff)
+            assert isinstance((await n.pools["denoiser"].receive()).order, Ready)  # r1 runs, its input in the slot
+
+            await stage_encoder_output(n, encoder, "r2")
+            n.inbox.post(Placed(job=job("r2", "denoiser"), instance=denoiser.instance))
+            await stage_encoder_output(n, encoder, "r3")
+            n.inbox.post(Placed(job=job("r3", "denoiser"), instance=denoiser.instance))
+            stats = await n.stats()
+            assert (stats.handoffs_in_flight, stats.fast_path, stats.slow_path) == (2, {HOP: 1}, {})
+            n.assert_silent()  # no Alloc: both wait for the slot, r2 first
+            # r3 ends while it waits: it holds nothing at the denoiser, so nothing is aborted there.
+            n.inbox.post(Forget(request_id="r3"))
+            await n.stats()
+            assert n.take("encoder") == [released("r3", encoder), aborted("r3", encoder)]
+            assert n.take("denoiser") == [released("r3", denoiser)]
+
+            await denoiser.report(Staged(request_id="r1", nbytes=NBYTES, manifest=MANIFEST, compute_ms=1.0))
+            assert (await n.admission.receive()).job.request_id == "r1"  # on to the decoders
+            assert await n.pools["encoder"].receive() == pushed_into_the_slot["r2"]
+            stats = await n.stats()
+            assert (stats.handoffs_in_flight, stats.fast_path, stats.slow_path) == (2, {HOP: 2}, {})
+            assert stats.prealloc[denoiser.instance] == PreallocCounts(0, 1)
             n.assert_silent()
 
 

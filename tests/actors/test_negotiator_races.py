@@ -111,7 +111,7 @@ async def real_pool(ctx: zmq.asyncio.Context, tmp_path: Path, worker: FakeWorker
         async with anyio.create_task_group() as tg:
             await tg.start(actor.run)
             inbox.post(Join(instance=worker.instance, name="denoiser-worker", work_address=address,
-                            session=worker.session, key=KEY, capacity=2))
+                            session=worker.session, key=KEY, capacity=2, fits=NBYTES))
             _, probe = await work.recv_multipart()
             assert WORK_ORDER.decode(probe) == Probe(instance=worker.instance)
             inbox.post(Suspect(instance=worker.instance, suspect=False))  # as the answered Probe has it

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import msgspec
 import pytest
 import zmq
 import zmq.asyncio
@@ -56,28 +57,32 @@ class Pool:
         return await ask_stats(self.inbox)
 
     async def join(self, address: str, instance: str | None = None, capacity: int = 2, *,
-                   work: Any = None) -> str:
+                   work: Any = None, fits: int = 0) -> str:
         """Join an instance and have it offered work, as once the negotiator hears its Probe
         arrived; ``work``: its work socket, to take the Probe off (tests that read orders)."""
         instance = instance or f"{self.role}-1"
         self.inbox.post(Join(instance=instance, name=f"w-{instance}", work_address=address, session="sess",
-                             key=KEY, capacity=capacity))
+                             key=KEY, capacity=capacity, fits=fits))
         if work is not None:
             assert await next_order(work) == Probe(instance=instance)
         self.inbox.post(Suspect(instance=instance, suspect=False))
         assert await self.admission.receive() == Credit(role=self.role, delta=capacity)
         return instance
 
-    async def dispatch(self, rid: str) -> str:
+    async def dispatch(self, rid: str, nbytes: int = 0) -> str:
         """Dispatch ``rid`` and return the instance the negotiator is told it was placed at."""
-        self.inbox.post(Dispatch(job=job(rid, self.role)))
+        self.inbox.post(Dispatch(job=job(rid, self.role, nbytes=nbytes)))
+        return await self.placed(rid, nbytes)
+
+    async def placed(self, rid: str, nbytes: int = 0, priority: int = 0) -> str:
+        """The instance the negotiator is told ``rid`` was placed at (the next mail it gets)."""
         placed = await self.negotiator.receive()
-        assert isinstance(placed, Placed) and placed.job == job(rid, self.role)
+        assert isinstance(placed, Placed) and placed.job == job(rid, self.role, nbytes=nbytes, priority=priority)
         return placed.instance
 
 
-def job(rid: str, role: Role = "encoder") -> Job:
-    return Job(request_id=rid, role=role, params=PARAMS, deadline=math.inf)
+def job(rid: str, role: Role = "encoder", *, nbytes: int = 0, priority: int = 0) -> Job:
+    return Job(request_id=rid, role=role, params=PARAMS, deadline=math.inf, nbytes=nbytes, priority=priority)
 
 
 def assert_empty(outbox: MemoryObjectReceiveStream[Any]) -> None:
@@ -254,6 +259,102 @@ async def test_dispatches_alternate_between_instances(ctx: zmq.asyncio.Context, 
             await pool.join(address_a, "decoder-1")
             await pool.join(address_b, "decoder-2")
             assert [await pool.dispatch(f"r{i}") for i in range(4)] == ["decoder-1", "decoder-2"] * 2
+
+
+# --------------------------------------------------------------------------- unequal memory
+
+SMALL, LARGE = 4096, 65536  # the largest input each of two decoders can take
+
+
+@asynccontextmanager
+async def unequal_decoders(ctx: zmq.asyncio.Context, tmp_path: Path, *, policy: str = "round_robin",
+                           large_capacity: int = 1) -> AsyncIterator[Pool]:
+    """decoder-1 takes inputs up to SMALL bytes (capacity 2), decoder-2 up to LARGE."""
+    async with (
+        fake_worker(ctx, tmp_path, "a") as (address_a, _),
+        fake_worker(ctx, tmp_path, "b") as (address_b, _),
+        running_pool("decoder", ctx, policy=policy) as pool,
+    ):
+        await pool.join(address_a, "decoder-1", fits=SMALL)
+        await pool.join(address_b, "decoder-2", capacity=large_capacity, fits=LARGE)
+        yield pool
+
+
+@pytest.mark.parametrize("policy", ["round_robin", "least_loaded", "power_of_two"])
+async def test_a_job_goes_only_to_an_instance_whose_memory_can_hold_its_input(
+    policy: str, ctx: zmq.asyncio.Context, tmp_path: Path
+) -> None:
+    """Before, the pool picked by free slots alone: an input larger than the picked worker's
+    memory failed its hand-off (transfer_failed) though another worker had room for it."""
+    with anyio.fail_after(5):
+        async with unequal_decoders(ctx, tmp_path, policy=policy, large_capacity=3) as pool:
+            assert [await pool.dispatch(f"large{i}", LARGE) for i in range(3)] == ["decoder-2"] * 3
+            assert await pool.dispatch("small", SMALL) == "decoder-1"  # as large as it takes
+
+
+async def test_a_retry_avoiding_the_only_instance_that_can_hold_its_input_still_goes_there(
+    ctx: zmq.asyncio.Context, tmp_path: Path
+) -> None:
+    """Avoiding a worker is a preference; not fitting one is a fact."""
+    with anyio.fail_after(5):
+        async with unequal_decoders(ctx, tmp_path) as pool:
+            retry = msgspec.structs.replace(job("r1", "decoder", nbytes=LARGE), avoid=frozenset({"decoder-2"}))
+            pool.inbox.post(Dispatch(job=retry))
+            assert await pool.negotiator.receive() == Placed(job=retry, instance="decoder-2")
+
+
+async def test_a_job_only_a_busy_instance_can_hold_waits_for_it_and_its_slot_serves_the_rest(
+    ctx: zmq.asyncio.Context, tmp_path: Path
+) -> None:
+    with anyio.fail_after(5):
+        async with unequal_decoders(ctx, tmp_path) as pool:
+            assert await pool.dispatch("large1", LARGE) == "decoder-2"
+            pool.inbox.post(Dispatch(job=job("large2", "decoder", nbytes=LARGE)))
+            # Not placed, not sent back to the queue: it waits here, and admission gets its
+            # slot back for jobs the free decoder can take.
+            assert await pool.admission.receive() == Credit(role="decoder", delta=1)
+            stats = await pool.stats()
+            assert stats.waiting == 1 and [i.slots_free for i in stats.instances] == [2, 0]
+            assert_empty(pool.negotiator)
+            assert await pool.dispatch("small", SMALL) == "decoder-1"
+            # The large decoder's slot frees: the waiting job takes it, admission never sees it.
+            pool.inbox.post(Release(request_id="large1", instance="decoder-2", ok=True))
+            assert await pool.placed("large2", LARGE) == "decoder-2"
+            assert (await pool.stats()).waiting == 0
+            assert_empty(pool.admission)
+            pool.inbox.post(Release(request_id="large2", instance="decoder-2", ok=True))
+            assert await pool.admission.receive() == Credit(role="decoder", delta=1)
+
+
+async def test_waiting_jobs_go_by_priority_then_age_and_a_forgotten_one_leaves(
+    ctx: zmq.asyncio.Context, tmp_path: Path
+) -> None:
+    with anyio.fail_after(5):
+        async with unequal_decoders(ctx, tmp_path) as pool:
+            assert await pool.dispatch("busy", LARGE) == "decoder-2"
+            for rid, priority in [("old", 0), ("gone", 9), ("young", 0), ("urgent", 5)]:
+                pool.inbox.post(Dispatch(job=job(rid, "decoder", nbytes=LARGE, priority=priority)))
+                assert await pool.admission.receive() == Credit(role="decoder", delta=1)
+            pool.inbox.post(Forget(request_id="gone"))
+            assert await pool.negotiator.receive() == Forget(request_id="gone")
+            for held, taker, priority in [("busy", "urgent", 5), ("urgent", "old", 0), ("old", "young", 0)]:
+                pool.inbox.post(Release(request_id=held, instance="decoder-2", ok=True))
+                assert await pool.placed(taker, LARGE, priority=priority) == "decoder-2"
+            assert (await pool.stats()).waiting == 0
+
+
+async def test_an_instance_trusted_again_serves_the_waiting_jobs_before_admission(
+    ctx: zmq.asyncio.Context, tmp_path: Path
+) -> None:
+    with anyio.fail_after(5):
+        async with unequal_decoders(ctx, tmp_path, large_capacity=3) as pool:
+            pool.inbox.post(Suspect(instance="decoder-2", suspect=True))
+            assert await pool.admission.receive() == Credit(role="decoder", delta=-3)
+            pool.inbox.post(Dispatch(job=job("large", "decoder", nbytes=LARGE)))
+            assert await pool.admission.receive() == Credit(role="decoder", delta=1)
+            pool.inbox.post(Suspect(instance="decoder-2", suspect=False))
+            assert await pool.placed("large", LARGE) == "decoder-2"
+            assert await pool.admission.receive() == Credit(role="decoder", delta=2)  # what it has left
 
 
 # --------------------------------------------------------------------------- suspects

@@ -604,22 +604,70 @@ def test_an_output_no_receiver_can_take_is_invalid_at_once_and_not_retried(start
 
 
 def test_a_retry_goes_to_another_worker_than_the_one_that_failed_it(start_cluster: StartCluster, tmp_path: Path) -> None:
-    """denoiser1 cannot fit any input, and has the most free slots, so least_loaded offers it
-    every request first: each fails there once, and its retry goes to denoiser0. Before, the
-    retry went to denoiser1 again and every request failed."""
+    """encoder1 has no room to stage any output, and has the most free slots, so least_loaded
+    offers it every request first: each fails there once, and its retry goes to encoder0.
+    Before, the retry went to encoder1 again and every request failed."""
+    cluster = start_cluster(layout={"encoder": 1, "denoiser": 1, "decoder": 1},
+                            **{"workers.encoder": {"capacity": 1}})
+    cramped = config_variant(cluster, tmp_path / "cramped.toml", "workers.encoder",
+                             {"capacity": 8, "pool_bytes": 16384})  # embeddings: 19,712 bytes
+    cluster.start_worker("encoder", 1, config_path=cramped)
+    cluster.wait_registered(4, timeout_s=60)
+    with Client(cluster.config.daemon.client_endpoint) as client:
+        served_by = {next(s.instance for s in client.submit(p(i), timeout_s=20).result.stages
+                          if s.role == "encoder") for i in range(3)}
+    names = {i.instance: i.name for i in cluster.control.stats().instances}
+    assert {names[instance] for instance in served_by} == {"encoder0"}
+    stats = wait_for(cluster, all_free)
+    assert stats.retried == 3 and stats.failed_by_reason == {"transfer_failed": 3} and stats.completed == 3
+
+
+def test_a_receiver_too_small_for_an_input_is_never_offered_it(start_cluster: StartCluster, tmp_path: Path) -> None:
+    """denoiser1's whole pool is 4 KiB, less than any request's embeddings, and it has the
+    most free slots. Before, least_loaded placed every request there first, and each failed
+    its hand-off (transfer_failed, "can never fit") and was computed again; now the pool
+    places by what a receiver can hold, and denoiser0 serves them all at the first try."""
     cluster = start_cluster(layout={"encoder": 1, "denoiser": 1, "decoder": 1},
                             **{"workers.denoiser": {"capacity": 1}})
     cramped = config_variant(cluster, tmp_path / "cramped.toml", "workers.denoiser",
                              {"capacity": 8, "pool_bytes": 4096, "prealloc_slots": 0})
     cluster.start_worker("denoiser", 1, config_path=cramped)
     cluster.wait_registered(4, timeout_s=60)
-    with Client(cluster.config.daemon.client_endpoint) as client:
-        served_by = {next(s.instance for s in client.submit(p(i), timeout_s=20).result.stages
-                          if s.role == "denoiser") for i in range(3)}
+    with ThreadPoolExecutor(3) as pool:
+        # Three at once: two wait in the daemon for the one denoiser that fits, while the
+        # other has room.
+        done = list(pool.map(lambda i: _submit(cluster, p(i)), range(3)))
+    served_by = {next(s.instance for s in generation.result.stages if s.role == "denoiser") for generation in done}
     names = {i.instance: i.name for i in cluster.control.stats().instances}
     assert {names[instance] for instance in served_by} == {"denoiser0"}
     stats = wait_for(cluster, all_free)
-    assert stats.retried == 3 and stats.failed_by_reason == {"transfer_failed": 3} and stats.completed == 3
+    assert (stats.retried, stats.failed_by_reason, stats.completed) == (0, {}, 3)
+
+
+def test_inputs_only_a_slot_holds_wait_for_one_on_a_worker_with_fewer_slots_than_capacity(
+    start_cluster: StartCluster,
+) -> None:
+    """One 32 KiB slot, a region of 8 KiB and capacity 3: the 19,712-byte embeddings fit only
+    the slot. Before, the second and third requests, placed while the first held it, were
+    asked to allocate in the region, refused ("can never fit"), and failed or were computed
+    again. Now each waits for the slot and is pushed into it when the one before moves on."""
+    cluster = start_cluster(layout={"encoder": 1, "denoiser": 1, "decoder": 1},
+                            **{"model.null": {"denoiser_ms": 300.0},
+                               "workers.denoiser": {"capacity": 3, "prealloc_slots": 1,
+                                                    "prealloc_slot_bytes": 32768, "pool_bytes": 32768 + 8192}})
+    small = [msgspec.structs.replace(p(i), width=64, height=64) for i in range(3)]  # 1 KiB of latents
+    with ThreadPoolExecutor(3) as pool:
+        done = list(pool.map(partial(_submit, cluster), small))
+    for params, generation in zip(small, done, strict=True):
+        assert torch.equal(generation.outputs["images"], expected_outputs(params, cluster.config.model.null)["images"])
+    stats = wait_for(cluster, all_free)
+    assert (stats.retried, stats.failed_by_reason, stats.completed) == (0, {}, 3)
+    assert stats.fast_path["encoder->denoiser"] == 3 and "encoder->denoiser" not in stats.slow_path
+
+
+def _submit(cluster: LocalCluster, params: GenParams) -> Generation:
+    with Client(cluster.config.daemon.client_endpoint) as client:
+        return client.submit(params, timeout_s=30)
 
 
 def test_a_taken_port_stops_the_daemon_loudly(start_cluster: StartCluster) -> None:

@@ -51,8 +51,10 @@ REQUEST_MOVES = {
 }
 FLIGHT_MOVES = {
     FlightState.RUNNING: {FlightState.AWAITING},  # its stage ran: output staged
-    FlightState.AWAITING: {FlightState.PUSHING, FlightState.ALLOCATING},  # fast path, slow path
+    # fast path, slow path, or (larger than the receiver's region) wait for one of its slots
+    FlightState.AWAITING: {FlightState.PUSHING, FlightState.ALLOCATING, FlightState.SLOT_WAIT},
     FlightState.ALLOCATING: {FlightState.PUSHING},
+    FlightState.SLOT_WAIT: {FlightState.PUSHING},
     FlightState.PUSHING: {FlightState.RUNNING},  # pushed: the next stage runs
 }
 
@@ -165,7 +167,7 @@ class FlightMachine(RuleBasedStateMachine):
         self.model = FlightState.RUNNING
         self.role_index = 0
 
-    def _call(self, target: FlightState, action) -> None:  # type: ignore[no-untyped-def]
+    def _call(self, target: FlightState | None, action) -> None:  # type: ignore[no-untyped-def]
         before = self.flight.state
         if target in FLIGHT_MOVES[self.model]:
             action()
@@ -188,11 +190,25 @@ class FlightMachine(RuleBasedStateMachine):
         self._call(target, lambda: self.flight.reserve(f"{receiver_role}-1", receiver_role, slot=s,
                                                         address=s.address if s else None, at=10.0))
 
+    @precondition(lambda self: self.role_index < 2)
+    @rule()
+    def wait_for_slot(self) -> None:
+        receiver_role = ROLES[self.role_index + 1]
+        self._call(FlightState.SLOT_WAIT, lambda: self.flight.wait_for_slot(f"{receiver_role}-1", receiver_role,
+                                                                             at=10.0))
+
+    @precondition(lambda self: self.role_index < 2)
+    @rule()
+    def take_slot(self) -> None:
+        target = FlightState.PUSHING if self.model == FlightState.SLOT_WAIT else None
+        self._call(target, lambda: self.flight.take_slot(slot(f"{ROLES[self.role_index + 1]}-1"), at=10.0))
+
     # From AWAITING, allocated() is covered by test_allocated_while_awaiting_is_illegal.
     @precondition(lambda self: self.model != FlightState.AWAITING)
     @rule(address=st.integers(0, 1 << 30))
     def allocated(self, address: int) -> None:
-        self._call(FlightState.PUSHING, lambda: self.flight.allocated(address))
+        target = FlightState.PUSHING if self.model == FlightState.ALLOCATING else None
+        self._call(target, lambda: self.flight.allocated(address))
 
     @precondition(lambda self: self.model == FlightState.PUSHING)
     @rule()
