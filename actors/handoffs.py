@@ -122,8 +122,8 @@ class Handoffs:
         self._slots = SlotBook()
         self._rooms: dict[str, tuple[Role, Room]] = {}  # receiver -> (its role, what it takes)
         self._largest: dict[Role, int] = {}  # role -> the most any of its receivers takes
-        # Per receiver, flights in SLOT_WAIT there, first come first served (a large output
-        # is never starved by smaller ones). Ended flights are dropped when they reach the front.
+        # Per receiver, its line: the flights in SLOT_WAIT there, first come first served (a
+        # large output is never starved by smaller ones). A flight leaves it when it ends.
         self._slot_waits: dict[str, deque[Flight]] = {}
         self._flights: dict[str, Flight] = {}
         self.fast: dict[str, int] = {}  # hand-offs by hop
@@ -201,13 +201,16 @@ class Handoffs:
             self._pools[job.role].post(Release(request_id=rid, instance=instance, ok=None))
             return
         hop = hop_name(flight.role, job.role)
-        slot = self._slots.take(instance, flight.nbytes)
+        # A free slot is not taken past the flights waiting there: the first of them needs a
+        # larger one, which would otherwise go to every smaller input that comes after it.
+        slot = None if self._slot_waits.get(instance) else self._slots.take(instance, flight.nbytes)
+        _, room = self._rooms.get(instance, (job.role, None))  # None: evicted since its pool placed this
         now = time.monotonic()
         if slot is not None:
             self.fast[hop] = self.fast.get(hop, 0) + 1
             flight.reserve(instance, job.role, slot=slot, address=slot.address, at=now)
             self._push(flight)
-        elif self._rooms[instance][1].only_a_slot_fits(flight.nbytes):
+        elif room is not None and room.only_a_slot_fits(flight.nbytes):
             # Asking it to allocate would be refused (its region is too small) and fail the
             # request; its slots free as the requests it holds move on.
             flight.wait_for_slot(instance, job.role, at=now)
@@ -438,7 +441,14 @@ class Handoffs:
 
     def _release_receiver(self, flight: Flight) -> None:
         if flight.state == FlightState.SLOT_WAIT:
-            return  # it holds nothing there yet (its place in line is dropped when reached)
+            # It holds nothing there yet; those behind it in line may fit what is free.
+            receiver = flight.receiver
+            assert receiver is not None
+            line = self._slot_waits.get(receiver)
+            if line is not None:  # None: the receiver itself is lost
+                line.remove(flight)
+                self._serve_line(receiver)
+            return
         if flight.slot is not None:
             self._give_back(flight.slot)
         if flight.slot is None or flight.abort_receiver:
@@ -450,19 +460,20 @@ class Handoffs:
             flight.input_slot = None
 
     def _give_back(self, slot: Slot) -> None:
-        """Recycle ``slot``, and push into it for the first flight in SLOT_WAIT at its receiver."""
         self._slots.recycle(slot)
-        waits = self._slot_waits.get(slot.instance)
-        while waits:
-            flight = waits[0]
-            if (self._flights.get(flight.request_id) is not flight or flight.state != FlightState.SLOT_WAIT
-                    or flight.receiver != slot.instance):
-                waits.popleft()  # ended while it waited
-                continue
-            taken = self._slots.take(slot.instance, flight.nbytes)
+        self._serve_line(slot.instance)
+
+    def _serve_line(self, receiver: str) -> None:
+        """Push into ``receiver``'s free slots for the flights in its line, in order."""
+        line = self._slot_waits.get(receiver)
+        while line:
+            flight = line[0]
+            if flight.instance not in self._links:
+                return  # its sender is being evicted: its end, next, serves the line again
+            taken = self._slots.take(receiver, flight.nbytes)
             if taken is None:
                 return  # the first in line needs a larger slot than any free
-            waits.popleft()
+            line.popleft()
             hop = hop_name(flight.role, flight.receiver_role)
             self.fast[hop] = self.fast.get(hop, 0) + 1
             flight.take_slot(taken, at=time.monotonic())

@@ -139,18 +139,20 @@ def shared_pool(host: str, role: Role) -> LocalMemory:
                        base=POOL_BASE, size=POOL_SIZE)
 
 
-def registration(role: Role, session: str, slots: int, local: LocalMemory | None = None,
+def registration(role: Role, session: str, slots: int | list[int], local: LocalMemory | None = None,
                  token: str = TOKEN, work_address: str = "ipc://unused", pool_size: int = POOL_SIZE) -> Register:
-    """``role``'s Register, with ``slots`` preallocated slots."""
+    """``role``'s Register, with ``slots`` preallocated slots of SLOT_SIZE bytes (or of these
+    sizes), carved from the pool's start."""
+    sizes = [SLOT_SIZE] * slots if isinstance(slots, int) else slots
     return Register(
         protocol=PROTOCOL_VERSION, token=token, role=role, name=f"{role}-worker", work_address=work_address,
         session=session, pool_base=POOL_BASE, pool_size=pool_size,
-        slots=[SlotInfo(slot_id=i, address=POOL_BASE + i * SLOT_SIZE, size=SLOT_SIZE) for i in range(slots)],
+        slots=[SlotInfo(slot_id=i, address=POOL_BASE + sum(sizes[:i]), size=size) for i, size in enumerate(sizes)],
         capacity=2, local=local,
     )
 
 
-async def register(sock: zmq.asyncio.Socket, role: Role, session: str, slots: int,
+async def register(sock: zmq.asyncio.Socket, role: Role, session: str, slots: int | list[int],
                    local: LocalMemory | None = None, pool_size: int = POOL_SIZE) -> Registered:
     """Send ``role``'s Register on ``sock`` and await the Registered."""
     await sock.send(encode(registration(role, session, slots, local, pool_size=pool_size)))
@@ -161,7 +163,8 @@ async def register(sock: zmq.asyncio.Socket, role: Role, session: str, slots: in
 
 @asynccontextmanager
 async def fake_worker(ctx: zmq.asyncio.Context, n: Negotiator, role: Role, *,
-                      slots: int = 0, host: str | None = None, pool_size: int = POOL_SIZE) -> AsyncIterator[FakeWorker]:
+                      slots: int | list[int] = 0, host: str | None = None,
+                      pool_size: int = POOL_SIZE) -> AsyncIterator[FakeWorker]:
     """Register a ``role`` worker whose memory pool of ``pool_size`` bytes carries ``slots``
     preallocated slots (and, with ``host``, is shared memory on that host)."""
     sock = ctx.socket(zmq.DEALER)
@@ -231,7 +234,8 @@ async def allocate_on_slow_path(n: Negotiator, encoder: FakeWorker, denoiser: Fa
 
 
 @asynccontextmanager
-async def encoder_and_denoiser(ctx: zmq.asyncio.Context, tmp_path: Path, *, slots: int, pool_size: int = POOL_SIZE,
+async def encoder_and_denoiser(ctx: zmq.asyncio.Context, tmp_path: Path, *, slots: int | list[int],
+                               pool_size: int = POOL_SIZE,
                                **settings: Any) -> AsyncIterator[tuple[Negotiator, FakeWorker, FakeWorker]]:
     """A running negotiator with a registered encoder and a denoiser carrying ``slots`` slots
     in a pool of ``pool_size`` bytes."""

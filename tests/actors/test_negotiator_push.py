@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import msgspec
 import pytest
 import zmq
 import zmq.asyncio
@@ -44,6 +45,7 @@ from transfer.protocol import (
     Alloc,
     Allocated,
     Heartbeat,
+    Leaving,
     Push,
     Pushed,
     Ready,
@@ -53,6 +55,7 @@ from transfer.protocol import (
     RegisterRefused,
     SlotInfo,
     Staged,
+    TensorSpec,
     encode,
 )
 
@@ -391,6 +394,89 @@ async def test_an_input_only_a_slot_can_hold_waits_for_one_instead_of_failing(
             assert (stats.handoffs_in_flight, stats.fast_path, stats.slow_path) == (2, {HOP: 2}, {})
             assert stats.prealloc[denoiser.instance] == PreallocCounts(0, 1)
             n.assert_silent()
+
+
+async def stage_and_place(n: Negotiator, encoder: FakeWorker, denoiser: FakeWorker, rid: str, nbytes: int) -> None:
+    """``rid``'s encoder staged ``nbytes``, and the denoiser pool placed it at ``denoiser``."""
+    n.inbox.post(Placed(job=job(rid, "encoder"), instance=encoder.instance))  # its Work stays in the encoder's mail
+    manifest = [TensorSpec(name="embeds", dtype="uint8", shape=(nbytes,), offset=0, nbytes=nbytes)]
+    await encoder.report(Staged(request_id=rid, nbytes=nbytes, manifest=manifest, compute_ms=1.0))
+    assert (await n.admission.receive()).job.request_id == rid
+    n.inbox.post(Placed(job=msgspec.structs.replace(job(rid, "denoiser"), nbytes=nbytes), instance=denoiser.instance))
+
+
+def pushes(n: Negotiator) -> list[tuple[str, int]]:
+    """(request, address) of every Push ordered since last asked."""
+    return [(mail.order.request_id, mail.order.address) for mail in n.take("encoder")
+            if isinstance(mail, Send) and isinstance(mail.order, Push)]
+
+
+async def test_the_line_for_slots_moves_on_when_its_first_ends_and_newcomers_join_its_end(
+    ctx: zmq.asyncio.Context, tmp_path: Path
+) -> None:
+    """Slots of 2,048 (A) and 1,024 bytes (B), a 256-byte region. r1 (1,500 bytes) holds A,
+    r2 (600) B; r3 (1,500) and r4 (600) wait. B frees, which r3, first, cannot use. An audit
+    found that when r3 then ended, r4 went on waiting beside the free B, and a later r5 took
+    B ahead of it."""
+    a, b = POOL_BASE, POOL_BASE + 2048
+    with anyio.fail_after(5):
+        async with encoder_and_denoiser(ctx, tmp_path, slots=[2048, 1024], pool_size=3072 + 256) as (n, encoder,
+                                                                                                     denoiser):
+            for rid, nbytes in [("r1", 1500), ("r2", 600)]:
+                await stage_and_place(n, encoder, denoiser, rid, nbytes)
+                await encoder.report(Pushed(request_id=rid, ok=True, transfer_ms=1.0))
+                assert isinstance((await n.pools["denoiser"].receive()).order, Ready)
+            assert pushes(n) == [("r1", a), ("r2", b)]
+            for rid, nbytes in [("r3", 1500), ("r4", 600)]:
+                await stage_and_place(n, encoder, denoiser, rid, nbytes)
+            await denoiser.report(Staged(request_id="r2", nbytes=NBYTES, manifest=MANIFEST, compute_ms=1.0))
+            await n.admission.receive()
+            assert pushes(n) == []  # r3 waits for A, and r4 behind it
+            await stage_and_place(n, encoder, denoiser, "r5", 600)
+            n.inbox.post(Forget(request_id="r3"))
+            await n.stats()
+            assert pushes(n) == [("r4", b)]  # r5 joined the line behind r4, not ahead of it
+            assert n.take("denoiser") == [released("r3", denoiser)]  # nothing to abort there
+            stats = await n.stats()
+            # r2 waiting for a decoder, r4 pushing, r5 in line.
+            assert (stats.handoffs_in_flight, stats.prealloc[denoiser.instance]) == (3, PreallocCounts(0, 2))
+
+
+async def test_a_sender_leaving_with_a_push_into_a_slot_and_a_flight_waiting_for_it(
+    ctx: zmq.asyncio.Context, tmp_path: Path
+) -> None:
+    """r1 pushes into the only slot, r2 of the same encoder waits for it. An audit found the
+    encoder's Leaving crashed the negotiator: r1's slot came back mid-eviction and went to
+    r2, a push ordered from the worker just evicted."""
+    with anyio.fail_after(5):
+        async with encoder_and_denoiser(ctx, tmp_path, slots=1, pool_size=SLOT_SIZE + 256) as (n, encoder, denoiser):
+            for rid in ("r1", "r2"):
+                await stage_and_place(n, encoder, denoiser, rid, NBYTES)
+            assert pushes(n) == [("r1", POOL_BASE)]
+            await encoder.report(Leaving())
+            failed = {(await n.tracker.receive()).request_id for _ in range(2)}
+            assert failed == {"r1", "r2"}
+            stats = await n.stats()
+            assert (stats.handoffs_in_flight, stats.handoffs_held) == (0, 0)
+            assert stats.prealloc[denoiser.instance] == PreallocCounts(1, 1)
+            assert pushes(n) == []
+
+
+async def test_a_placement_at_a_receiver_evicted_meanwhile_is_asked_of_it_and_fails_there(
+    ctx: zmq.asyncio.Context, tmp_path: Path
+) -> None:
+    """The pool placed r1 just before the denoiser left. An audit found this crashed the
+    negotiator (the receiver's memory record was gone); the order goes to its pool, which
+    fails the request as its worker is lost."""
+    with anyio.fail_after(5):
+        async with encoder_and_denoiser(ctx, tmp_path, slots=0) as (n, encoder, denoiser):
+            await stage_encoder_output(n, encoder, "r1")
+            await denoiser.report(Leaving())
+            while (await n.stats()).prealloc.get(denoiser.instance) is not None:
+                await anyio.sleep(0.01)
+            n.inbox.post(Placed(job=job("r1", "denoiser"), instance=denoiser.instance))
+            await n.stats()
+            assert Send(instance=denoiser.instance, order=Alloc(request_id="r1", nbytes=NBYTES)) in n.take("denoiser")
 
 
 # --------------------------------------------------------------------------- for contrast
