@@ -16,6 +16,7 @@ progress hears from the daemon at each stage and, while denoising, every
 
 from __future__ import annotations
 
+import hmac
 import itertools
 import time
 import uuid
@@ -97,6 +98,7 @@ class Asked:
     submitted_at: float  # monotonic
     deadline: float  # monotonic: a retry gets what is left of it, never more
     retries_left: int
+    cancel_token: str  # Submit.cancel_token: what a Cancel must carry to stop it ("": nothing)
     avoid: frozenset[str] = frozenset()  # instances its failed attempts involved (Job.avoid)
     cancelled: str = ""  # why, once cancelled: a failure that crossed the cancel ends it so
 
@@ -124,7 +126,9 @@ class FrontendActor:
         self._keys = itertools.count()
         self._clients: dict[str, Asked] = {}  # internal key -> who asked
         self._in_flight: dict[str, str] = {}  # client's id -> internal key
-        self._foreseen = RecentIds(CANCEL_OVERTAKES_S, FORESEEN_CANCELS)  # ids cancelled before they came
+        # (id, cancel token) of Cancels that came before their Submit: only a Submit carrying
+        # that token is refused for it, so nobody can keep another client's id from running.
+        self._foreseen = RecentIds(CANCEL_OVERTAKES_S, FORESEEN_CANCELS)
         self._just_ended = RecentIds(CANCEL_OVERTAKES_S, FORESEEN_CANCELS)  # ids whose request just ended
         self._of_connection: dict[bytes, set[str]] = {}  # client connection -> its internal keys
         self._door = DoorLimits()
@@ -205,18 +209,29 @@ class FrontendActor:
         match msg:
             case Submit():
                 self._submit(identity, msg)
-            case Cancel(request_id=rid):
+            case Cancel(request_id=rid, cancel_token=token):
                 key = self._in_flight.get(rid)
+                if key is not None and not self._may_cancel(self._clients[key], token):
+                    self._refuse(identity, rid, Reason.INVALID,
+                                 f"request {rid!r} was submitted with a cancel token, and this Cancel does not "
+                                 "carry it: only its submitter may cancel it")
+                    return
                 if key is not None:
                     self._cancel(key, BY_THE_CLIENT)
                 elif not self._just_ended.holds(rid, now := time.monotonic()):
-                    self._foreseen.add(rid, now)
+                    self._foreseen.add((rid, token), now)
                 self._send(identity, Cancelled(request_id=rid, found=key is not None))
+
+    @staticmethod
+    def _may_cancel(asked: Asked, token: str) -> bool:
+        """Whether a Cancel carrying ``token`` may stop ``asked``: any may, if it was submitted
+        without a token."""
+        return not asked.cancel_token or hmac.compare_digest(token.encode(), asked.cancel_token.encode())
 
     def _submit(self, identity: bytes, msg: Submit) -> None:
         rid = msg.request_id or uuid.uuid4().hex
         problem: tuple[Reason, str] | None = None
-        if self._foreseen.take(rid, time.monotonic()):
+        if self._foreseen.take((rid, msg.cancel_token), time.monotonic()):
             problem = Reason.CANCELLED, f"{BY_THE_CLIENT}: its Cancel came first, by another connection"
         elif self._draining:
             problem = Reason.DRAINING, "the daemon is draining and takes no new work"
@@ -234,7 +249,7 @@ class FrontendActor:
         timeout_s = min(msg.timeout_s or self._cfg.request_timeout_s, self._cfg.max_request_timeout_s)
         now = time.monotonic()
         self._admit(Asked(identity, rid, msg.params, msg.priority, msg.progress, now, now + timeout_s,
-                          self._cfg.retries), timeout_s)
+                          self._cfg.retries, msg.cancel_token), timeout_s)
 
     def _refuse(self, identity: bytes, rid: str, reason: Reason, message: str) -> None:
         """Refuse a request at the door (never admitted), and count it by reason."""

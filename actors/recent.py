@@ -1,6 +1,8 @@
-"""``RecentIds``: ids seen in the last few moments, in a bounded amount of memory."""
+"""``RecentIds``: ids (or any hashable keys) seen in the last few moments, in a bounded amount of memory."""
 
 from __future__ import annotations
+
+from collections.abc import Hashable
 
 
 class RecentIds:
@@ -10,9 +12,9 @@ class RecentIds:
     def __init__(self, window_s: float, most: int) -> None:
         self._window_s = window_s
         self._most = most
-        self._until: dict[str, float] = {}
+        self._until: dict[Hashable, float] = {}
 
-    def add(self, key: str, now: float) -> None:
+    def add(self, key: Hashable, now: float) -> None:
         self._until.pop(key, None)
         self._until[key] = now + self._window_s
         while self._until:
@@ -24,9 +26,9 @@ class RecentIds:
     def __len__(self) -> int:
         return len(self._until)
 
-    def holds(self, key: str, now: float) -> bool:
+    def holds(self, key: Hashable, now: float) -> bool:
         return self._until.get(key, 0.0) > now
 
-    def take(self, key: str, now: float) -> bool:
+    def take(self, key: Hashable, now: float) -> bool:
         """Whether ``key`` was added within the window; it is forgotten either way."""
         return self._until.pop(key, 0.0) > now

@@ -11,8 +11,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import hashlib
+import hmac
 import inspect
 import math
+import secrets
 import threading
 import time
 import uuid
@@ -86,8 +89,24 @@ class Lost:
 Reply = Generation | Rejected | Cancelled | Progress  # what the client socket brings, decoded
 
 
-def _submit_body(params: GenParams, request_id: str, timeout_s: float | None, priority: int,
-                   progress: bool = False) -> bytes:
+class CancelTokens:
+    """Each request's ``cancel_token``, derived from a secret of one client object and the
+    request's id: its ``Cancel``s carry it from whichever socket (the blocking client cancels
+    on a fresh one), and nobody without the secret can stop its requests."""
+
+    def __init__(self) -> None:
+        self._secret = secrets.token_bytes(16)
+
+    def of(self, request_id: str) -> str:
+        # surrogatepass: an id that is no text is refused when its Submit is encoded, not here.
+        return hmac.new(self._secret, request_id.encode("utf-8", "surrogatepass"), hashlib.sha256).hexdigest()[:32]
+
+    def cancel_frame(self, request_id: str) -> bytes:
+        return encode(Cancel(protocol=PROTOCOL_VERSION, request_id=request_id, cancel_token=self.of(request_id)))
+
+
+def _submit_body(params: GenParams, request_id: str, timeout_s: float | None, priority: int, tokens: CancelTokens,
+                 progress: bool = False) -> bytes:
     """The encoded ``Submit``, checked as the daemon will check it: a bad field raises
     ``Rejection(invalid)`` here, at once. (A field far out of bounds, a prompt of megabytes,
     would otherwise be cut off unread at the daemon's size limit, and get no answer.)
@@ -98,7 +117,8 @@ def _submit_body(params: GenParams, request_id: str, timeout_s: float | None, pr
     try:
         # Encoding fails first for an int msgpack cannot carry (a seed past 2**64).
         body = encode(Submit(protocol=PROTOCOL_VERSION, params=params, request_id=request_id,
-                             timeout_s=_or_default(timeout_s), priority=priority, progress=progress))
+                             timeout_s=_or_default(timeout_s), priority=priority, progress=progress,
+                             cancel_token=tokens.of(request_id)))
         CLIENT_REQUEST.decode(body)
     except (msgspec.ValidationError, OverflowError, TypeError, UnicodeEncodeError) as exc:
         # TypeError: a value msgpack has no form for (a numpy integer, say); UnicodeEncodeError:
@@ -107,18 +127,14 @@ def _submit_body(params: GenParams, request_id: str, timeout_s: float | None, pr
     return body
 
 
-def _cancel_frame(request_id: str) -> bytes:
-    return encode(Cancel(protocol=PROTOCOL_VERSION, request_id=request_id))
-
-
-async def _cancel_at_daemon(sock: zmq.asyncio.Socket, request_ids: list[str]) -> int:
+async def _cancel_at_daemon(sock: zmq.asyncio.Socket, request_ids: list[str], tokens: CancelTokens) -> int:
     """Send a ``Cancel`` for each of ``request_ids`` given up on, whatever cancels the caller,
     within ``CANCEL_SEND_S``; how many left. Nothing awaits the answers."""
     sent = 0
     with anyio.CancelScope(shield=True), anyio.move_on_after(CANCEL_SEND_S):
         for rid in request_ids:
             try:
-                await sock.send_multipart([b"", _cancel_frame(rid)])
+                await sock.send_multipart([b"", tokens.cancel_frame(rid)])
             except asyncio.CancelledError:
                 # Closing the client closes the socket, which cancels a send still waiting:
                 # the end of these Cancels, not a cancellation of the caller's task.
@@ -167,6 +183,7 @@ class Client:
     def __init__(self, endpoint: str, *, ctx: zmq.Context | None = None) -> None:
         self.endpoint = endpoint
         self._ctx = ctx or zmq.Context.instance()
+        self._tokens = CancelTokens()
         self._sock, self._watch = self._connect()
 
     def _connect(self) -> tuple[zmq.Socket, ConnectionWatch]:
@@ -195,7 +212,7 @@ class Client:
         (Ctrl-C), cancels the request at the daemon, taking up to 1 s more; the client stays
         usable after any of them."""
         rid = request_id or uuid.uuid4().hex  # known here, so an interrupted wait can cancel it
-        body = _submit_body(params, rid, timeout_s, priority)
+        body = _submit_body(params, rid, timeout_s, priority, self._tokens)
         try:
             reply = self._request([body], _wait_s(timeout_s))
         except BaseException:
@@ -212,7 +229,11 @@ class Client:
         return generation
 
     def cancel(self, request_id: str, *, timeout_s: float = 10.0) -> bool:
-        return answer_as(Cancelled, self._request([_cancel_frame(request_id)], timeout_s), self.endpoint).found
+        """Cancel ``request_id``, submitted by this client (or by one that set no cancel
+        token); whether it was still there to cancel. Raises ``Rejection(invalid)`` for a
+        request another client submitted."""
+        return answer_as(Cancelled, self._request([self._tokens.cancel_frame(request_id)], timeout_s),
+                         self.endpoint).found
 
     def _request(self, parts: list[bytes], timeout_s: float) -> Reply:
         sent_at = time.monotonic()
@@ -297,6 +318,7 @@ class AsyncClient:
 
     def __init__(self, endpoint: str) -> None:
         self.endpoint = endpoint
+        self._tokens = CancelTokens()
         self._ctx: zmq.asyncio.Context | None = None  # from opening to closing
         self._sock: zmq.asyncio.Socket | None = None
         self._watch: ConnectionWatch | None = None
@@ -363,7 +385,7 @@ class AsyncClient:
             sending.cancel()
         # A request still waiting would be answered to nobody: cancel it at the daemon too
         # (one whose send is still waiting was never sent: it has nothing to cancel).
-        await _cancel_at_daemon(sock, [rid for rid in self._waiting if rid not in self._sending])
+        await _cancel_at_daemon(sock, [rid for rid in self._waiting if rid not in self._sending], self._tokens)
         for waiter in self._waiting.values():
             waiter.close()  # a submit still waiting raises ConnectionError now, not at its deadline
         # The Cancels (these, and those of requests given up on) get CANCEL_SEND_S to leave,
@@ -539,7 +561,7 @@ class AsyncClient:
                     # Counted before it leaves (its answer can come before this task runs
                     # again), and uncounted if it does not: none will answer it.
                     self._cancels_out[rid] = self._cancels_out.get(rid, 0) + 1
-                    if not await _cancel_at_daemon(sock, [rid]):
+                    if not await _cancel_at_daemon(sock, [rid], self._tokens):
                         self._uncount_cancel(rid)
             if isinstance(exc, TimeoutError):
                 raise TimeoutError(f"no reply from {self.endpoint} for {rid!r} within {wait_s:.1f}s (its deadline "
@@ -604,13 +626,14 @@ class AsyncClient:
         its answer finds the connection gone)."""
         # The client picks the id so it can match the answer among many in flight.
         rid = request_id or uuid.uuid4().hex
-        body = _submit_body(params, rid, timeout_s, priority, progress=on_progress is not None)
+        body = _submit_body(params, rid, timeout_s, priority, self._tokens, progress=on_progress is not None)
         return answer_as(Generation, await self._request(rid, body, _wait_s(timeout_s), on_progress), self.endpoint)
 
     async def cancel(self, request_id: str, *, timeout_s: float = 10.0) -> bool:
-        """Cancel ``request_id`` at the daemon; whether it was still there to cancel. Raises
-        ``TimeoutError`` if the daemon does not answer within ``timeout_s``, or
-        ``ConnectionError`` if the client is closed meanwhile."""
+        """Cancel ``request_id`` at the daemon, submitted by this client (or by one that set no
+        cancel token); whether it was still there to cancel. Raises ``Rejection(invalid)`` for
+        a request another client submitted, ``TimeoutError`` if the daemon does not answer
+        within ``timeout_s``, or ``ConnectionError`` if the client is closed meanwhile."""
         # The Cancelled ack and the request's own Rejected share the id; acks go by a
         # separate DEALER so the two answers cannot be confused.
         checked_s(timeout_s)
@@ -621,7 +644,7 @@ class AsyncClient:
         try:
             sock.setsockopt(zmq.LINGER, 0)
             sock.connect(self.endpoint)
-            await sock.send_multipart([b"", _cancel_frame(request_id)])
+            await sock.send_multipart([b"", self._tokens.cancel_frame(request_id)])
             with anyio.fail_after(timeout_s):
                 parts = await sock.recv_multipart()
         except asyncio.CancelledError:

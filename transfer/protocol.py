@@ -30,6 +30,7 @@ Role = Literal["encoder", "denoiser", "decoder"]
 ROLES: tuple[Role, ...] = ("encoder", "denoiser", "decoder")
 
 RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
+CancelToken = Annotated[str, msgspec.Meta(max_length=64)]
 Dim = Annotated[int, msgspec.Meta(ge=1, le=16384)]
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 # A duration a worker reports. NaN or infinity would poison the daemon's running means
@@ -125,6 +126,9 @@ class Submit(Wire):
     # Send ``Progress`` messages before the answer. Only for a client that can take several
     # replies to one request (DEALER): a REQ socket takes exactly one.
     progress: bool = False
+    # Set: only a Cancel carrying the same token stops this request (its submitter's).
+    # Empty: any Cancel naming its id does.
+    cancel_token: CancelToken = ""
 
 
 class Cancel(Wire):
@@ -132,6 +136,7 @@ class Cancel(Wire):
 
     protocol: int
     request_id: RequestId
+    cancel_token: CancelToken = ""  # the request's Submit.cancel_token
 
 
 class StageTiming(Plain):

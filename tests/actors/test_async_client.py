@@ -21,7 +21,15 @@ import zmq
 import zmq.asyncio
 
 import orchestrator.client
-from orchestrator.client import CANCEL_SEND_S, DEFAULT_TIMEOUT_S, AsyncClient, Client, Generation, Rejection
+from orchestrator.client import (
+    CANCEL_SEND_S,
+    DEFAULT_TIMEOUT_S,
+    AsyncClient,
+    CancelTokens,
+    Client,
+    Generation,
+    Rejection,
+)
 from orchestrator.control_client import Control
 from transfer.protocol import (
     CLIENT_REQUEST,
@@ -111,7 +119,7 @@ async def test_progress_comes_before_the_result_and_a_raising_listener_cancels_t
                 assert isinstance(submit, Submit) and submit.request_id == "r2"
                 await reply(identity, progress("r2", 1))
                 _, cancel = await receive()
-                assert cancel == Cancel(protocol=submit.protocol, request_id="r2")
+                assert cancel == Cancel(protocol=submit.protocol, request_id="r2", cancel_token=submit.cancel_token)
 
             tg.start_soon(answer_then_expect_cancel)
             with pytest.raises(ValueError, match="broke at step 1"):
@@ -201,7 +209,8 @@ async def test_a_request_id_is_not_reused_on_a_client_until_its_request_ended(fa
                 await client.submit(PARAMS, request_id="job-1")
             tg.cancel_scope.cancel()  # the caller gives up: the request is cancelled at the daemon
         cancel = CLIENT_REQUEST.decode((await daemon.recv_multipart())[2])
-        assert cancel == Cancel(protocol=submit.protocol, request_id="job-1")
+        assert cancel == Cancel(protocol=submit.protocol, request_id="job-1", cancel_token=submit.cancel_token)
+        assert len(submit.cancel_token) == 32
         async with AsyncClient(endpoint) as client:
             with anyio.move_on_after(0.1):
                 await client.submit(PARAMS, request_id="job-2")  # given up on
@@ -289,10 +298,17 @@ async def test_closing_the_client_ends_the_waits_of_its_submits_at_once(tmp_path
 async def test_closing_the_client_cancels_its_waiting_requests_at_the_daemon(fake_daemon: FakeDaemon) -> None:
     """Their answers would reach nobody: the daemon should not work on for them."""
     daemon, endpoint = fake_daemon
+    submits = []
+
+    async def submitted() -> None:
+        submits.append(CLIENT_REQUEST.decode((await daemon.recv_multipart())[2]))
+
     with anyio.fail_after(5):
-        await close_under_a_waiting_submit(endpoint, daemon.recv_multipart)
+        await close_under_a_waiting_submit(endpoint, submitted)
         _, _, cancel = await daemon.recv_multipart()
-    assert CLIENT_REQUEST.decode(cancel) == Cancel(protocol=PROTOCOL_VERSION, request_id="orphan")
+    [submit] = submits
+    assert CLIENT_REQUEST.decode(cancel) == Cancel(protocol=PROTOCOL_VERSION, request_id="orphan",
+                                                   cancel_token=submit.cancel_token)
 
 
 async def test_closing_the_client_under_a_waiting_cancel_raises_connection_error(fake_daemon: FakeDaemon) -> None:
@@ -599,9 +615,9 @@ async def test_a_cancel_that_never_left_is_not_counted_among_those_to_answer(
     daemon, endpoint = fake_daemon
     leave = orchestrator.client._cancel_at_daemon
 
-    async def first_never_leaves(sock: zmq.asyncio.Socket, request_ids: list[str]) -> int:
+    async def first_never_leaves(sock: zmq.asyncio.Socket, request_ids: list[str], tokens: CancelTokens) -> int:
         first_never_leaves.calls += 1
-        return 0 if first_never_leaves.calls == 1 else await leave(sock, request_ids)
+        return 0 if first_never_leaves.calls == 1 else await leave(sock, request_ids, tokens)
 
     first_never_leaves.calls = 0
     monkeypatch.setattr("orchestrator.client._cancel_at_daemon", first_never_leaves)
@@ -667,9 +683,9 @@ async def test_progress_for_a_request_given_up_on_while_its_cancel_waits_harms_n
 
     cancel = client_module._cancel_at_daemon
 
-    async def slow_cancel(sock: zmq.asyncio.Socket, request_ids: list[str]) -> None:
+    async def slow_cancel(sock: zmq.asyncio.Socket, request_ids: list[str], tokens: CancelTokens) -> None:
         await anyio.sleep(0.3)  # as a send behind a full queue
-        await cancel(sock, request_ids)
+        await cancel(sock, request_ids, tokens)
 
     monkeypatch.setattr(client_module, "_cancel_at_daemon", slow_cancel)
     daemon, endpoint = fake_daemon

@@ -69,9 +69,9 @@ class Frontend:
         assert empty == b""
         return CLIENT_REPLY.decode(body), frames
 
-    async def admitted(self, rid: str) -> str:
+    async def admitted(self, rid: str, cancel_token: str = "") -> str:
         """Submit ``rid`` and return the internal key the tracker is told to admit it under."""
-        await self.ask(Submit(protocol=PROTOCOL_VERSION, params=PARAMS, request_id=rid))
+        await self.ask(Submit(protocol=PROTOCOL_VERSION, params=PARAMS, request_id=rid, cancel_token=cancel_token))
         admit = await self.tracker.receive()
         assert isinstance(admit, Admit) and admit.params == PARAMS
         assert admit.timeout_s == self.cfg.request_timeout_s
@@ -197,6 +197,48 @@ async def test_a_submit_its_cancel_overtook_is_refused_as_cancelled(ctx: zmq.asy
             await f.ask(Submit(protocol=PROTOCOL_VERSION, params=PARAMS, request_id="c19"))
             assert (await f.reply())[0].reason == Reason.CANCELLED
             assert (await f.stats()).refused == {"cancelled": 2}
+
+
+async def test_a_request_submitted_with_a_cancel_token_is_cancelled_only_by_a_cancel_carrying_it(
+    ctx: zmq.asyncio.Context, tmp_path: Path
+) -> None:
+    """Before, any client that knew (or guessed) an id could cancel another's request."""
+    with anyio.fail_after(5):
+        async with running_frontend(ctx, tmp_path) as f:
+            key = await f.admitted("mine", cancel_token="secret")
+            for token in ("", "guess"):
+                await f.ask(Cancel(protocol=PROTOCOL_VERSION, request_id="mine", cancel_token=token))
+                refused, _ = await f.reply()
+                assert refused == Rejected(request_id="mine", reason=Reason.INVALID, message=(
+                    "request 'mine' was submitted with a cancel token, and this Cancel does not carry it: only its "
+                    "submitter may cancel it"))
+            assert_empty(f.tracker)
+            assert (await f.stats()).in_flight == 1
+            await f.ask(Cancel(protocol=PROTOCOL_VERSION, request_id="mine", cancel_token="secret"))
+            assert await f.reply() == (Cancelled(request_id="mine", found=True), [])
+            assert await f.tracker.receive() == CancelRequest(request_id=key)
+            # A request submitted without one is anyone's to cancel, as before tokens.
+            key = await f.admitted("open")
+            await f.ask(Cancel(protocol=PROTOCOL_VERSION, request_id="open", cancel_token="anything"))
+            assert await f.reply() == (Cancelled(request_id="open", found=True), [])
+            assert await f.tracker.receive() == CancelRequest(request_id=key)
+
+
+async def test_a_cancel_that_overtook_a_submit_refuses_only_a_submit_with_its_token(
+    ctx: zmq.asyncio.Context, tmp_path: Path
+) -> None:
+    """Before, a Cancel of an id not yet in flight kept any client's Submit of that id from
+    running for a second."""
+    with anyio.fail_after(5):
+        async with running_frontend(ctx, tmp_path) as f:
+            await f.ask(Cancel(protocol=PROTOCOL_VERSION, request_id="next", cancel_token="someone else's"))
+            assert await f.reply() == (Cancelled(request_id="next", found=False), [])
+            await f.admitted("next", cancel_token="mine")
+            await f.ask(Cancel(protocol=PROTOCOL_VERSION, request_id="later", cancel_token="mine"))
+            await f.reply()
+            await f.ask(Submit(protocol=PROTOCOL_VERSION, params=PARAMS, request_id="later", cancel_token="mine"))
+            refused, _ = await f.reply()
+            assert isinstance(refused, Rejected) and refused.reason == Reason.CANCELLED
 
 
 async def test_a_cancel_that_came_late_does_not_refuse_the_ids_next_request(ctx: zmq.asyncio.Context,

@@ -159,7 +159,10 @@ async def test_a_storm_of_every_ending_leaves_nothing_behind(start_cluster: Star
     # Each admission ends once, as completed or as one failure; a retry is a new admission.
     assert stats.completed + sum(stats.failed_by_reason.values()) == ledger.admitted + stats.retried, stats
     assert stats.failed_by_reason.get("cancelled", 0) >= ledger.answers["cancel"]["cancelled"]
-    assert stats.failed_by_reason.get("worker_lost", 0) >= 1, "the kill hit no request"
+    # It was busy when killed: running a request (worker_lost), or taking one's input (a push
+    # into it fails: transfer_failed), whichever the timing made it.
+    hit = stats.failed_by_reason.get("worker_lost", 0) + stats.failed_by_reason.get("transfer_failed", 0)
+    assert hit >= 1, "the kill hit no request"
     with Client(endpoint) as client:
         after = params(REQUESTS, "finish")
         generation = client.submit(after, timeout_s=30)
