@@ -212,9 +212,9 @@ class FrontendActor:
             case Cancel(request_id=rid, cancel_token=token):
                 key = self._in_flight.get(rid)
                 if key is not None and not self._may_cancel(self._clients[key], token):
-                    self._refuse(identity, rid, Reason.INVALID,
-                                 f"request {rid!r} was submitted with a cancel token, and this Cancel does not "
-                                 "carry it: only its submitter may cancel it")
+                    # A Cancel's answer, not a request's end: a client whose own Cancel of an
+                    # id crossed its end and another client's Submit of the id gets this too.
+                    self._send(identity, Cancelled(request_id=rid, found=False, refused=True))
                     return
                 if key is not None:
                     self._cancel(key, BY_THE_CLIENT)

@@ -127,6 +127,14 @@ def _submit_body(params: GenParams, request_id: str, timeout_s: float | None, pr
     return body
 
 
+def _found(ack: Cancelled) -> bool:
+    """Whether ``ack``'s Cancel found its request; ``PermissionError`` if the daemon refused it."""
+    if ack.refused:
+        raise PermissionError(f"request {ack.request_id!r} was submitted by another client: only its submitter "
+                              "may cancel it")
+    return ack.found
+
+
 async def _cancel_at_daemon(sock: zmq.asyncio.Socket, request_ids: list[str], tokens: CancelTokens) -> int:
     """Send a ``Cancel`` for each of ``request_ids`` given up on, whatever cancels the caller,
     within ``CANCEL_SEND_S``; how many left. Nothing awaits the answers."""
@@ -230,10 +238,10 @@ class Client:
 
     def cancel(self, request_id: str, *, timeout_s: float = 10.0) -> bool:
         """Cancel ``request_id``, submitted by this client (or by one that set no cancel
-        token); whether it was still there to cancel. Raises ``Rejection(invalid)`` for a
+        token); whether it was still there to cancel. Raises ``PermissionError`` for a
         request another client submitted."""
-        return answer_as(Cancelled, self._request([self._tokens.cancel_frame(request_id)], timeout_s),
-                         self.endpoint).found
+        return _found(answer_as(Cancelled, self._request([self._tokens.cancel_frame(request_id)], timeout_s),
+                                self.endpoint))
 
     def _request(self, parts: list[bytes], timeout_s: float) -> Reply:
         sent_at = time.monotonic()
@@ -631,8 +639,8 @@ class AsyncClient:
 
     async def cancel(self, request_id: str, *, timeout_s: float = 10.0) -> bool:
         """Cancel ``request_id`` at the daemon, submitted by this client (or by one that set no
-        cancel token); whether it was still there to cancel. Raises ``Rejection(invalid)`` for
-        a request another client submitted, ``TimeoutError`` if the daemon does not answer
+        cancel token); whether it was still there to cancel. Raises ``PermissionError`` for a
+        request another client submitted, ``TimeoutError`` if the daemon does not answer
         within ``timeout_s``, or ``ConnectionError`` if the client is closed meanwhile."""
         # The Cancelled ack and the request's own Rejected share the id; acks go by a
         # separate DEALER so the two answers cannot be confused.
@@ -659,4 +667,4 @@ class AsyncClient:
             self._cancelling.discard(sock)
             sock.close(linger=0)
         frames = parts[1:] if parts[:1] == [b""] else []  # a DEALER's: the empty delimiter first
-        return answer_as(Cancelled, _read_reply(frames, self.endpoint), self.endpoint).found
+        return _found(answer_as(Cancelled, _read_reply(frames, self.endpoint), self.endpoint))

@@ -174,6 +174,9 @@ class Cancelled(Wire):
 
     request_id: str
     found: bool
+    # The id is in flight for a request whose Submit carried a cancel token this Cancel did
+    # not: nothing was cancelled (found is false).
+    refused: bool = False
 
 
 class Progress(Wire):

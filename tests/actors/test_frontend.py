@@ -11,6 +11,7 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -21,11 +22,13 @@ import zmq
 import zmq.asyncio
 from anyio.streams.memory import MemoryObjectReceiveStream
 
+import orchestrator.client as client_module
 from actors import frontend
 from actors.base import ask_stats
 from actors.frontend import FrontendActor, FrontendStats
 from actors.mail import Admit, CancelRequest, Deliver, FrontendMail, LimitsChanged, SetDraining
 from actors.mailbox import Mailbox, Switchboard
+from orchestrator.client import AsyncClient, CancelTokens, Rejection
 from orchestrator.config import DaemonConfig
 from tests.actors.streams import open_stream
 from transfer.protocol import (
@@ -208,10 +211,7 @@ async def test_a_request_submitted_with_a_cancel_token_is_cancelled_only_by_a_ca
             key = await f.admitted("mine", cancel_token="secret")
             for token in ("", "guess"):
                 await f.ask(Cancel(protocol=PROTOCOL_VERSION, request_id="mine", cancel_token=token))
-                refused, _ = await f.reply()
-                assert refused == Rejected(request_id="mine", reason=Reason.INVALID, message=(
-                    "request 'mine' was submitted with a cancel token, and this Cancel does not carry it: only its "
-                    "submitter may cancel it"))
+                assert await f.reply() == (Cancelled(request_id="mine", found=False, refused=True), [])
             assert_empty(f.tracker)
             assert (await f.stats()).in_flight == 1
             await f.ask(Cancel(protocol=PROTOCOL_VERSION, request_id="mine", cancel_token="secret"))
@@ -579,3 +579,46 @@ async def test_a_burst_of_replies_to_a_reading_client_arrives_whole_and_in_order
             assert [(r.request_id, r.reason) for r in replies if isinstance(r, Rejected)] == [
                 (f"r{i}", Reason.OVERLOADED) for i in range(300)]
             assert (await f.stats()).replies_dropped == 0
+
+
+async def test_a_clients_own_cancel_that_meets_another_clients_request_is_an_ack_not_an_answer(
+    ctx: zmq.asyncio.Context, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A gives up on "x"; x's Result crosses A's Cancel, and B submits "x" before that Cancel
+    arrives. An audit found the Cancel's refusal, then a Rejected, taken by A for the answer
+    to its next submit of "x", whose real answer was dropped."""
+    leave = client_module._cancel_at_daemon
+    left = anyio.Event()
+
+    async def late_cancel(sock: zmq.asyncio.Socket, request_ids: list[str], tokens: CancelTokens) -> int:
+        with anyio.CancelScope(shield=True):
+            await anyio.sleep(0.5)  # as a send behind a full queue
+        sent = await leave(sock, request_ids, tokens)
+        left.set()
+        return sent
+
+    monkeypatch.setattr(client_module, "_cancel_at_daemon", late_cancel)
+    with anyio.fail_after(10):
+        async with running_frontend(ctx, tmp_path) as f:
+            endpoint = f.cfg.client_endpoint
+            async with AsyncClient(endpoint) as a, AsyncClient(endpoint) as b, anyio.create_task_group() as tg:
+                give_up = anyio.CancelScope()
+
+                async def submit_then_give_up() -> None:
+                    with give_up:
+                        await a.submit(PARAMS, request_id="x")
+
+                tg.start_soon(submit_then_give_up)
+                admit = await f.tracker.receive()
+                give_up.cancel()  # A's Cancel leaves 0.5 s from now
+                f.inbox.post(Deliver(request_id=admit.request_id, frames=[b"\0" * 4], message=Result(
+                    request_id=admit.request_id, outputs=OUTPUTS, stages=[], total_ms=1.0)))
+                await anyio.sleep(0.1)  # the Result reached A
+                tg.start_soon(partial(b.submit, PARAMS, request_id="x"))
+                assert isinstance(await f.tracker.receive(), Admit)
+                await left.wait()
+                with pytest.raises(Rejection) as caught:
+                    await a.submit(PARAMS, request_id="x", timeout_s=5)
+                assert caught.value.reason == Reason.DUPLICATE  # its own answer: B's "x" is in flight
+                assert_empty(f.tracker)  # A's Cancel stopped nothing
+                tg.cancel_scope.cancel()

@@ -199,9 +199,8 @@ async def test_cancel_stops_the_request_and_frees_its_slots(start_cluster: Start
             tg.start_soon(submit)
             await anyio.to_thread.run_sync(wait_for, cluster, lambda s: s.requests_by_state.get("denoising") == 1)
             async with AsyncClient(endpoint) as stranger:  # knows the id, not the submitter's token
-                with pytest.raises(Rejection) as refused:
+                with pytest.raises(PermissionError, match="only its submitter may cancel it"):
                     await stranger.cancel("to-cancel")
-            assert refused.value.reason == Reason.INVALID and "only its submitter may" in refused.value.rejected.message
             assert await client.cancel("to-cancel") is True
             assert await client.cancel("never-existed") is False
     assert outcome == [Reason.CANCELLED]
