@@ -280,6 +280,13 @@ async def unequal_decoders(ctx: zmq.asyncio.Context, tmp_path: Path, *, policy: 
         yield pool
 
 
+async def left_waiting(pool: Pool, rid: str, priority: int = 0) -> None:
+    """Dispatch a LARGE job while decoder-2 is full: not placed, not sent back to the queue,
+    it waits in the pool, and admission gets its slot back for jobs decoder-1 can take."""
+    pool.inbox.post(Dispatch(job=job(rid, "decoder", nbytes=LARGE, priority=priority)))
+    assert await pool.admission.receive() == Credit(role="decoder", delta=1)
+
+
 @pytest.mark.parametrize("policy", ["round_robin", "least_loaded", "power_of_two"])
 async def test_a_job_goes_only_to_an_instance_whose_memory_can_hold_its_input(
     policy: str, ctx: zmq.asyncio.Context, tmp_path: Path
@@ -309,10 +316,7 @@ async def test_a_job_only_a_busy_instance_can_hold_waits_for_it_and_its_slot_ser
     with anyio.fail_after(5):
         async with unequal_decoders(ctx, tmp_path) as pool:
             assert await pool.dispatch("large1", LARGE) == "decoder-2"
-            pool.inbox.post(Dispatch(job=job("large2", "decoder", nbytes=LARGE)))
-            # Not placed, not sent back to the queue: it waits here, and admission gets its
-            # slot back for jobs the free decoder can take.
-            assert await pool.admission.receive() == Credit(role="decoder", delta=1)
+            await left_waiting(pool, "large2")
             stats = await pool.stats()
             assert stats.waiting == 1 and [i.slots_free for i in stats.instances] == [2, 0]
             assert_empty(pool.negotiator)
@@ -333,8 +337,7 @@ async def test_waiting_jobs_go_by_priority_then_age_and_a_forgotten_one_leaves(
         async with unequal_decoders(ctx, tmp_path) as pool:
             assert await pool.dispatch("busy", LARGE) == "decoder-2"
             for rid, priority in [("old", 0), ("gone", 9), ("young", 0), ("urgent", 5)]:
-                pool.inbox.post(Dispatch(job=job(rid, "decoder", nbytes=LARGE, priority=priority)))
-                assert await pool.admission.receive() == Credit(role="decoder", delta=1)
+                await left_waiting(pool, rid, priority)
             pool.inbox.post(Forget(request_id="gone"))
             assert await pool.negotiator.receive() == Forget(request_id="gone")
             for held, taker, priority in [("busy", "urgent", 5), ("urgent", "old", 0), ("old", "young", 0)]:
@@ -350,8 +353,7 @@ async def test_an_instance_trusted_again_serves_the_waiting_jobs_before_admissio
         async with unequal_decoders(ctx, tmp_path, large_capacity=3) as pool:
             pool.inbox.post(Suspect(instance="decoder-2", suspect=True))
             assert await pool.admission.receive() == Credit(role="decoder", delta=-3)
-            pool.inbox.post(Dispatch(job=job("large", "decoder", nbytes=LARGE)))
-            assert await pool.admission.receive() == Credit(role="decoder", delta=1)
+            await left_waiting(pool, "large")
             pool.inbox.post(Suspect(instance="decoder-2", suspect=False))
             assert await pool.placed("large", LARGE) == "decoder-2"
             assert await pool.admission.receive() == Credit(role="decoder", delta=2)  # what it has left
