@@ -42,6 +42,7 @@ from actors.mail import (
     Placed,
     PoolMail,
     QueryStats,
+    Queued,
     Release,
     RunEnded,
     Send,
@@ -147,6 +148,9 @@ class PoolActor:
                     # one here, and the slot goes back to admission for a job that fits it.
                     self._waiting[job.request_id] = job
                     self._admission.post(Credit(role=self.role, delta=1))
+                    if job.progress:
+                        self._tracker.post(Queued(request_id=job.request_id, role=self.role,
+                                                  position=self._waiting_before(job) + 1))
                 else:
                     # The slot admission counted on left with its worker: requeue the job
                     # first in line and give back the credit spent on it.
@@ -240,6 +244,11 @@ class PoolActor:
             if job.nbytes <= inst.fits and job.deadline > now and (chosen is None or job.priority > chosen.priority):
                 chosen = job
         return chosen
+
+    def _waiting_before(self, job: Job) -> int:
+        """How many waiting jobs go before ``job`` (the same order as ``_waiting_for``;
+        those that fit another worker than ``job``'s may go to that one instead)."""
+        return sum(1 for other in self._waiting.values() if other.priority >= job.priority) - 1
 
     def _serve_waiting(self, inst: Instance) -> None:
         """Give ``inst``'s free slots to the jobs waiting for a worker like it."""

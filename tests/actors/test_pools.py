@@ -29,6 +29,7 @@ from actors.mail import (
     Leave,
     Placed,
     PoolMail,
+    Queued,
     Release,
     RunEnded,
     Send,
@@ -280,10 +281,11 @@ async def unequal_decoders(ctx: zmq.asyncio.Context, tmp_path: Path, *, policy: 
         yield pool
 
 
-async def left_waiting(pool: Pool, rid: str, priority: int = 0) -> None:
+async def left_waiting(pool: Pool, rid: str, priority: int = 0, *, progress: bool = False) -> None:
     """Dispatch a LARGE job while decoder-2 is full: not placed, not sent back to the queue,
     it waits in the pool, and admission gets its slot back for jobs decoder-1 can take."""
-    pool.inbox.post(Dispatch(job=job(rid, "decoder", nbytes=LARGE, priority=priority)))
+    pool.inbox.post(Dispatch(job=msgspec.structs.replace(job(rid, "decoder", nbytes=LARGE, priority=priority),
+                                                         progress=progress)))
     assert await pool.admission.receive() == Credit(role="decoder", delta=1)
 
 
@@ -344,6 +346,20 @@ async def test_waiting_jobs_go_by_priority_then_age_and_a_forgotten_one_leaves(
                 pool.inbox.post(Release(request_id=held, instance="decoder-2", ok=True))
                 assert await pool.placed(taker, LARGE, priority=priority) == "decoder-2"
             assert (await pool.stats()).waiting == 0
+
+
+async def test_a_waiting_job_that_asked_for_progress_is_told_its_place_among_the_waiting(
+    ctx: zmq.asyncio.Context, tmp_path: Path
+) -> None:
+    with anyio.fail_after(5):
+        async with unequal_decoders(ctx, tmp_path) as pool:
+            assert await pool.dispatch("busy", LARGE) == "decoder-2"
+            await left_waiting(pool, "quiet")  # asked for no progress: nothing said
+            assert_empty(pool.tracker)
+            await left_waiting(pool, "watched", progress=True)
+            assert await pool.tracker.receive() == Queued(request_id="watched", role="decoder", position=2)
+            await left_waiting(pool, "urgent", priority=5, progress=True)
+            assert await pool.tracker.receive() == Queued(request_id="urgent", role="decoder", position=1)
 
 
 async def test_an_instance_trusted_again_serves_the_waiting_jobs_before_admission(
