@@ -227,7 +227,8 @@ class Client:
             # Nobody will take the answer. Even past the request's deadline the daemon may
             # not have ended it: a stalled daemon reads a submit late, its deadline counting
             # from then.
-            with contextlib.suppress(TimeoutError, ConnectionError, ValueError, zmq.ZMQError, Rejection):
+            # PermissionError: the id runs for another client by now, so nothing of ours is left there.
+            with contextlib.suppress(TimeoutError, ConnectionError, ValueError, zmq.ZMQError, Rejection, PermissionError):
                 self.cancel(rid, timeout_s=CANCEL_SEND_S)
             raise
         generation = answer_as(Generation, reply, self.endpoint)

@@ -364,6 +364,37 @@ def test_a_blocking_clients_timed_out_wait_cancels_its_request(tmp_path: Path, m
         ctx.term()
 
 
+def test_a_blocking_clients_cancel_refused_after_its_wait_ran_out_leaves_the_timeout(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """Its id is in flight for another client by the time its Cancel arrives (its own Submit
+    was refused as a duplicate): an audit found the refusal's PermissionError raised in place
+    of the TimeoutError the caller waited for."""
+    monkeypatch.setattr("orchestrator.client.GRACE_S", 0.05)
+    ctx = zmq.Context()
+    daemon = ctx.socket(zmq.ROUTER)
+    daemon.setsockopt(zmq.LINGER, 0)
+    endpoint = f"ipc://{tmp_path}/daemon"
+    daemon.bind(endpoint)
+
+    def refuse_the_cancel() -> None:
+        for _ in range(2):  # the Submit, left unanswered; then its Cancel
+            identity, _, body = daemon.recv_multipart()
+        rid = CLIENT_REQUEST.decode(body).request_id
+        daemon.send_multipart([identity, b"", encode(Cancelled(request_id=rid, found=False, refused=True))])
+
+    try:
+        with Client(endpoint, ctx=ctx) as client:
+            refuser = threading.Thread(target=refuse_the_cancel)
+            refuser.start()
+            with pytest.raises(TimeoutError):
+                client.submit(PARAMS, request_id="taken", timeout_s=0.2)
+            refuser.join(5)
+    finally:
+        daemon.close(linger=0)
+        ctx.term()
+
+
 @pytest.mark.parametrize("when", ["waiting", "sent"])
 def test_a_blocking_clients_interrupted_wait_cancels_its_request_and_leaves_it_usable(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, when: str
