@@ -50,6 +50,7 @@ from transfer.protocol import (
 PARAMS = GenParams(prompt="watched")
 
 FakeDaemon = tuple[zmq.asyncio.Socket, str]
+BlockingDaemon = tuple[zmq.Context, zmq.Socket, str]
 
 
 @pytest.fixture
@@ -62,6 +63,20 @@ def fake_daemon(ctx: zmq.asyncio.Context, tmp_path: Path) -> Iterator[FakeDaemon
     daemon.bind(endpoint)
     yield daemon, endpoint
     daemon.close(linger=0)
+
+
+@pytest.fixture
+def blocking_daemon(tmp_path: Path) -> Iterator[BlockingDaemon]:
+    """A plain ROUTER where the daemon's client socket would be, on a context of its own, for
+    the blocking clients (the test plays the daemon, from a thread where it must answer)."""
+    ctx = zmq.Context()
+    daemon = ctx.socket(zmq.ROUTER)
+    daemon.setsockopt(zmq.LINGER, 0)
+    endpoint = f"ipc://{tmp_path}/daemon"
+    daemon.bind(endpoint)
+    yield ctx, daemon, endpoint
+    daemon.close(linger=0)
+    ctx.term()
 
 
 async def senders(daemon: zmq.asyncio.Socket, count: int) -> dict[str, bytes]:
@@ -342,40 +357,28 @@ async def test_an_async_client_serves_only_the_event_loop_that_opened_it(tmp_pat
             await anyio.to_thread.run_sync(from_another_thread)
 
 
-def test_a_blocking_clients_timed_out_wait_cancels_its_request(tmp_path: Path, monkeypatch) -> None:
+def test_a_blocking_clients_timed_out_wait_cancels_its_request(blocking_daemon: BlockingDaemon, monkeypatch) -> None:
     """A daemon stalled past the client's patience reads the submit late, its deadline
     counting from then: the client's Cancel keeps it from working for nobody."""
     monkeypatch.setattr("orchestrator.client.GRACE_S", 0.05)
-    ctx = zmq.Context()
-    daemon = ctx.socket(zmq.ROUTER)
-    daemon.setsockopt(zmq.LINGER, 0)
-    endpoint = f"ipc://{tmp_path}/daemon"
-    daemon.bind(endpoint)
-    try:
-        with Client(endpoint, ctx=ctx) as client:
-            with pytest.raises(TimeoutError):
-                client.submit(PARAMS, request_id="stalled", timeout_s=0.2)
-            heard = []
-            while daemon.poll(1000):
-                heard.append(CLIENT_REQUEST.decode(daemon.recv_multipart()[2]))
-        assert [(type(m).__name__, m.request_id) for m in heard] == [("Submit", "stalled"), ("Cancel", "stalled")]
-    finally:
-        daemon.close(linger=0)
-        ctx.term()
+    ctx, daemon, endpoint = blocking_daemon
+    with Client(endpoint, ctx=ctx) as client:
+        with pytest.raises(TimeoutError):
+            client.submit(PARAMS, request_id="stalled", timeout_s=0.2)
+        heard = []
+        while daemon.poll(1000):
+            heard.append(CLIENT_REQUEST.decode(daemon.recv_multipart()[2]))
+    assert [(type(m).__name__, m.request_id) for m in heard] == [("Submit", "stalled"), ("Cancel", "stalled")]
 
 
 def test_a_blocking_clients_cancel_refused_after_its_wait_ran_out_leaves_the_timeout(
-    tmp_path: Path, monkeypatch
+    blocking_daemon: BlockingDaemon, monkeypatch
 ) -> None:
     """Its id is in flight for another client by the time its Cancel arrives (its own Submit
     was refused as a duplicate): an audit found the refusal's PermissionError raised in place
     of the TimeoutError the caller waited for."""
     monkeypatch.setattr("orchestrator.client.GRACE_S", 0.05)
-    ctx = zmq.Context()
-    daemon = ctx.socket(zmq.ROUTER)
-    daemon.setsockopt(zmq.LINGER, 0)
-    endpoint = f"ipc://{tmp_path}/daemon"
-    daemon.bind(endpoint)
+    ctx, daemon, endpoint = blocking_daemon
 
     def refuse_the_cancel() -> None:
         for _ in range(2):  # the Submit, left unanswered; then its Cancel
@@ -383,30 +386,22 @@ def test_a_blocking_clients_cancel_refused_after_its_wait_ran_out_leaves_the_tim
         rid = CLIENT_REQUEST.decode(body).request_id
         daemon.send_multipart([identity, b"", encode(Cancelled(request_id=rid, found=False, refused=True))])
 
-    try:
-        with Client(endpoint, ctx=ctx) as client:
-            refuser = threading.Thread(target=refuse_the_cancel)
-            refuser.start()
-            with pytest.raises(TimeoutError):
-                client.submit(PARAMS, request_id="taken", timeout_s=0.2)
-            refuser.join(5)
-    finally:
-        daemon.close(linger=0)
-        ctx.term()
+    with Client(endpoint, ctx=ctx) as client:
+        refuser = threading.Thread(target=refuse_the_cancel)
+        refuser.start()
+        with pytest.raises(TimeoutError):
+            client.submit(PARAMS, request_id="taken", timeout_s=0.2)
+        refuser.join(5)
 
 
 @pytest.mark.parametrize("when", ["waiting", "sent"])
 def test_a_blocking_clients_interrupted_wait_cancels_its_request_and_leaves_it_usable(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, when: str
+    blocking_daemon: BlockingDaemon, monkeypatch: pytest.MonkeyPatch, when: str
 ) -> None:
     """Ctrl-C while Client.submit waits, or just as its message left: the request is
     cancelled at the daemon, and the REQ socket, which had sent and not heard back, is
     replaced so the next call works."""
-    ctx = zmq.Context()
-    daemon = ctx.socket(zmq.ROUTER)
-    daemon.setsockopt(zmq.LINGER, 0)
-    endpoint = f"ipc://{tmp_path}/daemon"
-    daemon.bind(endpoint)
+    ctx, daemon, endpoint = blocking_daemon
     heard: list[Any] = []
 
     def fake_daemon() -> None:  # answers the Cancel, then the next Submit; never the first
@@ -452,8 +447,6 @@ def test_a_blocking_clients_interrupted_wait_cancels_its_request_and_leaves_it_u
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
-        daemon.close(linger=0)
-        ctx.term()
 
 
 async def test_an_async_client_used_outside_its_context_says_so() -> None:
@@ -749,14 +742,10 @@ async def test_progress_for_a_request_given_up_on_while_its_cancel_waits_harms_n
             assert (await client.submit(PARAMS, request_id="kept", timeout_s=5)).result.total_ms == 3.0
 
 
-def test_an_answer_of_the_wrong_kind_is_a_clear_error_in_every_client(tmp_path: Path) -> None:
+def test_an_answer_of_the_wrong_kind_is_a_clear_error_in_every_client(blocking_daemon: BlockingDaemon) -> None:
     """A peer that answers a request with another message (no Triptych daemon, or one with a
     bug): a ValueError naming what came, not an assertion (gone under ``python -O``)."""
-    ctx = zmq.Context()
-    daemon = ctx.socket(zmq.ROUTER)
-    daemon.setsockopt(zmq.LINGER, 0)
-    endpoint = f"ipc://{tmp_path}/odd"
-    daemon.bind(endpoint)
+    ctx, daemon, endpoint = blocking_daemon
     answers = [Progress(request_id="mine", state="encoding", elapsed_ms=0.0),
                Result(request_id="someone-else", outputs=[], stages=[], total_ms=1.0),
                Workers(instances=[])]
@@ -769,28 +758,20 @@ def test_an_answer_of_the_wrong_kind_is_a_clear_error_in_every_client(tmp_path: 
 
     thread = threading.Thread(target=answer_wrongly, daemon=True)
     thread.start()
-    try:
-        with Client(endpoint, ctx=ctx) as client:
-            with pytest.raises(ValueError, match=f"^{endpoint} answered with Progress where Generation was due"):
-                client.submit(PARAMS, request_id="mine", timeout_s=5)
-            with pytest.raises(ValueError, match="answered request 'mine' with the Result of 'someone-else'"):
-                client.submit(PARAMS, request_id="mine", timeout_s=5)
-        with pytest.raises(ValueError, match="answered with Workers where Stats was due"):
-            Control(endpoint, ctx=ctx).stats()
-        thread.join(timeout=10)
-    finally:
-        daemon.close(linger=0)
-        ctx.term()
+    with Client(endpoint, ctx=ctx) as client:
+        with pytest.raises(ValueError, match=f"^{endpoint} answered with Progress where Generation was due"):
+            client.submit(PARAMS, request_id="mine", timeout_s=5)
+        with pytest.raises(ValueError, match="answered request 'mine' with the Result of 'someone-else'"):
+            client.submit(PARAMS, request_id="mine", timeout_s=5)
+    with pytest.raises(ValueError, match="answered with Workers where Stats was due"):
+        Control(endpoint, ctx=ctx).stats()
+    thread.join(timeout=10)
 
 
-def test_a_blocking_client_pointed_at_another_socket_says_so(tmp_path: Path) -> None:
+def test_a_blocking_client_pointed_at_another_socket_says_so(blocking_daemon: BlockingDaemon) -> None:
     """An answer that is no client reply (a worker socket's refusal, say): a ValueError naming
     the endpoint, not msgspec's words about a field."""
-    ctx = zmq.Context()
-    daemon = ctx.socket(zmq.ROUTER)
-    daemon.setsockopt(zmq.LINGER, 0)
-    endpoint = f"ipc://{tmp_path}/worker"
-    daemon.bind(endpoint)
+    ctx, daemon, endpoint = blocking_daemon
 
     def answer_everything_wrongly() -> None:
         while daemon.poll(2000):
@@ -799,12 +780,8 @@ def test_a_blocking_client_pointed_at_another_socket_says_so(tmp_path: Path) -> 
 
     thread = threading.Thread(target=answer_everything_wrongly, daemon=True)
     thread.start()
-    try:
-        with Client(endpoint, ctx=ctx) as client:
-            with pytest.raises(ValueError, match=f"^{endpoint} is not a Triptych client socket: its answer is "
-                                                 "unreadable"):
-                client.submit(PARAMS, timeout_s=5)
-        thread.join(timeout=10)
-    finally:
-        daemon.close(linger=0)
-        ctx.term()
+    with Client(endpoint, ctx=ctx) as client:
+        with pytest.raises(ValueError, match=f"^{endpoint} is not a Triptych client socket: its answer is "
+                                             "unreadable"):
+            client.submit(PARAMS, timeout_s=5)
+    thread.join(timeout=10)
