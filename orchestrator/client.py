@@ -1,5 +1,6 @@
-"""Clients: ``Client`` (REQ, blocking) and ``AsyncClient`` (DEALER, many requests in flight).
-``Control``, for the control socket, is in ``orchestrator.control_client``.
+"""Clients: ``Client`` (REQ, blocking) and ``AsyncClient`` (DEALER, many requests in flight,
+in ``orchestrator.async_client``). ``Control``, for the control socket, is in
+``orchestrator.control_client``.
 
 Every wait has a deadline. A request that fails raises ``Rejection`` carrying the typed
 ``Rejected`` (reason code and message); one that gets no answer in time raises
@@ -8,181 +9,29 @@ Every wait has a deadline. A request that fails raises ``Rejection`` carrying th
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import functools
-import hashlib
-import hmac
-import inspect
-import math
-import secrets
-import threading
 import time
 import uuid
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-import anyio
-import msgspec
-import structlog
 import zmq
-import zmq.asyncio
 
-from orchestrator.connection_watch import ConnectionWatch, closed_why
+from orchestrator.async_client import AsyncClient
+from orchestrator.client_wire import (
+    CANCEL_SEND_S,
+    CancelTokens,
+    Generation,
+    Reply,
+    cancel_found,
+    read_reply,
+    submit_body,
+    wait_s,
+)
+from orchestrator.connection_watch import ConnectionWatch
 from orchestrator.deadlines import checked_s, poll_ms
 from orchestrator.rejection import Rejection, answer_as
-from transfer.protocol import (
-    CLIENT_REPLY,
-    CLIENT_REQUEST,
-    DECODE_ERRORS,
-    PROTOCOL_VERSION,
-    Cancel,
-    Cancelled,
-    GenParams,
-    Progress,
-    Reason,
-    Rejected,
-    Result,
-    Submit,
-    encode,
-)
-from transfer.specs import check_frames
+from transfer.protocol import Cancelled, GenParams
 
-if TYPE_CHECKING:
-    import torch
-
-log = structlog.get_logger()
-
-# How long past the request's own deadline a client waits for the daemon's answer.
-GRACE_S = 5.0
-DEFAULT_TIMEOUT_S = 120.0
-# How long the Cancel of a request given up on (a wait interrupted, timed out or abandoned,
-# or a client closed under it) may take to leave.
-CANCEL_SEND_S = 1.0
-
-
-@dataclass(frozen=True)
-class Generation:
-    """A finished request: its header and its outputs, as received."""
-
-    result: Result
-    frames: list[bytearray]  # each ``result.outputs`` tensor's bytes, in that order, checked against it
-
-    @functools.cached_property
-    def outputs(self) -> dict[str, torch.Tensor]:
-        """The output tensors by name, over the frames' memory. Torch is imported here, on
-        first use: a caller that only writes the bytes out, as ``triptych submit`` does,
-        starts without it (~2 s)."""
-        from transfer.frames import from_frames
-
-        return from_frames(self.result.outputs, self.frames)
-
-
-@dataclass(frozen=True, slots=True)
-class Lost:
-    """No answer can come to a waiting request (``ConnectionWatch.problem`` says why)."""
-
-    why: str
-
-
-Reply = Generation | Rejected | Cancelled | Progress  # what the client socket brings, decoded
-
-
-class CancelTokens:
-    """Each request's ``cancel_token``, derived from a secret of one client object and the
-    request's id: its ``Cancel``s carry it from whichever socket (the blocking client cancels
-    on a fresh one), and nobody without the secret can stop its requests."""
-
-    def __init__(self) -> None:
-        self._secret = secrets.token_bytes(16)
-
-    def of(self, request_id: str) -> str:
-        # surrogatepass: an id that is no text is refused when its Submit is encoded, not here.
-        return hmac.new(self._secret, request_id.encode("utf-8", "surrogatepass"), hashlib.sha256).hexdigest()[:32]
-
-    def cancel_frame(self, request_id: str) -> bytes:
-        return encode(Cancel(protocol=PROTOCOL_VERSION, request_id=request_id, cancel_token=self.of(request_id)))
-
-
-def _submit_body(params: GenParams, request_id: str, timeout_s: float | None, priority: int, tokens: CancelTokens,
-                 progress: bool = False) -> bytes:
-    """The encoded ``Submit``, checked as the daemon will check it: a bad field raises
-    ``Rejection(invalid)`` here, at once. (A field far out of bounds, a prompt of megabytes,
-    would otherwise be cut off unread at the daemon's size limit, and get no answer.)
-
-    The request carries the deadline the client waits for (``DEFAULT_TIMEOUT_S`` when the
-    caller names none), so the daemon never works on past the caller's patience.
-    """
-    try:
-        # Encoding fails first for an int msgpack cannot carry (a seed past 2**64).
-        body = encode(Submit(protocol=PROTOCOL_VERSION, params=params, request_id=request_id,
-                             timeout_s=_or_default(timeout_s), priority=priority, progress=progress,
-                             cancel_token=tokens.of(request_id)))
-        CLIENT_REQUEST.decode(body)
-    except (msgspec.ValidationError, OverflowError, TypeError, UnicodeEncodeError) as exc:
-        # TypeError: a value msgpack has no form for (a numpy integer, say); UnicodeEncodeError:
-        # a string that is no text (a lone surrogate).
-        raise Rejection(Rejected(request_id=request_id, reason=Reason.INVALID, message=f"not sent: {exc}")) from None
-    return body
-
-
-def _found(ack: Cancelled) -> bool:
-    """Whether ``ack``'s Cancel found its request; ``PermissionError`` if the daemon refused it."""
-    if ack.refused:
-        raise PermissionError(f"request {ack.request_id!r} was submitted by another client: only its submitter "
-                              "may cancel it")
-    return ack.found
-
-
-async def _cancel_at_daemon(sock: zmq.asyncio.Socket, request_ids: list[str], tokens: CancelTokens) -> int:
-    """Send a ``Cancel`` for each of ``request_ids`` given up on, whatever cancels the caller,
-    within ``CANCEL_SEND_S``; how many left. Nothing awaits the answers."""
-    sent = 0
-    with anyio.CancelScope(shield=True), anyio.move_on_after(CANCEL_SEND_S):
-        for rid in request_ids:
-            try:
-                await sock.send_multipart([b"", tokens.cancel_frame(rid)])
-            except asyncio.CancelledError:
-                # Closing the client closes the socket, which cancels a send still waiting:
-                # the end of these Cancels, not a cancellation of the caller's task.
-                if not sock.closed:
-                    raise
-                break
-            sent += 1
-    return sent
-
-
-def _decode_reply(parts: list[bytes]) -> Reply:
-    """The reply (an unreadable header raises ``msgspec.DecodeError``). A ``Result`` whose
-    frames are not its tensors is a ``Rejected`` for its own request."""
-    if not parts:
-        raise msgspec.DecodeError("a reply of no frames")
-    header = CLIENT_REPLY.decode(parts[0])
-    if isinstance(header, Result):
-        try:
-            check_frames(header.outputs, parts[1:])
-            return Generation(header, [bytearray(part) for part in parts[1:]])  # writable, for torch
-        except ValueError as exc:
-            return Rejected(request_id=header.request_id, reason=Reason.INVALID, message=f"unreadable Result: {exc}")
-    return header
-
-
-def _read_reply(frames: list[bytes], endpoint: str) -> Reply:
-    """The reply in ``frames``; ``ValueError`` if they are none."""
-    try:
-        return _decode_reply(frames)
-    except DECODE_ERRORS as exc:
-        raise ValueError(f"{endpoint} is not a Triptych client socket: its answer is unreadable ({exc})") from None
-
-
-def _or_default(timeout_s: float | None) -> float:
-    # Not ``timeout_s or ...``: a 0 must be refused as the bad value it is, not read as "none".
-    return DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
-
-
-def _wait_s(timeout_s: float | None) -> float:
-    return _or_default(timeout_s) + GRACE_S
+__all__ = ["AsyncClient", "Client", "Generation", "Rejection", "Reply"]
 
 
 class Client:
@@ -220,9 +69,9 @@ class Client:
         (Ctrl-C), cancels the request at the daemon, taking up to 1 s more; the client stays
         usable after any of them."""
         rid = request_id or uuid.uuid4().hex  # known here, so an interrupted wait can cancel it
-        body = _submit_body(params, rid, timeout_s, priority, self._tokens)
+        body = submit_body(params, rid, timeout_s, priority, self._tokens)
         try:
-            reply = self._request([body], _wait_s(timeout_s))
+            reply = self._request([body], wait_s(timeout_s))
         except BaseException:
             # Nobody will take the answer. Even past the request's deadline the daemon may
             # not have ended it: a stalled daemon reads a submit late, its deadline counting
@@ -241,7 +90,7 @@ class Client:
         """Cancel ``request_id``, submitted by this client (or by one that set no cancel
         token); whether it was still there to cancel. Raises ``PermissionError`` for a
         request another client submitted."""
-        return _found(answer_as(Cancelled, self._request([self._tokens.cancel_frame(request_id)], timeout_s),
+        return cancel_found(answer_as(Cancelled, self._request([self._tokens.cancel_frame(request_id)], timeout_s),
                                 self.endpoint))
 
     def _request(self, parts: list[bytes], timeout_s: float) -> Reply:
@@ -260,7 +109,7 @@ class Client:
         except BaseException:
             self._reset()
             raise
-        return _read_reply(frames, self.endpoint)
+        return read_reply(frames, self.endpoint)
 
     def _wait(self, sent_at: float, deadline: float, closes: int) -> bool:
         """Wait for the reply until ``deadline``; ``ConnectionError`` as soon as none can come."""
@@ -295,377 +144,3 @@ class Client:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-# What hears a request's progress: a function, or a coroutine function (awaited, say to
-# stream the progress to a web client).
-OnProgress = Callable[[Progress], None | Awaitable[None]]
-
-# Progress messages waiting for a slow ``on_progress``; past it, the newest ones are dropped
-# (progress is advisory). The answer never waits behind them (``AsyncClient._answers``).
-PROGRESS_BACKLOG = 16
-# How often an AsyncClient with no daemon connected looks for requests that waited NO_DAEMON_S.
-WATCH_S = 0.25
-
-
-class AsyncClient:
-    """DEALER client: any number of requests in flight, answered in any order. A request whose
-    ``submit`` is cancelled (the caller gave up), or still waits when the client is closed,
-    is cancelled at the daemon too. ``submit``'s ``on_progress`` (a function or a coroutine
-    function) gets the request's ``Progress`` messages, called (and awaited) in the task
-    awaiting ``submit``; if it raises, the request is cancelled at the daemon and ``submit``
-    raises that. Once the answer is in, progress still queued is skipped: a slow listener
-    delays the answer by at most the call under way, and a deadline that runs out in it
-    after the answer came returns the answer.
-
-    Use as ``async with AsyncClient(endpoint) as client: await client.submit(...)``, opened
-    and closed in one task: its reader runs in an anyio task group, which belongs to the
-    task that opened it (in a web app, open it in the lifespan context, not in separate
-    startup and shutdown hooks), and serves that task's event loop only (one per thread
-    that runs a loop). A closed client cannot be opened again.
-    """
-
-    def __init__(self, endpoint: str) -> None:
-        self.endpoint = endpoint
-        self._tokens = CancelTokens()
-        self._ctx: zmq.asyncio.Context | None = None  # from opening to closing
-        self._sock: zmq.asyncio.Socket | None = None
-        self._watch: ConnectionWatch | None = None
-        self._waiting: dict[str, anyio.abc.ObjectSendStream[Progress]] = {}  # requests waiting, their progress
-        self._answers: dict[str, Generation | Rejected | Lost] = {}  # taken ahead of any progress queued
-        # Waiting requests: when sent, and on which socket (``_generation``).
-        self._sent: dict[str, tuple[float, int]] = {}
-        # The socket's number: a new one replaces it when its connection closes (_replace_socket).
-        self._generation = 0
-        # Sends under way: a DEALER queues SNDHWM messages (1,000) for a daemon that is not
-        # there, and past that a send waits. A request failed meanwhile, or a client closed,
-        # stops its send.
-        self._sending: dict[str, anyio.CancelScope] = {}
-        # Requests given up on, by id: until when an answer may still come (it must not reach
-        # a new request that reuses the id), and for how long to hold it. Each is held until
-        # its end comes, the daemon answers its latest Cancel with found=False (its end came
-        # first, or its Submit never got there), or its socket is replaced; else for its wait
-        # once more, counted, for one sent while no daemon was connected, from when one is
-        # (that Submit waits in ZMQ's queue for the next daemon, and leaves first).
-        self._abandoned: dict[str, tuple[float, float]] = {}
-        self._cancels_out: dict[str, int] = {}  # given-up ids' Cancels not yet answered, by id
-        self._active: set[str] = set()  # ids whose submit runs, answered or not
-        self._tg: anyio.abc.TaskGroup | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._cancelling: set[zmq.asyncio.Socket] = set()  # cancel()'s own sockets, while in use
-
-    async def __aenter__(self) -> AsyncClient:
-        if self._ctx is not None:
-            raise RuntimeError("this AsyncClient was opened before: make a new one")
-        self._loop = asyncio.get_running_loop()
-        self._ctx = zmq.asyncio.Context()
-        try:
-            self._sock, self._watch = self._connect()  # a malformed endpoint raises here
-            self._tg = anyio.create_task_group()
-            await self._tg.__aenter__()
-        except BaseException:
-            self._ctx.destroy(linger=0)
-            raise
-        self._tg.start_soon(self._read)
-        self._tg.start_soon(self._watch_connection)
-        return self
-
-    def _connect(self) -> tuple[zmq.asyncio.Socket, ConnectionWatch]:
-        assert self._ctx is not None
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        watch = ConnectionWatch(sock)
-        try:
-            sock.connect(self.endpoint)
-        except BaseException:
-            watch.close()
-            sock.close(linger=0)
-            raise
-        return sock, watch
-
-    async def __aexit__(self, *exc: object) -> None:
-        assert self._tg is not None and self._ctx is not None and self._sock is not None
-        self._tg.cancel_scope.cancel()
-        await self._tg.__aexit__(None, None, None)
-        assert self._watch is not None
-        self._watch.close()
-        sock, self._sock = self._sock, None
-        for sending in self._sending.values():
-            sending.cancel()
-        # A request still waiting would be answered to nobody: cancel it at the daemon too
-        # (one whose send is still waiting was never sent: it has nothing to cancel).
-        await _cancel_at_daemon(sock, [rid for rid in self._waiting if rid not in self._sending], self._tokens)
-        for waiter in self._waiting.values():
-            waiter.close()  # a submit still waiting raises ConnectionError now, not at its deadline
-        # The Cancels (these, and those of requests given up on) get CANCEL_SEND_S to leave,
-        # on a thread of its own: the context's end waits for them while the daemon is
-        # unreachable, and this loop must not. A cancel() under way fails at once.
-        sock.close(linger=round(CANCEL_SEND_S * 1000))
-        for side in self._cancelling:
-            side.close(linger=0)
-        threading.Thread(target=self._ctx.term, name="triptych-client-close", daemon=True).start()
-
-    def _open(self) -> zmq.asyncio.Socket:
-        if self._sock is None:
-            raise RuntimeError("use the client inside `async with AsyncClient(endpoint) as client:`")
-        if asyncio.get_running_loop() is not self._loop:
-            # Its reader runs on that loop: answers would never reach a wait on another.
-            raise RuntimeError("an AsyncClient serves the event loop (thread) that opened it: open one per loop")
-        return self._sock
-
-    async def _read(self) -> None:
-        while True:
-            sock = self._sock
-            assert sock is not None
-            try:
-                parts = await sock.recv_multipart()
-            except asyncio.CancelledError:
-                if sock.closed and sock is not self._sock:
-                    continue  # replaced (its close cancels this receive): read the new one
-                raise
-            try:
-                if not parts or parts[0]:
-                    raise msgspec.DecodeError("a reply without the empty delimiter frame first")
-                reply = _decode_reply(parts[1:])
-            except DECODE_ERRORS as exc:
-                # No request can be told of it; the others in flight carry on.
-                log.warning("client.unreadable_reply", endpoint=self.endpoint, error=str(exc))
-                continue
-            if isinstance(reply, Progress):
-                waiter = self._waiting.get(reply.request_id)
-                if waiter is not None and waiter.statistics().current_buffer_used < PROGRESS_BACKLOG:
-                    # Its submit may have given up, its listener gone, while the Cancel leaves.
-                    with contextlib.suppress(anyio.BrokenResourceError):
-                        waiter.send_nowait(reply)
-                continue
-            if isinstance(reply, Cancelled):
-                # The ack of an abandoned request's Cancel (cancel() reads its own). The daemon
-                # reads a connection in order, so what the latest Cancel of an id found
-                # nothing of will send no more (an earlier one's may be about an earlier
-                # request under the id).
-                if not self._uncount_cancel(reply.request_id) and not reply.found:
-                    self._abandoned.pop(reply.request_id, None)
-                continue
-            rid = reply.result.request_id if isinstance(reply, Generation) else reply.request_id
-            if self._abandoned.pop(rid, None) is None:  # else the end of a request given up on
-                self._answer(rid, reply)
-
-    def _answer(self, rid: str, answer: Generation | Rejected | Lost) -> None:
-        """End ``rid``'s wait with ``answer``, if it waits."""
-        waiter = self._waiting.pop(rid, None)
-        if waiter is not None:
-            self._answers[rid] = answer
-            waiter.close()  # wakes a wait on an empty queue
-            if (sending := self._sending.get(rid)) is not None:
-                sending.cancel()
-
-    async def _watch_connection(self) -> None:
-        """Fail the waiting requests that can get no answer, at once: when their connection
-        closes, or when no daemon has taken one for ``NO_DAEMON_S``."""
-        while True:
-            watch = self._watch
-            assert watch is not None
-            # Unconnected, it looks again every WATCH_S: a request sent since may come due.
-            with anyio.move_on_after(math.inf if watch.connected else WATCH_S):
-                watch.heard(await watch.monitor.recv_multipart())
-                if watch.connected:
-                    self._count_holds_from_now()
-            if watch.closes:
-                await self._read_what_came()
-                await self._replace_socket()
-                continue
-            lost = {rid: why for rid, (sent_at, _) in self._sent.items()
-                    if (why := watch.no_daemon(sent_at, self.endpoint)) is not None}
-            if lost:
-                await self._read_what_came()
-                for rid, why in lost.items():
-                    self._answer(rid, Lost(why))
-
-    async def _replace_socket(self) -> None:
-        """The connection closed. The daemon answers a request only on the connection it came
-        by, and ZMQ would hand what this socket still queues (a Submit sent as it closed) to
-        the next connection: a new socket starts clean. Nothing sent on the old one can get
-        an answer now, so its requests fail and the ids given up on are free."""
-        old, old_watch = self._sock, self._watch
-        assert old is not None and old_watch is not None
-        with contextlib.suppress(zmq.ZMQError):
-            old.disconnect(self.endpoint)  # no reconnecting: its queue goes (LINGER 0)
-        self._sock, self._watch = self._connect()
-        self._generation += 1
-        for rid in [rid for rid, (_, generation) in self._sent.items() if generation < self._generation]:
-            self._answer(rid, Lost(closed_why(self.endpoint)))
-        self._abandoned.clear()
-        self._cancels_out.clear()  # their answers would have come on the old connection
-        try:
-            await anyio.lowlevel.checkpoint()  # the sends those losses stopped end before the socket does
-        finally:  # the client closing meanwhile included
-            old_watch.close()
-            old.close(linger=0)
-
-    async def _read_what_came(self) -> None:
-        """Let the reader take the replies that came before a connection closed (a daemon
-        that answered, then stopped): they are answers, not losses."""
-        assert self._sock is not None
-        with anyio.move_on_after(1.0):
-            while True:
-                # Time for the reader: a reply ZMQ has handed to its pending receive is no
-                # longer on the socket, but not yet an answer either. (``get``, not
-                # ``getsockopt``: pyzmq's asyncio socket must see the edge it consumes.)
-                await anyio.sleep(0.01)
-                if not self._sock.get(zmq.EVENTS) & zmq.POLLIN:
-                    return
-
-    async def _request(self, rid: str, body: bytes, wait_s: float,
-                       on_progress: OnProgress | None = None) -> Generation | Rejected:
-        sock = self._open()
-        assert self._watch is not None
-        if rid in self._active or self._abandoned.get(rid, (-math.inf, 0.0))[0] > time.monotonic():
-            raise ValueError(f"request id {rid!r} is in use on this client (in flight, or given up and not ended)")
-        self._abandoned.pop(rid, None)  # held long enough: no answer can still come
-        self._active.add(rid)
-        tx, rx = anyio.create_memory_object_stream[Progress](PROGRESS_BACKLOG)
-        self._waiting[rid] = tx
-        sent = False
-        try:
-            with rx:
-                try:
-                    with anyio.fail_after(wait_s):
-                        self._sent[rid] = time.monotonic(), self._generation
-                        queued = sock.send_multipart([b"", body])
-                        sending = self._sending[rid] = anyio.CancelScope()
-                        try:
-                            with sending:
-                                await queued
-                        finally:
-                            del self._sending[rid]
-                            # From the send itself, not from the await's return: a
-                            # cancellation can land after ZMQ took the message.
-                            sent = queued.done() and not queued.cancelled() and queued.exception() is None
-                        answer = await self._answer_to(rid, rx, on_progress)
-                except TimeoutError:
-                    # The deadline ran out in a slow on_progress after the answer came: it stands.
-                    if (answer := self._answers.pop(rid, None)) is None:
-                        raise
-            if isinstance(answer, Lost):
-                raise ConnectionError(answer.why)
-            return answer
-        except anyio.EndOfStream:
-            raise ConnectionError(f"the client of {self.endpoint} was closed while {rid!r} waited") from None
-        except BaseException as exc:
-            # The caller gave up on the request (cancelled, its on_progress raised, or the
-            # wait ran out): so should the daemon, rather than keep GPUs busy on work nobody
-            # awaits. Its answers, the ack included, are dropped when they come. (One never
-            # sent has nothing to cancel and no answer to come; one whose end came, while
-            # its on_progress still ran, has ended at the daemon: its id is free at once. A
-            # closed socket's client is gone, and the daemon's deadline ends the request.)
-            # One sent on a socket since replaced can get no answer, and needs no Cancel: a
-            # daemon that lives on ends it when its answer finds the connection gone (a
-            # Cancel by the new connection would also refuse a retry under its id, as a
-            # Cancel that overtook its Submit).
-            if (sent and not isinstance(self._answers.get(rid), (Generation, Rejected))
-                    and self._sent[rid][1] == self._generation):
-                # Queued: no daemon has taken a connection yet, so its Submit waits for one.
-                self._abandon(rid, wait_s, queued=not self._watch.connected)
-                if not sock.closed:
-                    # Counted before it leaves (its answer can come before this task runs
-                    # again), and uncounted if it does not: none will answer it.
-                    self._cancels_out[rid] = self._cancels_out.get(rid, 0) + 1
-                    if not await _cancel_at_daemon(sock, [rid], self._tokens):
-                        self._uncount_cancel(rid)
-            if isinstance(exc, TimeoutError):
-                raise TimeoutError(f"no reply from {self.endpoint} for {rid!r} within {wait_s:.1f}s (its deadline "
-                                   f"and {GRACE_S:g} s of grace)") from None
-            raise
-        finally:
-            self._active.discard(rid)
-            self._sent.pop(rid, None)
-            self._answers.pop(rid, None)
-            leftover = self._waiting.pop(rid, None)
-            if leftover is not None:
-                leftover.close()
-
-    def _abandon(self, rid: str, hold_s: float, *, queued: bool) -> None:
-        now = time.monotonic()
-        for old in [old for old, (until, _) in self._abandoned.items() if until <= now]:
-            del self._abandoned[old]
-            self._cancels_out.pop(old, None)
-        self._abandoned[rid] = (math.inf if queued else now + hold_s), hold_s
-
-    def _uncount_cancel(self, rid: str) -> int:
-        """One Cancel of ``rid`` fewer out; how many are left."""
-        owed = self._cancels_out.pop(rid, 0) - 1
-        if owed > 0:
-            self._cancels_out[rid] = owed
-        return max(owed, 0)
-
-    def _count_holds_from_now(self) -> None:
-        """A daemon took the connection: what waited in ZMQ's queue for one leaves first, so
-        the holds of requests sent meanwhile count from now."""
-        now = time.monotonic()
-        for rid, (until, hold_s) in self._abandoned.items():
-            if until == math.inf:
-                self._abandoned[rid] = now + hold_s, hold_s
-
-    async def _answer_to(self, rid: str, rx: anyio.abc.ObjectReceiveStream[Progress],
-                         on_progress: OnProgress | None) -> Generation | Rejected | Lost:
-        """Hand ``rid``'s progress to ``on_progress``, in order, until its answer is in; the
-        answer does not wait for progress still queued. ``EndOfStream``: the client closed."""
-        while (answer := self._answers.pop(rid, None)) is None:
-            try:
-                progress = await rx.receive()
-            except anyio.EndOfStream:
-                if rid in self._answers:
-                    continue
-                raise
-            if on_progress is not None and inspect.isawaitable(heard := on_progress(progress)):
-                await heard
-        return answer
-
-    async def submit(self, params: GenParams, *, request_id: str = "", timeout_s: float | None = None,
-                     priority: int = 0, on_progress: OnProgress | None = None) -> Generation:
-        """Generate; raises ``Rejection``, ``TimeoutError`` (the wait ran out: the request is
-        cancelled at the daemon), ``ValueError`` for an id in use on this client (its submit
-        runs, or it was given up on and an answer may still come: until its end comes, its
-        latest Cancel finds nothing or its connection closes (the client then starts a new
-        socket, which nothing sent on the old one reaches), else for its wait once more;
-        one sent where no daemon listened waits in ZMQ's queue for the next daemon), or
-        ``ConnectionError`` if the client is closed while the request waits or no answer can
-        come (no daemon took a connection within 3 s: the request is cancelled at the daemon
-        should it get there; or the connection closed: a daemon that lives on ends it when
-        its answer finds the connection gone)."""
-        # The client picks the id so it can match the answer among many in flight.
-        rid = request_id or uuid.uuid4().hex
-        body = _submit_body(params, rid, timeout_s, priority, self._tokens, progress=on_progress is not None)
-        return answer_as(Generation, await self._request(rid, body, _wait_s(timeout_s), on_progress), self.endpoint)
-
-    async def cancel(self, request_id: str, *, timeout_s: float = 10.0) -> bool:
-        """Cancel ``request_id`` at the daemon, submitted by this client (or by one that set no
-        cancel token); whether it was still there to cancel. Raises ``PermissionError`` for a
-        request another client submitted, ``TimeoutError`` if the daemon does not answer
-        within ``timeout_s``, or ``ConnectionError`` if the client is closed meanwhile."""
-        # The Cancelled ack and the request's own Rejected share the id; acks go by a
-        # separate DEALER so the two answers cannot be confused.
-        checked_s(timeout_s)
-        self._open()
-        assert self._ctx is not None
-        sock = self._ctx.socket(zmq.DEALER)
-        self._cancelling.add(sock)
-        try:
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(self.endpoint)
-            await sock.send_multipart([b"", self._tokens.cancel_frame(request_id)])
-            with anyio.fail_after(timeout_s):
-                parts = await sock.recv_multipart()
-        except asyncio.CancelledError:
-            # Closing the client closes this socket, which cancels the wait on it: that is
-            # no cancellation of the caller's task, and must not read as one.
-            task = asyncio.current_task()
-            if sock.closed and task is not None and not task.cancelling():
-                raise ConnectionError(f"the client of {self.endpoint} was closed while cancelling {request_id!r}") \
-                    from None
-            raise
-        finally:
-            self._cancelling.discard(sock)
-            sock.close(linger=0)
-        frames = parts[1:] if parts[:1] == [b""] else []  # a DEALER's: the empty delimiter first
-        return _found(answer_as(Cancelled, _read_reply(frames, self.endpoint), self.endpoint))

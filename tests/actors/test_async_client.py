@@ -20,16 +20,9 @@ import pytest
 import zmq
 import zmq.asyncio
 
-import orchestrator.client
-from orchestrator.client import (
-    CANCEL_SEND_S,
-    DEFAULT_TIMEOUT_S,
-    AsyncClient,
-    CancelTokens,
-    Client,
-    Generation,
-    Rejection,
-)
+import orchestrator.async_client
+from orchestrator.client import AsyncClient, Client, Generation, Rejection
+from orchestrator.client_wire import CANCEL_SEND_S, DEFAULT_TIMEOUT_S, CancelTokens
 from orchestrator.control_client import Control
 from transfer.protocol import (
     CLIENT_REQUEST,
@@ -360,7 +353,7 @@ async def test_an_async_client_serves_only_the_event_loop_that_opened_it(tmp_pat
 def test_a_blocking_clients_timed_out_wait_cancels_its_request(blocking_daemon: BlockingDaemon, monkeypatch) -> None:
     """A daemon stalled past the client's patience reads the submit late, its deadline
     counting from then: the client's Cancel keeps it from working for nobody."""
-    monkeypatch.setattr("orchestrator.client.GRACE_S", 0.05)
+    monkeypatch.setattr("orchestrator.client_wire.GRACE_S", 0.05)
     ctx, daemon, endpoint = blocking_daemon
     with Client(endpoint, ctx=ctx) as client:
         with pytest.raises(TimeoutError):
@@ -377,7 +370,7 @@ def test_a_blocking_clients_cancel_refused_after_its_wait_ran_out_leaves_the_tim
     """Its id is in flight for another client by the time its Cancel arrives (its own Submit
     was refused as a duplicate): an audit found the refusal's PermissionError raised in place
     of the TimeoutError the caller waited for."""
-    monkeypatch.setattr("orchestrator.client.GRACE_S", 0.05)
+    monkeypatch.setattr("orchestrator.client_wire.GRACE_S", 0.05)
     ctx, daemon, endpoint = blocking_daemon
 
     def refuse_the_cancel() -> None:
@@ -503,7 +496,7 @@ async def test_a_slow_progress_listener_never_costs_the_answer(
     """It hears progress in order until the answer is in, then no more: the answer waits for
     the call under way only; and a deadline that runs out in that call returns the answer,
     not a TimeoutError."""
-    monkeypatch.setattr("orchestrator.client.GRACE_S", 0.0)
+    monkeypatch.setattr("orchestrator.client_wire.GRACE_S", 0.0)
     daemon, endpoint = fake_daemon
 
     async def run(*, busy_s: float, timeout_s: float) -> list[int]:
@@ -611,7 +604,7 @@ async def test_an_id_given_up_on_just_after_opening_is_held_for_its_wait_only(
 ) -> None:
     """Sent before the client heard the daemon take its connection, but given up on after:
     its Submit left, so its hold is its wait once more, not until another daemon comes."""
-    monkeypatch.setattr("orchestrator.client.GRACE_S", 0.05)
+    monkeypatch.setattr("orchestrator.client_wire.GRACE_S", 0.05)
     daemon, endpoint = fake_daemon
     with anyio.fail_after(10):
         async with AsyncClient(endpoint) as client:
@@ -637,14 +630,14 @@ async def test_a_cancel_that_never_left_is_not_counted_among_those_to_answer(
     """(It waited behind a full queue past its second.) Counted, it would make the found=False
     of the id's next Cancel look like an earlier one's, and hold the id for its wait."""
     daemon, endpoint = fake_daemon
-    leave = orchestrator.client._cancel_at_daemon
+    leave = orchestrator.async_client._cancel_at_daemon
 
     async def first_never_leaves(sock: zmq.asyncio.Socket, request_ids: list[str], tokens: CancelTokens) -> int:
         first_never_leaves.calls += 1
         return 0 if first_never_leaves.calls == 1 else await leave(sock, request_ids, tokens)
 
     first_never_leaves.calls = 0
-    monkeypatch.setattr("orchestrator.client._cancel_at_daemon", first_never_leaves)
+    monkeypatch.setattr("orchestrator.async_client._cancel_at_daemon", first_never_leaves)
 
     async def given_up_on() -> bytes:
         with anyio.move_on_after(0.1):
@@ -703,7 +696,7 @@ async def test_progress_for_a_request_given_up_on_while_its_cancel_waits_harms_n
 ) -> None:
     """The listener of one request raises, and its Cancel waits to leave (ZMQ's queue for the
     daemon full): more progress for it meanwhile is dropped, and the other requests carry on."""
-    from orchestrator import client as client_module
+    from orchestrator import async_client as client_module
 
     cancel = client_module._cancel_at_daemon
 

@@ -146,7 +146,7 @@ async def test_an_id_sent_where_no_daemon_listens_is_held_until_a_daemon_ends_it
     """Its Submit waits in ZMQ's queue, and a daemon that comes, however late, gets it (and
     its Cancel) first: a new request under the id meanwhile would be refused as a duplicate,
     or take the old one's end. It is refused at the client until that end comes."""
-    monkeypatch.setattr("orchestrator.client.GRACE_S", 0.05)
+    monkeypatch.setattr("orchestrator.client_wire.GRACE_S", 0.05)
     endpoint = f"ipc://{tmp_path}/later"
     with anyio.fail_after(15):
         async with AsyncClient(endpoint) as client:
@@ -178,7 +178,7 @@ async def test_an_id_held_for_a_daemon_to_come_is_held_for_its_wait_once_one_too
 ) -> None:
     """A daemon takes the queued Submit and its Cancel, then dies before answering (a crash
     loop): the id must not stay in use for good (nor its hold in the client's memory)."""
-    monkeypatch.setattr("orchestrator.client.GRACE_S", 0.05)
+    monkeypatch.setattr("orchestrator.client_wire.GRACE_S", 0.05)
     endpoint = f"ipc://{tmp_path}/flaky"
     with anyio.fail_after(20):
         async with AsyncClient(endpoint) as client:

@@ -22,13 +22,14 @@ import zmq
 import zmq.asyncio
 from anyio.streams.memory import MemoryObjectReceiveStream
 
-import orchestrator.client as client_module
+import orchestrator.async_client as client_module
 from actors import frontend
 from actors.base import ask_stats
 from actors.frontend import FrontendActor, FrontendStats
 from actors.mail import Admit, CancelRequest, Deliver, FrontendMail, LimitsChanged, SetDraining
 from actors.mailbox import Mailbox, Switchboard
-from orchestrator.client import AsyncClient, CancelTokens, Rejection
+from orchestrator.client import AsyncClient, Rejection
+from orchestrator.client_wire import CancelTokens
 from orchestrator.config import DaemonConfig
 from tests.actors.streams import open_stream
 from transfer.protocol import (

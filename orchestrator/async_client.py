@@ -1,0 +1,428 @@
+"""``AsyncClient``: many requests in flight on one DEALER, answered in any order."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import math
+import threading
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+
+import anyio
+import msgspec
+import structlog
+import zmq
+import zmq.asyncio
+
+from orchestrator.client_wire import (
+    CANCEL_SEND_S,
+    GRACE_S,
+    CancelTokens,
+    Generation,
+    Lost,
+    cancel_found,
+    decode_reply,
+    read_reply,
+    submit_body,
+    wait_s,
+)
+from orchestrator.connection_watch import ConnectionWatch, closed_why
+from orchestrator.deadlines import checked_s
+from orchestrator.rejection import answer_as
+from transfer.protocol import DECODE_ERRORS, Cancelled, GenParams, Progress, Rejected
+
+log = structlog.get_logger()
+
+# What hears a request's progress: a function, or a coroutine function (awaited, say to
+# stream the progress to a web client).
+OnProgress = Callable[[Progress], None | Awaitable[None]]
+
+# Progress messages waiting for a slow ``on_progress``; past it, the newest ones are dropped
+# (progress is advisory). The answer never waits behind them (``AsyncClient._answers``).
+PROGRESS_BACKLOG = 16
+# How often an AsyncClient with no daemon connected looks for requests that waited NO_DAEMON_S.
+WATCH_S = 0.25
+
+
+async def _cancel_at_daemon(sock: zmq.asyncio.Socket, request_ids: list[str], tokens: CancelTokens) -> int:
+    """Send a ``Cancel`` for each of ``request_ids`` given up on, whatever cancels the caller,
+    within ``CANCEL_SEND_S``; how many left. Nothing awaits the answers."""
+    sent = 0
+    with anyio.CancelScope(shield=True), anyio.move_on_after(CANCEL_SEND_S):
+        for rid in request_ids:
+            try:
+                await sock.send_multipart([b"", tokens.cancel_frame(rid)])
+            except asyncio.CancelledError:
+                # Closing the client closes the socket, which cancels a send still waiting:
+                # the end of these Cancels, not a cancellation of the caller's task.
+                if not sock.closed:
+                    raise
+                break
+            sent += 1
+    return sent
+
+
+class AsyncClient:
+    """DEALER client: any number of requests in flight, answered in any order. A request whose
+    ``submit`` is cancelled (the caller gave up), or still waits when the client is closed,
+    is cancelled at the daemon too. ``submit``'s ``on_progress`` (a function or a coroutine
+    function) gets the request's ``Progress`` messages, called (and awaited) in the task
+    awaiting ``submit``; if it raises, the request is cancelled at the daemon and ``submit``
+    raises that. Once the answer is in, progress still queued is skipped: a slow listener
+    delays the answer by at most the call under way, and a deadline that runs out in it
+    after the answer came returns the answer.
+
+    Use as ``async with AsyncClient(endpoint) as client: await client.submit(...)``, opened
+    and closed in one task: its reader runs in an anyio task group, which belongs to the
+    task that opened it (in a web app, open it in the lifespan context, not in separate
+    startup and shutdown hooks), and serves that task's event loop only (one per thread
+    that runs a loop). A closed client cannot be opened again.
+    """
+
+    def __init__(self, endpoint: str) -> None:
+        self.endpoint = endpoint
+        self._tokens = CancelTokens()
+        self._ctx: zmq.asyncio.Context | None = None  # from opening to closing
+        self._sock: zmq.asyncio.Socket | None = None
+        self._watch: ConnectionWatch | None = None
+        self._waiting: dict[str, anyio.abc.ObjectSendStream[Progress]] = {}  # requests waiting, their progress
+        self._answers: dict[str, Generation | Rejected | Lost] = {}  # taken ahead of any progress queued
+        # Waiting requests: when sent, and on which socket (``_generation``).
+        self._sent: dict[str, tuple[float, int]] = {}
+        # The socket's number: a new one replaces it when its connection closes (_replace_socket).
+        self._generation = 0
+        # Sends under way: a DEALER queues SNDHWM messages (1,000) for a daemon that is not
+        # there, and past that a send waits. A request failed meanwhile, or a client closed,
+        # stops its send.
+        self._sending: dict[str, anyio.CancelScope] = {}
+        # Requests given up on, by id: until when an answer may still come (it must not reach
+        # a new request that reuses the id), and for how long to hold it. Each is held until
+        # its end comes, the daemon answers its latest Cancel with found=False (its end came
+        # first, or its Submit never got there), or its socket is replaced; else for its wait
+        # once more, counted, for one sent while no daemon was connected, from when one is
+        # (that Submit waits in ZMQ's queue for the next daemon, and leaves first).
+        self._abandoned: dict[str, tuple[float, float]] = {}
+        self._cancels_out: dict[str, int] = {}  # given-up ids' Cancels not yet answered, by id
+        self._active: set[str] = set()  # ids whose submit runs, answered or not
+        self._tg: anyio.abc.TaskGroup | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._cancelling: set[zmq.asyncio.Socket] = set()  # cancel()'s own sockets, while in use
+
+    async def __aenter__(self) -> AsyncClient:
+        if self._ctx is not None:
+            raise RuntimeError("this AsyncClient was opened before: make a new one")
+        self._loop = asyncio.get_running_loop()
+        self._ctx = zmq.asyncio.Context()
+        try:
+            self._sock, self._watch = self._connect()  # a malformed endpoint raises here
+            self._tg = anyio.create_task_group()
+            await self._tg.__aenter__()
+        except BaseException:
+            self._ctx.destroy(linger=0)
+            raise
+        self._tg.start_soon(self._read)
+        self._tg.start_soon(self._watch_connection)
+        return self
+
+    def _connect(self) -> tuple[zmq.asyncio.Socket, ConnectionWatch]:
+        assert self._ctx is not None
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        watch = ConnectionWatch(sock)
+        try:
+            sock.connect(self.endpoint)
+        except BaseException:
+            watch.close()
+            sock.close(linger=0)
+            raise
+        return sock, watch
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._tg is not None and self._ctx is not None and self._sock is not None
+        self._tg.cancel_scope.cancel()
+        await self._tg.__aexit__(None, None, None)
+        assert self._watch is not None
+        self._watch.close()
+        sock, self._sock = self._sock, None
+        for sending in self._sending.values():
+            sending.cancel()
+        # A request still waiting would be answered to nobody: cancel it at the daemon too
+        # (one whose send is still waiting was never sent: it has nothing to cancel).
+        await _cancel_at_daemon(sock, [rid for rid in self._waiting if rid not in self._sending], self._tokens)
+        for waiter in self._waiting.values():
+            waiter.close()  # a submit still waiting raises ConnectionError now, not at its deadline
+        # The Cancels (these, and those of requests given up on) get CANCEL_SEND_S to leave,
+        # on a thread of its own: the context's end waits for them while the daemon is
+        # unreachable, and this loop must not. A cancel() under way fails at once.
+        sock.close(linger=round(CANCEL_SEND_S * 1000))
+        for side in self._cancelling:
+            side.close(linger=0)
+        threading.Thread(target=self._ctx.term, name="triptych-client-close", daemon=True).start()
+
+    def _open(self) -> zmq.asyncio.Socket:
+        if self._sock is None:
+            raise RuntimeError("use the client inside `async with AsyncClient(endpoint) as client:`")
+        if asyncio.get_running_loop() is not self._loop:
+            # Its reader runs on that loop: answers would never reach a wait on another.
+            raise RuntimeError("an AsyncClient serves the event loop (thread) that opened it: open one per loop")
+        return self._sock
+
+    async def _read(self) -> None:
+        while True:
+            sock = self._sock
+            assert sock is not None
+            try:
+                parts = await sock.recv_multipart()
+            except asyncio.CancelledError:
+                if sock.closed and sock is not self._sock:
+                    continue  # replaced (its close cancels this receive): read the new one
+                raise
+            try:
+                if not parts or parts[0]:
+                    raise msgspec.DecodeError("a reply without the empty delimiter frame first")
+                reply = decode_reply(parts[1:])
+            except DECODE_ERRORS as exc:
+                # No request can be told of it; the others in flight carry on.
+                log.warning("client.unreadable_reply", endpoint=self.endpoint, error=str(exc))
+                continue
+            if isinstance(reply, Progress):
+                waiter = self._waiting.get(reply.request_id)
+                if waiter is not None and waiter.statistics().current_buffer_used < PROGRESS_BACKLOG:
+                    # Its submit may have given up, its listener gone, while the Cancel leaves.
+                    with contextlib.suppress(anyio.BrokenResourceError):
+                        waiter.send_nowait(reply)
+                continue
+            if isinstance(reply, Cancelled):
+                # The ack of an abandoned request's Cancel (cancel() reads its own). The daemon
+                # reads a connection in order, so what the latest Cancel of an id found
+                # nothing of will send no more (an earlier one's may be about an earlier
+                # request under the id).
+                if not self._uncount_cancel(reply.request_id) and not reply.found:
+                    self._abandoned.pop(reply.request_id, None)
+                continue
+            rid = reply.result.request_id if isinstance(reply, Generation) else reply.request_id
+            if self._abandoned.pop(rid, None) is None:  # else the end of a request given up on
+                self._answer(rid, reply)
+
+    def _answer(self, rid: str, answer: Generation | Rejected | Lost) -> None:
+        """End ``rid``'s wait with ``answer``, if it waits."""
+        waiter = self._waiting.pop(rid, None)
+        if waiter is not None:
+            self._answers[rid] = answer
+            waiter.close()  # wakes a wait on an empty queue
+            if (sending := self._sending.get(rid)) is not None:
+                sending.cancel()
+
+    async def _watch_connection(self) -> None:
+        """Fail the waiting requests that can get no answer, at once: when their connection
+        closes, or when no daemon has taken one for ``NO_DAEMON_S``."""
+        while True:
+            watch = self._watch
+            assert watch is not None
+            # Unconnected, it looks again every WATCH_S: a request sent since may come due.
+            with anyio.move_on_after(math.inf if watch.connected else WATCH_S):
+                watch.heard(await watch.monitor.recv_multipart())
+                if watch.connected:
+                    self._count_holds_from_now()
+            if watch.closes:
+                await self._read_what_came()
+                await self._replace_socket()
+                continue
+            lost = {rid: why for rid, (sent_at, _) in self._sent.items()
+                    if (why := watch.no_daemon(sent_at, self.endpoint)) is not None}
+            if lost:
+                await self._read_what_came()
+                for rid, why in lost.items():
+                    self._answer(rid, Lost(why))
+
+    async def _replace_socket(self) -> None:
+        """The connection closed. The daemon answers a request only on the connection it came
+        by, and ZMQ would hand what this socket still queues (a Submit sent as it closed) to
+        the next connection: a new socket starts clean. Nothing sent on the old one can get
+        an answer now, so its requests fail and the ids given up on are free."""
+        old, old_watch = self._sock, self._watch
+        assert old is not None and old_watch is not None
+        with contextlib.suppress(zmq.ZMQError):
+            old.disconnect(self.endpoint)  # no reconnecting: its queue goes (LINGER 0)
+        self._sock, self._watch = self._connect()
+        self._generation += 1
+        for rid in [rid for rid, (_, generation) in self._sent.items() if generation < self._generation]:
+            self._answer(rid, Lost(closed_why(self.endpoint)))
+        self._abandoned.clear()
+        self._cancels_out.clear()  # their answers would have come on the old connection
+        try:
+            await anyio.lowlevel.checkpoint()  # the sends those losses stopped end before the socket does
+        finally:  # the client closing meanwhile included
+            old_watch.close()
+            old.close(linger=0)
+
+    async def _read_what_came(self) -> None:
+        """Let the reader take the replies that came before a connection closed (a daemon
+        that answered, then stopped): they are answers, not losses."""
+        assert self._sock is not None
+        with anyio.move_on_after(1.0):
+            while True:
+                # Time for the reader: a reply ZMQ has handed to its pending receive is no
+                # longer on the socket, but not yet an answer either. (``get``, not
+                # ``getsockopt``: pyzmq's asyncio socket must see the edge it consumes.)
+                await anyio.sleep(0.01)
+                if not self._sock.get(zmq.EVENTS) & zmq.POLLIN:
+                    return
+
+    async def _request(self, rid: str, body: bytes, wait_s: float,
+                       on_progress: OnProgress | None = None) -> Generation | Rejected:
+        sock = self._open()
+        assert self._watch is not None
+        if rid in self._active or self._abandoned.get(rid, (-math.inf, 0.0))[0] > time.monotonic():
+            raise ValueError(f"request id {rid!r} is in use on this client (in flight, or given up and not ended)")
+        self._abandoned.pop(rid, None)  # held long enough: no answer can still come
+        self._active.add(rid)
+        tx, rx = anyio.create_memory_object_stream[Progress](PROGRESS_BACKLOG)
+        self._waiting[rid] = tx
+        sent = False
+        try:
+            with rx:
+                try:
+                    with anyio.fail_after(wait_s):
+                        self._sent[rid] = time.monotonic(), self._generation
+                        queued = sock.send_multipart([b"", body])
+                        sending = self._sending[rid] = anyio.CancelScope()
+                        try:
+                            with sending:
+                                await queued
+                        finally:
+                            del self._sending[rid]
+                            # From the send itself, not from the await's return: a
+                            # cancellation can land after ZMQ took the message.
+                            sent = queued.done() and not queued.cancelled() and queued.exception() is None
+                        answer = await self._answer_to(rid, rx, on_progress)
+                except TimeoutError:
+                    # The deadline ran out in a slow on_progress after the answer came: it stands.
+                    if (answer := self._answers.pop(rid, None)) is None:
+                        raise
+            if isinstance(answer, Lost):
+                raise ConnectionError(answer.why)
+            return answer
+        except anyio.EndOfStream:
+            raise ConnectionError(f"the client of {self.endpoint} was closed while {rid!r} waited") from None
+        except BaseException as exc:
+            # The caller gave up on the request (cancelled, its on_progress raised, or the
+            # wait ran out): so should the daemon, rather than keep GPUs busy on work nobody
+            # awaits. Its answers, the ack included, are dropped when they come. (One never
+            # sent has nothing to cancel and no answer to come; one whose end came, while
+            # its on_progress still ran, has ended at the daemon: its id is free at once. A
+            # closed socket's client is gone, and the daemon's deadline ends the request.)
+            # One sent on a socket since replaced can get no answer, and needs no Cancel: a
+            # daemon that lives on ends it when its answer finds the connection gone (a
+            # Cancel by the new connection would also refuse a retry under its id, as a
+            # Cancel that overtook its Submit).
+            if (sent and not isinstance(self._answers.get(rid), (Generation, Rejected))
+                    and self._sent[rid][1] == self._generation):
+                # Queued: no daemon has taken a connection yet, so its Submit waits for one.
+                self._abandon(rid, wait_s, queued=not self._watch.connected)
+                if not sock.closed:
+                    # Counted before it leaves (its answer can come before this task runs
+                    # again), and uncounted if it does not: none will answer it.
+                    self._cancels_out[rid] = self._cancels_out.get(rid, 0) + 1
+                    if not await _cancel_at_daemon(sock, [rid], self._tokens):
+                        self._uncount_cancel(rid)
+            if isinstance(exc, TimeoutError):
+                raise TimeoutError(f"no reply from {self.endpoint} for {rid!r} within {wait_s:.1f}s (its deadline "
+                                   f"and {GRACE_S:g} s of grace)") from None
+            raise
+        finally:
+            self._active.discard(rid)
+            self._sent.pop(rid, None)
+            self._answers.pop(rid, None)
+            leftover = self._waiting.pop(rid, None)
+            if leftover is not None:
+                leftover.close()
+
+    def _abandon(self, rid: str, hold_s: float, *, queued: bool) -> None:
+        now = time.monotonic()
+        for old in [old for old, (until, _) in self._abandoned.items() if until <= now]:
+            del self._abandoned[old]
+            self._cancels_out.pop(old, None)
+        self._abandoned[rid] = (math.inf if queued else now + hold_s), hold_s
+
+    def _uncount_cancel(self, rid: str) -> int:
+        """One Cancel of ``rid`` fewer out; how many are left."""
+        owed = self._cancels_out.pop(rid, 0) - 1
+        if owed > 0:
+            self._cancels_out[rid] = owed
+        return max(owed, 0)
+
+    def _count_holds_from_now(self) -> None:
+        """A daemon took the connection: what waited in ZMQ's queue for one leaves first, so
+        the holds of requests sent meanwhile count from now."""
+        now = time.monotonic()
+        for rid, (until, hold_s) in self._abandoned.items():
+            if until == math.inf:
+                self._abandoned[rid] = now + hold_s, hold_s
+
+    async def _answer_to(self, rid: str, rx: anyio.abc.ObjectReceiveStream[Progress],
+                         on_progress: OnProgress | None) -> Generation | Rejected | Lost:
+        """Hand ``rid``'s progress to ``on_progress``, in order, until its answer is in; the
+        answer does not wait for progress still queued. ``EndOfStream``: the client closed."""
+        while (answer := self._answers.pop(rid, None)) is None:
+            try:
+                progress = await rx.receive()
+            except anyio.EndOfStream:
+                if rid in self._answers:
+                    continue
+                raise
+            if on_progress is not None and inspect.isawaitable(heard := on_progress(progress)):
+                await heard
+        return answer
+
+    async def submit(self, params: GenParams, *, request_id: str = "", timeout_s: float | None = None,
+                     priority: int = 0, on_progress: OnProgress | None = None) -> Generation:
+        """Generate; raises ``Rejection``, ``TimeoutError`` (the wait ran out: the request is
+        cancelled at the daemon), ``ValueError`` for an id in use on this client (its submit
+        runs, or it was given up on and an answer may still come: until its end comes, its
+        latest Cancel finds nothing or its connection closes (the client then starts a new
+        socket, which nothing sent on the old one reaches), else for its wait once more;
+        one sent where no daemon listened waits in ZMQ's queue for the next daemon), or
+        ``ConnectionError`` if the client is closed while the request waits or no answer can
+        come (no daemon took a connection within 3 s: the request is cancelled at the daemon
+        should it get there; or the connection closed: a daemon that lives on ends it when
+        its answer finds the connection gone)."""
+        # The client picks the id so it can match the answer among many in flight.
+        rid = request_id or uuid.uuid4().hex
+        body = submit_body(params, rid, timeout_s, priority, self._tokens, progress=on_progress is not None)
+        return answer_as(Generation, await self._request(rid, body, wait_s(timeout_s), on_progress), self.endpoint)
+
+    async def cancel(self, request_id: str, *, timeout_s: float = 10.0) -> bool:
+        """Cancel ``request_id`` at the daemon, submitted by this client (or by one that set no
+        cancel token); whether it was still there to cancel. Raises ``PermissionError`` for a
+        request another client submitted, ``TimeoutError`` if the daemon does not answer
+        within ``timeout_s``, or ``ConnectionError`` if the client is closed meanwhile."""
+        # The Cancelled ack and the request's own Rejected share the id; acks go by a
+        # separate DEALER so the two answers cannot be confused.
+        checked_s(timeout_s)
+        self._open()
+        assert self._ctx is not None
+        sock = self._ctx.socket(zmq.DEALER)
+        self._cancelling.add(sock)
+        try:
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(self.endpoint)
+            await sock.send_multipart([b"", self._tokens.cancel_frame(request_id)])
+            with anyio.fail_after(timeout_s):
+                parts = await sock.recv_multipart()
+        except asyncio.CancelledError:
+            # Closing the client closes this socket, which cancels the wait on it: that is
+            # no cancellation of the caller's task, and must not read as one.
+            task = asyncio.current_task()
+            if sock.closed and task is not None and not task.cancelling():
+                raise ConnectionError(f"the client of {self.endpoint} was closed while cancelling {request_id!r}") \
+                    from None
+            raise
+        finally:
+            self._cancelling.discard(sock)
+            sock.close(linger=0)
+        frames = parts[1:] if parts[:1] == [b""] else []  # a DEALER's: the empty delimiter first
+        return cancel_found(answer_as(Cancelled, read_reply(frames, self.endpoint), self.endpoint))

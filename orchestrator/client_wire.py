@@ -1,0 +1,147 @@
+"""What both clients (``orchestrator.client``) send and read: the ``Submit`` they encode,
+their cancel tokens, the replies they decode, and how long they wait for them."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import hmac
+import secrets
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from orchestrator.rejection import Rejection
+from transfer.protocol import (
+    CLIENT_REPLY,
+    CLIENT_REQUEST,
+    DECODE_ERRORS,
+    PROTOCOL_VERSION,
+    Cancel,
+    Cancelled,
+    GenParams,
+    Progress,
+    Reason,
+    Rejected,
+    Result,
+    Submit,
+    encode,
+)
+from transfer.specs import check_frames
+
+if TYPE_CHECKING:
+    import torch
+
+# How long past the request's own deadline a client waits for the daemon's answer.
+GRACE_S = 5.0
+DEFAULT_TIMEOUT_S = 120.0
+# How long the Cancel of a request given up on (a wait interrupted, timed out or abandoned,
+# or a client closed under it) may take to leave.
+CANCEL_SEND_S = 1.0
+
+
+@dataclass(frozen=True)
+class Generation:
+    """A finished request: its header and its outputs, as received."""
+
+    result: Result
+    frames: list[bytearray]  # each ``result.outputs`` tensor's bytes, in that order, checked against it
+
+    @functools.cached_property
+    def outputs(self) -> dict[str, torch.Tensor]:
+        """The output tensors by name, over the frames' memory. Torch is imported here, on
+        first use: a caller that only writes the bytes out, as ``triptych submit`` does,
+        starts without it (~2 s)."""
+        from transfer.frames import from_frames
+
+        return from_frames(self.result.outputs, self.frames)
+
+
+@dataclass(frozen=True, slots=True)
+class Lost:
+    """No answer can come to a waiting request (``ConnectionWatch.problem`` says why)."""
+
+    why: str
+
+
+Reply = Generation | Rejected | Cancelled | Progress  # what the client socket brings, decoded
+
+
+class CancelTokens:
+    """Each request's ``cancel_token``, derived from a secret of one client object and the
+    request's id: its ``Cancel``s carry it from whichever socket (the blocking client cancels
+    on a fresh one), and nobody without the secret can stop its requests."""
+
+    def __init__(self) -> None:
+        self._secret = secrets.token_bytes(16)
+
+    def of(self, request_id: str) -> str:
+        # surrogatepass: an id that is no text is refused when its Submit is encoded, not here.
+        return hmac.new(self._secret, request_id.encode("utf-8", "surrogatepass"), hashlib.sha256).hexdigest()[:32]
+
+    def cancel_frame(self, request_id: str) -> bytes:
+        return encode(Cancel(protocol=PROTOCOL_VERSION, request_id=request_id, cancel_token=self.of(request_id)))
+
+
+def submit_body(params: GenParams, request_id: str, timeout_s: float | None, priority: int, tokens: CancelTokens,
+                 progress: bool = False) -> bytes:
+    """The encoded ``Submit``, checked as the daemon will check it: a bad field raises
+    ``Rejection(invalid)`` here, at once. (A field far out of bounds, a prompt of megabytes,
+    would otherwise be cut off unread at the daemon's size limit, and get no answer.)
+
+    The request carries the deadline the client waits for (``DEFAULT_TIMEOUT_S`` when the
+    caller names none), so the daemon never works on past the caller's patience.
+    """
+    try:
+        # Encoding fails first for an int msgpack cannot carry (a seed past 2**64).
+        body = encode(Submit(protocol=PROTOCOL_VERSION, params=params, request_id=request_id,
+                             timeout_s=_or_default(timeout_s), priority=priority, progress=progress,
+                             cancel_token=tokens.of(request_id)))
+        CLIENT_REQUEST.decode(body)
+    except (msgspec.ValidationError, OverflowError, TypeError, UnicodeEncodeError) as exc:
+        # TypeError: a value msgpack has no form for (a numpy integer, say); UnicodeEncodeError:
+        # a string that is no text (a lone surrogate).
+        raise Rejection(Rejected(request_id=request_id, reason=Reason.INVALID, message=f"not sent: {exc}")) from None
+    return body
+
+
+def cancel_found(ack: Cancelled) -> bool:
+    """Whether ``ack``'s Cancel found its request; ``PermissionError`` if the daemon refused it."""
+    if ack.refused:
+        raise PermissionError(f"request {ack.request_id!r} was submitted by another client: only its submitter "
+                              "may cancel it")
+    return ack.found
+
+
+def decode_reply(parts: list[bytes]) -> Reply:
+    """The reply (an unreadable header raises ``msgspec.DecodeError``). A ``Result`` whose
+    frames are not its tensors is a ``Rejected`` for its own request."""
+    if not parts:
+        raise msgspec.DecodeError("a reply of no frames")
+    header = CLIENT_REPLY.decode(parts[0])
+    if isinstance(header, Result):
+        try:
+            check_frames(header.outputs, parts[1:])
+            return Generation(header, [bytearray(part) for part in parts[1:]])  # writable, for torch
+        except ValueError as exc:
+            return Rejected(request_id=header.request_id, reason=Reason.INVALID, message=f"unreadable Result: {exc}")
+    return header
+
+
+def read_reply(frames: list[bytes], endpoint: str) -> Reply:
+    """The reply in ``frames``; ``ValueError`` if they are none."""
+    try:
+        return decode_reply(frames)
+    except DECODE_ERRORS as exc:
+        raise ValueError(f"{endpoint} is not a Triptych client socket: its answer is unreadable ({exc})") from None
+
+
+def _or_default(timeout_s: float | None) -> float:
+    # Not ``timeout_s or ...``: a 0 must be refused as the bad value it is, not read as "none".
+    return DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
+
+
+def wait_s(timeout_s: float | None) -> float:
+    return _or_default(timeout_s) + GRACE_S
+
