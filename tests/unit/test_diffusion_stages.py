@@ -256,6 +256,34 @@ def test_pixart_takes_one_step_only_with_a_scheduler_that_predicts_x0(tmp_path, 
     assert stage(DiffusersConfig(family="sd15"), "denoiser").limits().min_steps == 1
 
 
+@pytest.mark.parametrize(("scheduler", "config", "steps"), [
+    ("LCMScheduler", {"original_inference_steps": 50}, (1, 50)),
+    ("PNDMScheduler", {"skip_prk_steps": False}, (4, 999)),
+])
+def test_steps_are_bounded_by_what_the_scheduler_takes(tmp_path, scheduler: str, config: dict,
+                                                       steps: tuple[int, int]) -> None:
+    """A count the scheduler sets no timesteps for (past an LCM scheduler's original steps,
+    under PNDM's Runge-Kutta warm-up) is refused at the door as invalid, by every role's
+    limits, not failed mid-request by the denoiser (stage_failed)."""
+    pipe = tiny.build_pipeline("sd15", seed=0)
+    pipe.scheduler = getattr(diffusers, scheduler).from_config(pipe.scheduler.config, **config)
+    pipe.save_pretrained(tmp_path)
+    cfg = DiffusersConfig(family="sd15", path=str(tmp_path))
+    denoiser = stage(cfg, "denoiser")
+    for role in ("encoder", "denoiser", "decoder"):
+        limits = stage(cfg, role).limits()
+        assert (limits.min_steps, limits.max_steps) == steps, role
+    fewest, most = steps
+    for outside in (fewest - 1, most + 1):
+        if outside >= 1:
+            with pytest.raises(StageError) as err:
+                denoiser.check(GenParams(prompt="x", width=16, height=16, steps=outside))
+            assert err.value.reason is Reason.INVALID
+    for edge in (fewest, most):  # the edges it admits run
+        images = run_split(cfg, GenParams(prompt="x", width=16, height=16, steps=edge, output="raw"))[2]["images"]
+        assert images.shape == (1, 16, 16, 3)
+
+
 def test_tiny_components_build_alone_identically() -> None:
     """A process building only the UNet gets the UNet the whole pipeline has."""
     alone = tiny.build_component("sd15", "unet", seed=9)

@@ -17,6 +17,7 @@ import copy
 import inspect
 import json
 import math
+import warnings
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -100,8 +101,50 @@ class FamilyAdapter:
         return self.config(self.denoiser_model)["sample_size"] * self.vae_scale_factor
 
     def min_steps(self) -> int:
-        """The fewest denoising steps the pipeline runs with its scheduler."""
+        """The fewest denoising steps the pipeline's loop runs with its scheduler, whatever
+        the scheduler itself takes (``step_range``)."""
         return 1
+
+    def scheduler_class(self) -> type[SchedulerMixin] | None:
+        """The scheduler class the model names (None: one this diffusers lacks)."""
+        name = self.config("scheduler").get("_class_name")
+        return getattr(diffusers, name, None) if name else tiny.SCHEDULER
+
+    def step_range(self) -> tuple[int, int]:
+        """The fewest and most steps a request may ask for, as the scheduler itself sets
+        timesteps for them: an LCM scheduler takes at most its ``original_inference_steps``,
+        PNDM with its Runge-Kutta warm-up at least 4. Past them ``set_timesteps`` raises
+        mid-request, which must be refused up front instead (``invalid``). Not all
+        num_train_timesteps: with steps_offset (SD 1.x) the first timestep then falls past
+        the schedule, and multistep solvers return NaN there."""
+        fewest, most = self.min_steps(), self.config("scheduler").get("num_train_timesteps", 1000) - 1
+        cls = self.scheduler_class()
+        if cls is None:
+            return fewest, most
+        scheduler = cls.from_config(self.config("scheduler"))
+
+        def takes(steps: int) -> bool:
+            # What it warns of (numpy deprecations) is no refusal, even where warnings raise.
+            with warnings.catch_warnings(action="ignore"):
+                try:
+                    scheduler.set_timesteps(steps)
+                except Exception:  # whatever it raises, the count is one it cannot run
+                    return False
+            return True
+
+        # The counts a scheduler takes are one run: the shortest is found by walking up (a few
+        # steps at most), the longest by halving.
+        while fewest < most and not takes(fewest):
+            fewest += 1
+        if not takes(most):
+            low, high = fewest, most  # takes(low) (or nothing is taken), not takes(high)
+            while high - low > 1:
+                middle = (low + high) // 2
+                low, high = (middle, high) if takes(middle) else (low, middle)
+            most = low
+        if not takes(fewest):
+            raise ModelUnloadable(f"the scheduler {cls.__name__} sets timesteps for no step count from 1 to {most}")
+        return fewest, most
 
     def limits(self) -> StageLimits:
         multiple = self.size_multiple()
@@ -110,15 +153,14 @@ class FamilyAdapter:
         # cost grows with the area (attention with its square): 4x per side at most, and
         # at most the pixels of 16 images at the training size in one request.
         native = self.native_size()
+        min_steps, max_steps = self.step_range()
         return StageLimits(
             size_multiple=multiple,
             min_size=multiple,
             max_size=4 * native // multiple * multiple,
             max_pixels=16 * native * native,
-            # Not all num_train_timesteps: with steps_offset (SD 1.x) the first timestep
-            # then falls past the schedule, and multistep solvers return NaN there.
-            max_steps=self.config("scheduler").get("num_train_timesteps", 1000) - 1,
-            min_steps=self.min_steps(),
+            max_steps=max_steps,
+            min_steps=min_steps,
             max_frames=1,
             model=model,
         )

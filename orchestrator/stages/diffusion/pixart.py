@@ -12,13 +12,11 @@ import dataclasses
 import typing
 from typing import ClassVar
 
-import diffusers
 import torch
 from diffusers import DiffusionPipeline, PixArtAlphaPipeline
 from diffusers.utils.torch_utils import maybe_adjust_dtype_for_device
 
 from orchestrator.stages.base import StepFn, Tensors
-from orchestrator.stages.diffusion import tiny
 from orchestrator.stages.diffusion.families import FamilyAdapter
 from transfer.protocol import GenParams, Role
 
@@ -45,8 +43,7 @@ class PixArt(FamilyAdapter):
     def min_steps(self) -> int:
         # For a single step __call__ takes the step's predicted x0, its second output; the
         # schedulers whose step returns none (DPM-Solver, PNDM, UniPC) cannot do one.
-        name = self.config("scheduler").get("_class_name")
-        scheduler = getattr(diffusers, name, None) if name else tiny.SCHEDULER
+        scheduler = self.scheduler_class()
         return 1 if scheduler is not None and _step_outputs(scheduler) >= 2 else 2
 
     def encode(self, pipe: DiffusionPipeline, params: GenParams) -> Tensors:
