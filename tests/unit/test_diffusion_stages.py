@@ -330,6 +330,8 @@ def saved_sd15(tmp_path_factory: pytest.TempPathFactory) -> Path:
     ("encoder", {"device": "banana"}, "device 'banana' is not a torch device"),
     ("encoder", {"device": "cuda:7"}, "device 'cuda:7', but this machine's torch sees"),
     ("encoder", {"device": "mps"}, "device 'mps' is not usable by this machine's torch"),
+    ("decoder", {"device": "hpu"}, "device 'hpu' is not usable by this machine's torch: ModuleNotFoundError"),
+    ("denoiser", {"device": "meta"}, "device 'meta' holds no data"),
     ("denoiser", {"rm": "unet/diffusion_pytorch_model.safetensors"}, "the denoiser's components do not load"),
     ("decoder", {"garble": "model_index.json"}, "model_index.json is not readable JSON"),
 ])

@@ -189,10 +189,13 @@ class FamilyAdapter:
             gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
             if (self.device.index or 0) >= gpus:
                 raise ModelUnloadable(f"device {self.cfg.device!r}, but this machine's torch sees {gpus} CUDA devices")
+        if self.device.type == "meta":
+            raise ModelUnloadable(f"device {self.cfg.device!r} holds no data: a model there computes nothing")
         try:
-            torch.empty(0, device=self.device)  # any other device this torch lacks (mps, xpu...)
-        except (RuntimeError, AssertionError) as exc:
-            raise ModelUnloadable(f"device {self.cfg.device!r} is not usable by this machine's torch: {exc}") from None
+            torch.empty(0, device=self.device)  # any other device this torch lacks (mps, xpu, hpu...)
+        except Exception as exc:  # RuntimeError, AssertionError, ModuleNotFoundError (hpu): each its own
+            raise ModelUnloadable(f"device {self.cfg.device!r} is not usable by this machine's torch: "
+                                  f"{type(exc).__name__}: {exc}") from None
         if not self.cfg.path:
             return  # the embedded tiny model: nothing to find
         root = Path(self.cfg.path)
