@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import math
 import os
 import sys
 import uuid
@@ -17,6 +16,7 @@ import anyio
 import msgspec
 import zmq
 
+from orchestrator.arguments import positive_seconds
 from orchestrator.config import load_config
 from orchestrator.connection_watch import NO_DAEMON_S, ConnectionWatch
 from transfer.binding import EndpointUnusable
@@ -49,11 +49,14 @@ def _worker(args: argparse.Namespace) -> NoReturn:
     from orchestrator.log import configure_logging
     from orchestrator.stages.base import ModelUnloadable
     from orchestrator.worker import DaemonUnreachable, WorkerRefused, run_worker
+    from transfer.engine import EngineUnusable
+    from transfer.pool import PoolUnallocatable
 
     cfg = load_config(args.config)
     configure_logging(cfg.log.level, json=cfg.log.json, worker=args.role)
     code = _run_logged(partial(run_worker, early=early), args.role, cfg, args.name, ordinary=(
-        WorkerRefused, DaemonUnreachable, EndpointUnusable, UnsatisfiableLimits, ModelUnloadable))
+        WorkerRefused, DaemonUnreachable, EndpointUnusable, UnsatisfiableLimits, ModelUnloadable, EngineUnusable,
+        PoolUnallocatable))
     # Everything the worker holds is closed by now (sockets, the engine, its socket file);
     # the interpreter's own finalization would spend ~0.7 s more tearing down torch, on
     # every restart of a worker, for nothing.
@@ -243,17 +246,6 @@ def _not_another_socket(control: Control) -> None:
             raise ValueError(f"{control.endpoint} is not a control socket: it answered {exc}") from None
 
 
-def _positive_seconds(text: str) -> float:
-    """An argparse type: a finite number of seconds above zero (a negative wait never ends)."""
-    try:
-        seconds = float(text)
-    except ValueError:
-        seconds = math.nan
-    if not 0 < seconds < math.inf:
-        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
-    return seconds
-
-
 def _port(text: str) -> int:
     """An argparse type: a TCP port, 0 for any free one."""
     if not text.isdecimal() or int(text) > 65535:
@@ -299,7 +291,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--output", choices=["png", "raw"], default="png")
     p.add_argument("--request-id", default="")
     p.add_argument("--priority", type=int, default=0, help="-100..100; higher is served first")
-    p.add_argument("--timeout", type=_positive_seconds, default=None, help="seconds; 120 when not given")
+    p.add_argument("--timeout", type=positive_seconds, default=None, help="seconds; 120 when not given")
     p.add_argument("--progress", action="store_true", help="print where the request stands while it runs")
     p.add_argument("--out", default="out", help="directory the outputs are written to (default: %(default)s)")
     p = command("stats", _stats, "print the daemon's stats")
@@ -314,7 +306,7 @@ def _parser() -> argparse.ArgumentParser:
     endpoint(p, "control_endpoint")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=_port, default=9464, help="0: any free port")
-    p.add_argument("--scrape-timeout", type=_positive_seconds, default=2.0,
+    p.add_argument("--scrape-timeout", type=positive_seconds, default=2.0,
                    help="seconds to wait for the daemon's stats")
     # Whole programs of their own; everything after the name is passed through.
     sub.add_parser("demo", help="run the local demo cluster (see --help)", add_help=False)

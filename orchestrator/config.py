@@ -19,6 +19,9 @@ from transfer.protocol import MAX_SLOTS, Role
 from transfer.specs import align_up
 
 PositiveInt = Annotated[int, msgspec.Meta(gt=0)]
+# Threads one worker starts: past a few hundred the process runs out of them (or memory for
+# their stacks) as it starts, which is a setting's mistake, said as one.
+Threads = Annotated[int, msgspec.Meta(ge=1, le=1024)]
 # Finite (TOML reads `inf`): every wait has an end.
 PositiveFloat = Annotated[float, msgspec.Meta(gt=0, le=1e9)]
 
@@ -150,8 +153,8 @@ class WorkerConfig(Section):
     # Stage runs at once in one worker (its threads share the device): more than 1 only for
     # a stage that leaves its device idle part of a run. Requests past it, up to capacity,
     # wait in the worker for a thread.
-    compute_threads: PositiveInt = 1
-    torch_threads: PositiveInt = 1
+    compute_threads: Threads = 1
+    torch_threads: Threads = 1
     pool_bytes: PositiveInt = 256 * MiB
     prealloc_slots: Annotated[int, msgspec.Meta(ge=0, le=MAX_SLOTS)] = 2
     prealloc_slot_bytes: PositiveInt = 16 * MiB

@@ -18,7 +18,8 @@ from pathlib import Path
 import anyio
 import torch
 
-from orchestrator.client import AsyncClient, Generation
+from orchestrator.arguments import at_least
+from orchestrator.client import AsyncClient, Generation, Rejection
 from orchestrator.cluster import ClusterError, LocalCluster
 from orchestrator.config import Config, load_config
 from orchestrator.stages.images import decode_png
@@ -51,26 +52,34 @@ def expected_images(cfg: Config, params: GenParams) -> torch.Tensor | None:
     return monolithic_images(cfg.model.diffusers, params)
 
 
-async def generate(endpoint: str, requests: list[GenParams], watched: list[Progress]) -> list[Generation]:
-    """Every request at once; the last one (the most likely to wait) reports to ``watched``."""
+async def generate(endpoint: str, requests: list[GenParams],
+                   watched: list[Progress]) -> tuple[list[Generation], list[Rejection]]:
+    """Every request at once; the last one (the most likely to wait) reports to ``watched``.
+    What the daemon refused (a size the model does not take, say) is returned, not raised:
+    the demo says why in one line."""
     results: list[Generation | None] = [None] * len(requests)
+    refused: list[Rejection] = []
 
     async def one(client: AsyncClient, i: int) -> None:
         on_progress = watched.append if i == len(requests) - 1 else None
-        results[i] = await client.submit(requests[i], request_id=f"demo-{i}", timeout_s=120, on_progress=on_progress)
+        try:
+            results[i] = await client.submit(requests[i], request_id=f"demo-{i}", timeout_s=120,
+                                             on_progress=on_progress)
+        except Rejection as exc:
+            refused.append(exc)
 
     async with AsyncClient(endpoint) as client, anyio.create_task_group() as tg:
         for i in range(len(requests)):
             tg.start_soon(one, client, i)
-    return [r for r in results if r is not None]
+    return [r for r in results if r is not None], refused
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="triptych demo", description=__doc__)
     parser.add_argument("--config", type=Path, default=ROOT / "configs" / "local.toml")
-    parser.add_argument("--requests", type=int, default=len(PROMPTS))
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--size", type=int, default=64)
+    parser.add_argument("--requests", type=at_least(1), default=len(PROMPTS))
+    parser.add_argument("--steps", type=at_least(1), default=20)
+    parser.add_argument("--size", type=at_least(1), default=64)
     parser.add_argument("--out", type=Path, default=Path("out"))
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -95,9 +104,13 @@ def main(argv: list[str] | None = None) -> int:
               f"{', '.join(i.instance for i in cluster.control.stats().instances)}", flush=True)
         t0 = time.monotonic()
         watched: list[Progress] = []
-        generations = anyio.run(generate, cluster.config.daemon.client_endpoint, requests, watched,
-                                backend="asyncio")
+        generations, refused = anyio.run(generate, cluster.config.daemon.client_endpoint, requests, watched,
+                                         backend="asyncio")
         wall = time.monotonic() - t0
+        if refused:
+            print(f"demo FAILED: the daemon refused {len(refused)} of {len(requests)} requests: "
+                  f"{'; '.join(sorted({str(exc) for exc in refused}))}", file=sys.stderr)
+            return 1
         print(f"\n{len(generations)} requests in {wall:.2f}s wall\n")
         print(f"{'request':<8} {'stage':<9} {'instance':<12} {'queued ms':>10} {'compute ms':>11} "
               f"{'transfer ms':>12} {'bytes':>8} {'path':>5} {'via':>8}")

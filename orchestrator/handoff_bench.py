@@ -16,6 +16,7 @@ from pathlib import Path
 
 import anyio
 
+from orchestrator.arguments import at_least
 from orchestrator.bench import bench_config, kept_on_failure
 from orchestrator.client import AsyncClient
 from orchestrator.cluster import LocalCluster
@@ -64,8 +65,8 @@ def measure(tmp: Path, mib: int, requests: int, same_host_copy: bool) -> list[fl
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="triptych bench-handoff", description=__doc__)
-    parser.add_argument("--mib", type=int, default=16, help="size of the handed-off tensor")
-    parser.add_argument("--requests", type=int, default=20)
+    parser.add_argument("--mib", type=at_least(1), default=16, help="size of the handed-off tensor")
+    parser.add_argument("--requests", type=at_least(2), default=20, help="at least 2: the p90 needs two")
     args = parser.parse_args(argv)
     with kept_on_failure("triptych-handoff-") as tmp:
         results = {name: measure(tmp, args.mib, args.requests, name == "memcpy") for name in ("mooncake", "memcpy")}

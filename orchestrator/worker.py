@@ -43,7 +43,7 @@ from orchestrator.worker_memory import RequestMemory
 from transfer import frames
 from transfer.binding import remove_ipc_file
 from transfer.engine import Engine, MooncakeEngine
-from transfer.pool import MemoryPool, PoolError
+from transfer.pool import MemoryPool, PoolError, PoolUnallocatable, physical_memory
 from transfer.protocol import (
     DAEMON_TO_WORKER,
     DECODE_ERRORS,
@@ -129,6 +129,11 @@ class WorkerRuntime:
     # ------------------------------------------------------------------ lifecycle
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[str] = anyio.TASK_STATUS_IGNORED) -> None:
+        if self._wcfg.pool_bytes > (memory := physical_memory()):
+            # Said before the model loads; a pool only near the machine's size fails to
+            # allocate (PoolUnallocatable), or the kernel ends the worker as it is touched.
+            raise PoolUnallocatable(f"workers.{self.role}.pool_bytes ({self._wcfg.pool_bytes}) is more than this "
+                                    f"machine's memory ({memory} bytes)")
         torch.set_num_threads(self._wcfg.torch_threads)
         self._stage = await anyio.to_thread.run_sync(
             lambda: build_stage(self.role, self._cfg.model, torch_threads=self._wcfg.torch_threads)

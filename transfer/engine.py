@@ -76,6 +76,11 @@ class TransferError(Exception):
     """The data plane could not start, register, or complete a write."""
 
 
+class EngineUnusable(TransferError):
+    """The engine cannot start here, or take this process's memory: a setup problem (its
+    settings, a metadata server, the machine), said in one line as the worker starts."""
+
+
 class TransferInDoubt(TransferError):
     """A write we stopped waiting for: Mooncake may still complete it, so the destination
     must not be reused until its own timeout has surely passed (``push_quarantine_s``)."""
@@ -108,7 +113,7 @@ class MooncakeEngine:
         try:
             from mooncake.engine import TransferEngine
         except ImportError as exc:
-            raise TransferError(
+            raise EngineUnusable(
                 "the mooncake transfer engine is not installed "
                 "(mooncake-transfer-engine-non-cuda for CPU, mooncake-transfer-engine for CUDA)"
             ) from exc
@@ -116,7 +121,7 @@ class MooncakeEngine:
         self._te = TransferEngine()
         rc = self._te.initialize(cfg.local_hostname, cfg.metadata_server, cfg.protocol, cfg.device_name)
         if rc != 0:
-            raise TransferError(
+            raise EngineUnusable(
                 f"mooncake initialize failed (rc={rc}) with local_hostname={cfg.local_hostname!r} "
                 f"metadata_server={cfg.metadata_server!r} protocol={cfg.protocol!r} "
                 f"device_name={cfg.device_name!r}; MC_FORCE_HCA without an RNIC, an unreachable "
@@ -151,7 +156,7 @@ class MooncakeEngine:
         rc = self._te.register_memory(base, size, "*")
         if rc != 0:
             why = _REGISTER_ERRORS.get(rc, "see the Mooncake log")
-            raise TransferError(f"register [{base:#x}, +{size}) failed (rc={rc}): {why}")
+            raise EngineUnusable(f"register [{base:#x}, +{size}) failed (rc={rc}): {why}")
         self._ranges = (*self._ranges, (base, size))
 
     def write(self, session: str, local_addr: int, remote_addr: int, nbytes: int) -> None:

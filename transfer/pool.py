@@ -19,6 +19,7 @@ threads may read and write through ``view()`` tensors, never call the allocator.
 from __future__ import annotations
 
 import bisect
+import os
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -32,6 +33,15 @@ from transfer.specs import ALIGNMENT, align_up
 
 class PoolError(Exception):
     """Misuse of the pool (double free, unknown block) or a failed allocation."""
+
+
+class PoolUnallocatable(Exception):
+    """The machine cannot give a pool its memory: a setting's mistake, said in one line."""
+
+
+def physical_memory() -> int:
+    """This machine's memory in bytes."""
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 class PoolTooSmall(PoolError):
@@ -75,7 +85,10 @@ class MemoryPool:
         if memory is None:
             # Over-allocate so the region itself starts on an aligned address: offsets are then
             # aligned absolutely, not only relative to the base (torch's CPU allocator gives 64).
-            raw = torch.empty(size + alignment, dtype=torch.uint8)
+            try:
+                raw = torch.empty(size + alignment, dtype=torch.uint8)
+            except RuntimeError as exc:  # torch's "can't allocate memory"
+                raise PoolUnallocatable(f"a pool of {size} bytes cannot be allocated: {exc}") from None
             pad = -raw.data_ptr() % alignment
             self.buffer = raw[pad : pad + size]
         else:

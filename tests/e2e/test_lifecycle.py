@@ -727,6 +727,23 @@ def test_a_worker_with_no_daemon_says_it_waits_then_gives_up_in_one_line(tmp_pat
     assert "no answer from the daemon" in events[-1]["error"] and "workers.encoder.connect_timeout_s" in events[-1]["error"]
 
 
+@pytest.mark.parametrize(("setting", "says"), [
+    ({"workers.encoder": {"pool_bytes": 1 << 60}}, "workers.encoder.pool_bytes (1152921504606846976) is more than "
+                                                   "this machine's memory"),
+    ({"transfer": {"metadata_server": "etcd://127.0.0.1:1"}}, "EngineUnusable: mooncake initialize failed"),
+])
+def test_a_worker_its_machine_cannot_serve_as_configured_says_why_in_one_line(tmp_path: Path, setting: dict,
+                                                                            says: str) -> None:
+    """A setting the machine cannot meet is the operator's to change: one line naming it,
+    not a crash's traceback."""
+    path, _ = cluster_config(tmp_path, **setting)
+    done = subprocess.run([sys.executable, "-m", "orchestrator", "worker", "--role", "encoder", "--config", str(path)],
+                          capture_output=True, text=True, timeout=120)
+    events = [json.loads(line) for line in done.stderr.splitlines() if line.startswith("{")]
+    assert done.returncode == 1 and events[-1]["event"] == "process.failed", done.stderr[-2000:]
+    assert says in events[-1]["error"] and "Traceback" not in done.stderr
+
+
 def test_a_cluster_whose_process_is_killed_takes_every_process_it_started_with_it(tmp_path: Path) -> None:
     """A demo killed with SIGKILL (or SIGTERM, or its terminal closed) runs no cleanup: the
     daemon it started, in a session of its own, went on serving, and held the ports the next

@@ -23,7 +23,7 @@ def run_tool(module: str, *args: str, timeout_s: float = 300) -> subprocess.Comp
                           env=env)
 
 
-def test_the_demo_generates_images_equal_to_the_one_process_pipeline(tmp_path: Path) -> None:
+def local_config(tmp_path: Path) -> Path:
     """configs/local.toml as shipped (tiny diffusers model, 1/2/1 workers), on ipc endpoints
     so it cannot collide with anything listening on its ports."""
     raw = msgspec.toml.decode((CONFIGS / "local.toml").read_bytes())
@@ -31,6 +31,11 @@ def test_the_demo_generates_images_equal_to_the_one_process_pipeline(tmp_path: P
                          worker_endpoint=f"ipc://{tmp_path}/w")
     config = tmp_path / "local.toml"
     config.write_bytes(msgspec.toml.encode(raw))
+    return config
+
+
+def test_the_demo_generates_images_equal_to_the_one_process_pipeline(tmp_path: Path) -> None:
+    config = local_config(tmp_path)
     out = tmp_path / "out"
     done = run_tool("orchestrator.demo", "--config", str(config), "--requests", "3", "--steps", "3",
                     "--size", "32", "--out", str(out))
@@ -38,6 +43,21 @@ def test_the_demo_generates_images_equal_to_the_one_process_pipeline(tmp_path: P
     assert done.stdout.count("OK, matches the one-process pipeline") == 3
     assert "all 3 images verified" in done.stdout
     assert sorted(p.name for p in out.glob("*.png")) == ["demo-0-0.png", "demo-1-0.png", "demo-2-0.png"]
+
+
+def test_a_demo_whose_requests_the_model_refuses_says_why_in_one_line(tmp_path: Path) -> None:
+    done = run_tool("orchestrator.demo", "--config", str(local_config(tmp_path)), "--requests", "2",
+                    "--size", "60", "--out", str(tmp_path / "out"))
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    assert "demo FAILED: the daemon refused 2 of 2 requests: invalid: width 60 is not a multiple of 8" in done.stderr
+
+
+def test_the_tools_refuse_counts_they_cannot_run_with_as_usage_errors() -> None:
+    for args, says in ((("orchestrator.handoff_bench", "--requests", "1"), "expected at least 2, got 1"),
+                       (("orchestrator.handoff_bench", "--mib", "0"), "expected at least 1, got 0"),
+                       (("orchestrator.demo", "--steps", "x"), "expected a whole number, got 'x'")):
+        done = run_tool(*args)
+        assert done.returncode == 2 and says in done.stderr and "Traceback" not in done.stderr, done.stderr
 
 
 def test_the_benchmark_completes_every_request_and_prints_its_figures() -> None:

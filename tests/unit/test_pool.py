@@ -9,7 +9,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from transfer.pool import Block, MemoryPool, PoolError, PoolExhausted, PoolTooSmall
+from transfer.pool import Block, MemoryPool, PoolError, PoolExhausted, PoolTooSmall, PoolUnallocatable
 
 A = 256  # default alignment
 
@@ -286,3 +286,9 @@ async def test_block_granted_at_the_moment_of_cancel_is_returned(cancel_first: b
                 tg.cancel_scope.cancel()
     assert got == []
     assert pool.allocated_blocks == 0 and pool.free_bytes == pool.capacity
+
+
+def test_a_pool_the_machine_cannot_allocate_says_so_as_a_setting_s_mistake() -> None:
+    """Not torch's RuntimeError, which a worker's start would report as a crash."""
+    with pytest.raises(PoolUnallocatable, match=f"a pool of {1 << 50} bytes cannot be allocated"):
+        MemoryPool(1 << 50)

@@ -1,0 +1,34 @@
+"""argparse types for the command lines' numbers: a bad one is a usage error naming it, not
+a traceback from deep inside a run."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Callable
+
+
+def positive_seconds(text: str) -> float:
+    """A finite number of seconds above zero (a negative wait never ends)."""
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = math.nan
+    if not 0 < seconds < math.inf:
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
+    return seconds
+
+
+def at_least(least: int) -> Callable[[str], int]:
+    """An integer of at least ``least``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+        if value < least:
+            raise argparse.ArgumentTypeError(f"expected at least {least}, got {value}")
+        return value
+
+    return parse
