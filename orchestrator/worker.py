@@ -37,6 +37,7 @@ from orchestrator.log import Throttled
 from orchestrator.priority_gate import PriorityGate
 from orchestrator.stages import RunControl, Stage, StageError, StageStopped, build_stage
 from orchestrator.stages.base import StepFn, released
+from orchestrator.stall_watch import StallWatch
 from orchestrator.watchdog import EXIT_DEVICE_BROKEN, StageWatchdog
 from orchestrator.work_socket import bind_work_socket, close_work_socket
 from orchestrator.worker_memory import RequestMemory
@@ -216,9 +217,13 @@ class WorkerRuntime:
         self._peer_log = Throttled(self._log)
         assert self._memory is not None
         self._memory.log = self._log
+        # Half a heartbeat: the daemon takes a worker silent for two for dead (and what its
+        # pushes were writing into for free), and its beats keep coming over shorter stalls.
+        self._memory.stalls = StallWatch(registered.heartbeat_s / 2)
         self._log.info("worker.registered", work_address=work_address, session=self._engine.session)
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._heartbeat, registered.heartbeat_s)
+            tg.start_soon(self._memory.stalls.run)
             tg.start_soon(self._memory.unmap_gone_receivers)
             tg.start_soon(self._send_reports, dealer)
             # Read on the loop without zmq.asyncio; nothing else uses this socket.
@@ -353,7 +358,7 @@ class WorkerRuntime:
             case Push():
                 # No Abort cancels a push: the daemon awaits its Pushed. Only the end of the
                 # registration does (forgotten or leaving), when the daemon awaits nothing.
-                tg.start_soon(memory.push, order)
+                tg.start_soon(memory.push, order, memory.stalls.look())
             case Abort(request_id=rid, ack=ack):
                 self._abort(rid, ack)
 

@@ -18,6 +18,7 @@ import anyio
 import structlog
 import torch
 
+from orchestrator.stall_watch import StallWatch
 from transfer import frames
 from transfer.engine import Engine, TransferError, TransferInDoubt
 from transfer.pool import Block, MemoryPool, PoolError
@@ -51,6 +52,9 @@ class RequestMemory:
         # landing in a peer's: the worker must not tell the daemon nothing of it can land.
         self.in_doubt_until = -math.inf
         self.log: Any = structlog.get_logger()  # the runtime's, bound to its registration
+        # The registration's (its limit is half the daemon's heartbeat): a push read around
+        # a stall of the worker's loop writes nothing (``_check_fresh``).
+        self.stalls = StallWatch(math.inf)
 
     async def unmap_gone_receivers(self, period_s: float = UNMAP_GONE_S) -> None:
         """Every ``period_s``, unmap the pools of same-host receivers that exited: a receiver
@@ -142,7 +146,9 @@ class RequestMemory:
         self._allocs[order.request_id] = block
         self._report(Allocated(request_id=order.request_id, address=self._pool.address(block)))
 
-    async def push(self, order: Push) -> None:
+    async def push(self, order: Push, read_at: float) -> None:
+        """Write the staged output ``order`` names where it says; ``read_at``: when the
+        runtime read the order (``stalls``' clock)."""
         rid = order.request_id
         if rid in self._pushing:
             # A repeat that came in the same message as the first: the runtime's guard ran
@@ -160,7 +166,10 @@ class RequestMemory:
         in_doubt = False
         via: Via = "mooncake"
         try:
-            via = await self._deliver(order, self._pool.address(block))
+            via = await self._deliver(order, self._pool.address(block), read_at)
+        except StalePush as exc:
+            error = str(exc)
+            self.log.warning("worker.stale_push_refused", request_id=rid, why=error)
         except TransferError as exc:
             error, in_doubt = str(exc), isinstance(exc, TransferInDoubt)
             if in_doubt:
@@ -177,25 +186,40 @@ class RequestMemory:
         self._report(Pushed(request_id=rid, ok=not error, transfer_ms=(time.perf_counter() - started) * 1000,
                             error=brief(error), via=via, in_doubt=in_doubt))
 
-    async def _deliver(self, order: Push, src_addr: int) -> Via:
+    async def _deliver(self, order: Push, src_addr: int, read_at: float) -> Via:
         """Copy into a same-host receiver's shared pool, else transfer with the engine.
 
         A small copy runs right here on the loop: it costs less than the hop to the push
         thread and back (0.4-6 ms on a busy 2-core host). Larger copies and every transfer
-        run on the push thread. Each side has its own writer: their mappings are not shared
-        between threads.
+        run on the push thread, one at a time. Each side has its own writer: their mappings
+        are not shared between threads. Whether the order is still fresh is asked last,
+        once the push thread is ours: a stall may come while it waits for the one before.
         """
         if order.local is not None and self._writers is not None:
             loop_writer, thread_writer = self._writers
             try:
                 if order.nbytes <= INLINE_COPY_BYTES:
+                    self._check_fresh(read_at)
                     loop_writer.write(order.local, src_addr, order.address, order.nbytes)
                 else:
-                    await anyio.to_thread.run_sync(thread_writer.write, order.local, src_addr, order.address,
-                                                   order.nbytes, limiter=self._transfer)
+                    async with self._transfer:
+                        self._check_fresh(read_at)
+                        await anyio.to_thread.run_sync(thread_writer.write, order.local, src_addr, order.address,
+                                                       order.nbytes)
                 return "memcpy"
             except LocalCopyError as exc:
                 self.log.warning("worker.local_copy_failed", request_id=order.request_id, error=str(exc))
-        await anyio.to_thread.run_sync(self._engine.write, order.session, src_addr, order.address, order.nbytes,
-                                       limiter=self._transfer)
+        async with self._transfer:
+            self._check_fresh(read_at)
+            await anyio.to_thread.run_sync(self._engine.write, order.session, src_addr, order.address, order.nbytes)
         return "mooncake"
+
+    def _check_fresh(self, read_at: float) -> None:
+        if self.stalls.stood_still_near(read_at):
+            raise StalePush(f"not written: this worker stood still for {self.stalls.stalled_s:.1f}s (stopped, or "
+                            "starved) around when it read this push, which may have waited out the stall unread; "
+                            "the daemon may have handed the memory it names out again meanwhile")
+
+
+class StalePush(TransferError):
+    """A push the worker read around a stall of its own: it writes nothing."""

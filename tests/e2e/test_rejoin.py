@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+from collections.abc import Awaitable, Callable
 
 import anyio
 import pytest
@@ -16,7 +17,7 @@ from orchestrator.cluster import LocalCluster
 from orchestrator.config import LOCAL_MOONCAKE_ENV
 from orchestrator.stages.null import expected_outputs
 from tests.e2e.conftest import StartCluster, all_free, wait_for
-from transfer.protocol import GenParams, Reason, Stats
+from transfer.protocol import GenParams, Progress, Reason, Stats
 
 # Receivers wait push_quarantine_s before rejoining, which must outlast a transfer.
 QUICK_REJOIN = {"daemon": {"push_quarantine_s": 1.5},
@@ -130,3 +131,61 @@ async def test_after_a_clean_stop_workers_rejoin_the_next_daemon_at_once(start_c
         assert rejoining["wait_s"] == 0.0
     await serve_correctly(cluster, 4)
     assert wait_for(cluster, all_free)
+
+
+async def test_a_push_a_frozen_sender_reads_after_its_eviction_writes_nothing(start_cluster: StartCluster) -> None:
+    """An encoder stopped (SIGSTOP) with its output staged is told to push it while frozen,
+    then evicted, and the memory the push names is handed out again once push_quarantine_s
+    has passed: here to another request's latents, staged for the busy decoder. Woken, the
+    encoder reads the old Push. Before, it wrote: that request came back a Result with wrong
+    bytes. (The denoiser holds one request at a time, so every block of its region starts
+    at one address: the Push's and the victim's.)"""
+    cluster = start_cluster(layout={"encoder": 2, "denoiser": 1, "decoder": 1}, **QUICK_REJOIN, **{
+        "workers.denoiser": {"capacity": 1, "prealloc_slots": 0},  # the slow path: blocks of its region
+        "workers.decoder": {"capacity": 1},
+        "model.null": {"encoder_ms": 20.0, "denoiser_ms": 1000.0, "decoder_ms": 3000.0}})
+    wrong: list[str] = []
+    waiting_for_decoder = anyio.Event()
+
+    async def check(client: AsyncClient, rid: str, seed: int) -> None:
+        params = GenParams(prompt=rid, seed=seed, output="raw")
+
+        def heard(progress: Progress) -> None:
+            if progress.state == "decoding" and progress.position:
+                waiting_for_decoder.set()  # its latents staged at the denoiser
+
+        generation = await client.submit(params, request_id=rid, timeout_s=60,
+                                         on_progress=heard if rid == "victim" else None)
+        if not torch.equal(generation.outputs["images"], expected_outputs(params, cluster.config.model.null)["images"]):
+            wrong.append(rid)
+
+    def stats_until(check: Callable[[Stats], bool]) -> Awaitable[Stats]:
+        return anyio.to_thread.run_sync(lambda: wait_for(cluster, check, timeout_s=30))
+
+    frozen = None
+    with anyio.fail_after(90):
+        try:
+            async with AsyncClient(cluster.config.daemon.client_endpoint) as client:
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(check, client, "first", 9)  # holds the only denoiser unit for 1 s
+                    await stats_until(lambda s: s.requests_by_state.get("denoising") == 1)
+                    tg.start_soon(check, client, "pushed-late", 0)
+                    stats = await stats_until(lambda s: s.handoffs_in_flight == 1)  # staged, waiting
+                    [name] = [i.name for i in stats.instances if i.role == "encoder" and i.slots_free < i.slots_total]
+                    frozen = cluster.workers[name]
+                    os.kill(frozen.pid, signal.SIGSTOP)
+                    # Its Push is sent once "first" is denoised; then it is evicted, its
+                    # request starts again on the other encoder, and the quarantine ends.
+                    await stats_until(lambda s: name not in {i.name for i in s.instances} and s.handoffs_held == 0)
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(check, client, "blocker", 1)
+                    await stats_until(lambda s: s.requests_by_state.get("decoding") == 1)
+                    tg.start_soon(check, client, "victim", 2)
+                    await waiting_for_decoder.wait()
+                    os.kill(frozen.pid, signal.SIGCONT)
+        finally:
+            if frozen is not None:
+                os.kill(frozen.pid, signal.SIGCONT)
+    assert wrong == []
+    assert "worker.stale_push_refused" in cluster.log_of(name)
+    assert wait_for(cluster, all_free, timeout_s=30)

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from orchestrator.config import Config
+from orchestrator.stall_watch import StallWatch
 from orchestrator.worker import WorkerRuntime
 from orchestrator.worker_memory import INLINE_COPY_BYTES
 from transfer import frames
@@ -42,7 +43,7 @@ async def test_a_timed_out_push_is_reported_in_doubt_and_a_failed_one_is_not(
     worker._use_pool(pool := MemoryPool(1 << 16))
     assert worker._memory is not None
     worker._memory._staged["r1"] = pool.try_alloc(512)
-    await worker._memory.push(Push(request_id="r1", session="peer:1", address=0x1000, nbytes=512))
+    await worker._memory.push(Push(request_id="r1", session="peer:1", address=0x1000, nbytes=512), time.monotonic())
     (message,) = await worker._outbox.take()
     pushed = WORKER_MESSAGE.decode(message[0])
     assert isinstance(pushed, Pushed) and not pushed.ok and pushed.error == str(error)
@@ -69,7 +70,7 @@ async def test_a_same_host_copy_that_fails_falls_back_to_the_engine(logs: list[d
     assert worker._memory is not None
     worker._memory._staged["r1"] = pool.try_alloc(512)
     gone = LocalMemory(host=host_id(), path="/proc/self/fd/999999", device=1, inode=1, base=0x1000, size=4096)
-    await worker._memory.push(Push(request_id="r1", session="peer:1", address=0x1000, nbytes=512, local=gone))
+    await worker._memory.push(Push(request_id="r1", session="peer:1", address=0x1000, nbytes=512, local=gone), time.monotonic())
     (message,) = await worker._outbox.take()
     pushed = WORKER_MESSAGE.decode(message[0])
     assert isinstance(pushed, Pushed) and pushed.ok and pushed.via == "mooncake"
@@ -91,7 +92,7 @@ async def test_the_pool_of_a_same_host_receiver_that_left_is_unmapped_without_an
         worker._memory._staged[rid] = pool.try_alloc(nbytes)
         base = region.tensor.data_ptr()
         await worker._memory.push(Push(request_id=rid, session="peer:1", address=base, nbytes=nbytes,
-                                       local=region.describe(base, 4 << 20)))
+                                       local=region.describe(base, 4 << 20)), time.monotonic())
     assert all(len(writer._mapped) == 2 for writer in writers)  # each side mapped both receivers
     os.close(gone._fd)  # as if its process exited: the path no longer names its file
     with anyio.move_on_after(0.3):
@@ -128,3 +129,80 @@ async def test_a_request_aborted_while_its_output_is_copied_stages_nothing(monke
     with anyio.move_on_after(0.05):
         await worker._memory.stage_output("r1", output, compute_ms=1.0)
     assert pool.allocated_blocks == 0 and not worker._memory.holds_output("r1") and len(worker._outbox) == 0
+
+
+class Clock:
+    """A monotonic clock the test moves: a stall is a jump."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class StallingEngine(RecordingEngine):
+    """Its first write takes a while, and the worker stands still (the clock jumps) meanwhile."""
+
+    def __init__(self, clock: Clock) -> None:
+        super().__init__()
+        self.clock = clock
+
+    def write(self, session: str, local_addr: int, remote_addr: int, nbytes: int) -> None:
+        if not self.writes:
+            time.sleep(0.1)
+            self.clock.now += 5.0
+        super().write(session, local_addr, remote_addr, nbytes)
+
+
+@pytest.mark.parametrize("late", ["read just before the stall", "waiting for the push thread through it"])
+async def test_a_push_read_around_a_stall_of_the_worker_writes_nothing(late: str, logs: list[dict]) -> None:
+    """A worker that stood still (SIGSTOP, a paused VM) past two heartbeats was evicted and
+    its pushes' targets handed out again, maybe to another request's data: a Push it read
+    before (or that waited, unread, through) the stall must not land there. It reports the
+    push failed, nothing written (not in doubt: the memory is free at once)."""
+    clock = Clock()
+    engine = StallingEngine(clock)
+    worker = WorkerRuntime("encoder", Config(), name="push-test", engine=engine)  # type: ignore[arg-type]
+    worker._use_pool(pool := MemoryPool(1 << 16))
+    memory = worker._memory
+    assert memory is not None
+    memory.stalls = StallWatch(0.5, clock=clock)
+    memory._staged["r1"] = pool.try_alloc(512)
+    push = Push(request_id="r1", session="peer:1", address=0x1000, nbytes=512)
+    if late == "read just before the stall":
+        engine.writes.append(("earlier", 0, 0))  # no stall inside the engine: the clock jumps here
+        read_at = memory.stalls.look()
+        clock.now += 5.0
+        await memory.push(push, read_at)
+    else:
+        memory._staged["first"] = pool.try_alloc(512)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(memory.push, Push(request_id="first", session="peer:1", address=0x2000, nbytes=512),
+                          memory.stalls.look())
+            await anyio.sleep(0.02)  # the first write holds the push thread
+            await memory.push(push, memory.stalls.look())
+    reports = [WORKER_MESSAGE.decode(body) for message in await worker._outbox.take() for body in message]
+    [pushed] = [r for r in reports if isinstance(r, Pushed) and r.request_id == "r1"]
+    assert not pushed.ok and not pushed.in_doubt and "stood still for 5.0s" in pushed.error
+    assert ("peer:1", 0x1000, 512) not in engine.writes
+    assert pool.allocated_blocks == 0
+    assert [line["request_id"] for line in logs if line["event"] == "worker.stale_push_refused"] == ["r1"]
+
+
+async def test_a_push_read_well_after_a_stall_writes() -> None:
+    clock = Clock()
+    engine = RecordingEngine()
+    worker = WorkerRuntime("encoder", Config(), name="push-test", engine=engine)  # type: ignore[arg-type]
+    worker._use_pool(pool := MemoryPool(1 << 16))
+    memory = worker._memory
+    assert memory is not None
+    memory.stalls = StallWatch(0.5, clock=clock)
+    clock.now += 5.0
+    memory.stalls.look()  # the stall, noticed
+    for _ in range(3):  # then running, looked at every half limit, for longer than the limit
+        clock.now += 0.25
+        memory.stalls.look()
+    memory._staged["r1"] = pool.try_alloc(512)
+    await memory.push(Push(request_id="r1", session="peer:1", address=0x1000, nbytes=512), memory.stalls.look())
+    assert engine.writes == [("peer:1", 0x1000, 512)]
