@@ -310,7 +310,10 @@ class Handoffs:
     def pushed(self, link: Link, msg: Pushed) -> None:
         flight = self._reported(msg.request_id, FlightState.PUSHING, link)
         if flight is None:
-            self._late(link, msg)
+            if msg.stood_still:  # it kept its output for a Push that will not come: free it
+                self._free_late(link, msg)
+            else:
+                self._late(link, msg)
             return
         rid = flight.request_id
         if self._pushing.get(rid) is flight:
@@ -318,6 +321,13 @@ class Handoffs:
         if flight.in_doubt:
             self._late(link, msg)  # its push has reported already: a repeat
             return
+        if msg.stood_still:
+            # The sender wrote nothing, its output still staged: while the request lives, the
+            # receiver's memory is still its own, so the push goes again, fresh by then.
+            if not flight.doomed:
+                self._push(flight, after_stall=True)
+                return
+            self._order(flight.role, flight.instance, Abort(request_id=rid))
         if flight.doomed:
             # The request ended mid-push. A push that ended wrote all it will: only now is the
             # receiver's memory safe to reuse. One in doubt (timed out) may still land: that
@@ -494,7 +504,7 @@ class Handoffs:
         log.debug("worker.late_report", report=type(msg).__name__, request_id=msg.request_id,
                   instance=link.instance)
 
-    def _free_late(self, link: Link, msg: Staged | Allocated) -> None:
+    def _free_late(self, link: Link, msg: Staged | Allocated | Pushed) -> None:
         """A late report says ``link`` holds memory for its request: have it freed there, unless
         the request is live on that worker (a repeated report), where the memory is in use.
 
@@ -513,7 +523,7 @@ class Handoffs:
 
     # ------------------------------------------------------------------ orders
 
-    def _push(self, flight: Flight) -> None:
+    def _push(self, flight: Flight, *, after_stall: bool = False) -> None:
         flight.push_due = time.monotonic() + self._write_timeout_s + flight.nbytes * 1e-9 + PUSH_REPORT_GRACE_S
         self._pushing.pop(flight.request_id, None)  # a retry's earlier push: this one goes last
         self._pushing[flight.request_id] = flight
@@ -522,7 +532,8 @@ class Handoffs:
         same_host = receiver.local is not None and sender.local is not None and receiver.local.host == sender.local.host
         self._order(flight.role, flight.instance, Push(request_id=flight.request_id, session=receiver.session,
                                                        address=flight.address, nbytes=flight.nbytes,
-                                                       local=receiver.local if same_host else None))
+                                                       local=receiver.local if same_host else None,
+                                                       after_stall=after_stall))
 
     def _order(self, role: Role, instance: str | None, order: WorkOrder) -> None:
         assert instance is not None

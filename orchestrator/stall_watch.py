@@ -37,8 +37,12 @@ class StallWatch:
         """Whether the loop stood still after ``read_at`` or just before it: what was read
         then may have waited out the stall unread (orders that came during a stall are read
         in the moments after it ends, within ``limit_s`` even on a busy host)."""
+        return self.stood_still_since(read_at - self.limit_s)
+
+    def stood_still_since(self, moment: float) -> bool:
+        """Whether a stall was noticed after ``moment`` (this clock's)."""
         self.look()
-        return self.stall_ended is not None and self.stall_ended >= read_at - self.limit_s
+        return self.stall_ended is not None and self.stall_ended > moment
 
     async def run(self) -> None:
         while True:

@@ -48,6 +48,9 @@ class RequestMemory:
         self._staged: dict[str, Block] = {}
         self._allocs: dict[str, Block] = {}
         self._pushing: set[str] = set()
+        # Pushes refused for a stall (``Pushed(stood_still)``), their outputs kept: when the
+        # refusal was reported. The Push sent again is stale only after a later stall.
+        self._refused_at: dict[str, float] = {}
         # Until then a write we stopped waiting for may still be reading our memory or
         # landing in a peer's: the worker must not tell the daemon nothing of it can land.
         self.in_doubt_until = -math.inf
@@ -86,6 +89,7 @@ class RequestMemory:
         if block is not None:
             self._pool.free(block)
         if rid not in self._pushing:
+            self._refused_at.pop(rid, None)
             block = self._staged.pop(rid, None)
             if block is not None:
                 self._pool.free(block)
@@ -97,6 +101,7 @@ class RequestMemory:
             self._pool.free(block)
         self._staged.clear()
         self._allocs.clear()
+        self._refused_at.clear()
 
     # ------------------------------------------------------------------ a stage's input and output
 
@@ -163,12 +168,15 @@ class RequestMemory:
         self._pushing.add(rid)
         started = time.perf_counter()
         error = ""
-        in_doubt = False
+        in_doubt = kept = False
         via: Via = "mooncake"
         try:
             via = await self._deliver(order, self._pool.address(block), read_at)
         except StalePush as exc:
-            error = str(exc)
+            # Its output stays staged: the daemon sends the Push again if that memory is
+            # still the request's, or an Abort.
+            error, kept = str(exc), True
+            self._refused_at[rid] = self.stalls.look()
             self.log.warning("worker.stale_push_refused", request_id=rid, why=error)
         except TransferError as exc:
             error, in_doubt = str(exc), isinstance(exc, TransferInDoubt)
@@ -179,12 +187,14 @@ class RequestMemory:
             error = f"{type(exc).__name__}: {exc}"
         finally:
             self._pushing.discard(rid)
-            del self._staged[rid]
-            # Freed even in doubt: a late read of it can only land in receiver memory that
-            # the daemon holds back until push_quarantine_s has passed.
-            self._pool.free(block)
+            if not kept:
+                self._refused_at.pop(rid, None)
+                del self._staged[rid]
+                # Freed even in doubt: a late read of it can only land in receiver memory that
+                # the daemon holds back until push_quarantine_s has passed.
+                self._pool.free(block)
         self._report(Pushed(request_id=rid, ok=not error, transfer_ms=(time.perf_counter() - started) * 1000,
-                            error=brief(error), via=via, in_doubt=in_doubt))
+                            error=brief(error), via=via, in_doubt=in_doubt, stood_still=kept))
 
     async def _deliver(self, order: Push, src_addr: int, read_at: float) -> Via:
         """Copy into a same-host receiver's shared pool, else transfer with the engine.
@@ -199,23 +209,28 @@ class RequestMemory:
             loop_writer, thread_writer = self._writers
             try:
                 if order.nbytes <= INLINE_COPY_BYTES:
-                    self._check_fresh(read_at)
+                    self._check_fresh(order, read_at)
                     loop_writer.write(order.local, src_addr, order.address, order.nbytes)
                 else:
                     async with self._transfer:
-                        self._check_fresh(read_at)
+                        self._check_fresh(order, read_at)
                         await anyio.to_thread.run_sync(thread_writer.write, order.local, src_addr, order.address,
                                                        order.nbytes)
                 return "memcpy"
             except LocalCopyError as exc:
                 self.log.warning("worker.local_copy_failed", request_id=order.request_id, error=str(exc))
         async with self._transfer:
-            self._check_fresh(read_at)
+            self._check_fresh(order, read_at)
             await anyio.to_thread.run_sync(self._engine.write, order.session, src_addr, order.address, order.nbytes)
         return "mooncake"
 
-    def _check_fresh(self, read_at: float) -> None:
-        if self.stalls.stood_still_near(read_at):
+    def _check_fresh(self, order: Push, read_at: float) -> None:
+        if order.after_stall:
+            # Sent after this worker reported its stall: only a stall since makes it stale.
+            stale = self.stalls.stood_still_since(self._refused_at.get(order.request_id, -math.inf))
+        else:
+            stale = self.stalls.stood_still_near(read_at)
+        if stale:
             raise StalePush(f"not written: this worker stood still for {self.stalls.stalled_s:.1f}s (stopped, or "
                             "starved) around when it read this push, which may have waited out the stall unread; "
                             "the daemon may have handed the memory it names out again meanwhile")

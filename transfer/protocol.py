@@ -478,6 +478,9 @@ class Push(Wire):
     part: NonNegative = 0
     # The receiver's pool, when it shares the sender's host: copy there instead of a transfer.
     local: LocalMemory | None = None
+    # Sent again in answer to the sender's ``Pushed(stood_still=True)``, so after its stall:
+    # only a later stall of the sender makes it stale.
+    after_stall: bool = False
 
 
 class Pushed(Wire):
@@ -492,6 +495,10 @@ class Pushed(Wire):
     # A failed write that timed out rather than ended: it may still land, so the receiver's
     # memory must wait out push_quarantine_s before anything else uses it.
     in_doubt: bool = False
+    # Not written, and the staged output kept: the sender stood still around when it read
+    # the Push, which may have been sent before the daemon gave up on it. The daemon sends
+    # the Push again (``after_stall``) if its flight still holds that memory, else an Abort.
+    stood_still: bool = False
 
 
 class Ready(Wire):

@@ -116,6 +116,52 @@ async def test_failed_push_frees_the_receivers_slot_and_fails_the_request(
             n.assert_silent()
 
 
+# The sender stood still around when it read r1's Push: it wrote nothing and kept its output.
+STOOD_STILL = Pushed(request_id="r1", ok=False, transfer_ms=0.0, error="not written: stood still", stood_still=True)
+
+
+async def test_a_push_its_sender_refused_for_a_stall_goes_again_while_the_request_lives(
+    ctx: zmq.asyncio.Context, tmp_path: Path
+) -> None:
+    """Nothing was written and the receiver's slot is still the request's: the same Push goes
+    again, marked as sent after the stall; nothing fails, nothing is retried."""
+    with anyio.fail_after(5):
+        async with encoder_and_denoiser(ctx, tmp_path, slots=2) as (n, encoder, denoiser):
+            await push_on_fast_path(n, encoder, denoiser, "r1")
+            await encoder.report(STOOD_STILL)
+            again = await n.pools["encoder"].receive()
+            assert isinstance(again, Send) and isinstance(again.order, Push) and again.order.after_stall
+            assert again.order.address == POOL_BASE and again.order.session == denoiser.session
+            await encoder.report(Pushed(request_id="r1", ok=True, transfer_ms=1.0))
+            sent = await n.pools["denoiser"].receive()
+            assert isinstance(sent, Send) and isinstance(sent.order, Ready) and sent.order.address == POOL_BASE
+            assert isinstance(await n.tracker.receive(), HandedOff)
+            assert (await n.stats()).late_reports == 0
+
+
+async def test_a_push_refused_for_a_stall_after_its_request_ended_frees_both_ends(
+    ctx: zmq.asyncio.Context, tmp_path: Path
+) -> None:
+    """The request ended mid-push: nothing was written, so the receiver's slot is free at
+    once, and the sender is told to drop the output it kept."""
+    with anyio.fail_after(5):
+        async with encoder_and_denoiser(ctx, tmp_path, slots=2) as (n, encoder, denoiser):
+            await push_on_fast_path(n, encoder, denoiser, "r1")
+            n.inbox.post(Forget(request_id="r1"))
+            assert (await n.stats()).handoffs_held == 1
+            assert n.take("encoder") == [released("r1", encoder), aborted("r1", encoder)]
+            n.take("denoiser")
+            await encoder.report(STOOD_STILL)
+            assert await n.pools["encoder"].receive() == aborted("r1", encoder)
+            stats = await n.stats()
+            assert stats.prealloc[denoiser.instance] == PreallocCounts(2, 2) and stats.handoffs_held == 0
+            n.assert_silent()
+            # Its push long gone (the quarantine ended, say): the output it kept is freed too.
+            await encoder.report(STOOD_STILL)
+            assert await n.pools["encoder"].receive() == aborted("r1", encoder)
+            assert (await wait_late(n, 1)).late_reports == 1
+
+
 async def fail_a_push_into(n: Negotiator, encoder: FakeWorker, denoiser: FakeWorker, rid: str) -> None:
     await push_on_fast_path(n, encoder, denoiser, rid)
     await encoder.report(Pushed(request_id=rid, ok=False, transfer_ms=0.0, error="peer unreachable"))

@@ -8,6 +8,7 @@ import threading
 import time
 
 import anyio
+import msgspec
 import pytest
 import torch
 
@@ -159,8 +160,9 @@ class StallingEngine(RecordingEngine):
 async def test_a_push_read_around_a_stall_of_the_worker_writes_nothing(late: str, logs: list[dict]) -> None:
     """A worker that stood still (SIGSTOP, a paused VM) past two heartbeats was evicted and
     its pushes' targets handed out again, maybe to another request's data: a Push it read
-    before (or that waited, unread, through) the stall must not land there. It reports the
-    push failed, nothing written (not in doubt: the memory is free at once)."""
+    before (or that waited, unread, through) the stall must not land there. It reports that
+    it stood still, nothing written, and keeps its output for the Push the daemon sends
+    again (``after_stall``) if that memory is still the request's: that one writes."""
     clock = Clock()
     engine = StallingEngine(clock)
     worker = WorkerRuntime("encoder", Config(), name="push-test", engine=engine)  # type: ignore[arg-type]
@@ -184,10 +186,35 @@ async def test_a_push_read_around_a_stall_of_the_worker_writes_nothing(late: str
             await memory.push(push, memory.stalls.look())
     reports = [WORKER_MESSAGE.decode(body) for message in await worker._outbox.take() for body in message]
     [pushed] = [r for r in reports if isinstance(r, Pushed) and r.request_id == "r1"]
-    assert not pushed.ok and not pushed.in_doubt and "stood still for 5.0s" in pushed.error
+    assert not pushed.ok and pushed.stood_still and not pushed.in_doubt and "stood still for 5.0s" in pushed.error
     assert ("peer:1", 0x1000, 512) not in engine.writes
-    assert pool.allocated_blocks == 0
+    assert pool.allocated_blocks == 1 and memory.holds_output("r1")
     assert [line["request_id"] for line in logs if line["event"] == "worker.stale_push_refused"] == ["r1"]
+    clock.now += 0.1  # the daemon's answer comes at once, well within the stall's window
+    await memory.push(msgspec.structs.replace(push, after_stall=True), memory.stalls.look())
+    assert ("peer:1", 0x1000, 512) in engine.writes
+    assert pool.allocated_blocks == 0 and not memory.holds_output("r1")
+
+
+async def test_a_push_sent_again_after_a_stall_is_stale_after_another_stall() -> None:
+    clock = Clock()
+    engine = RecordingEngine()
+    worker = WorkerRuntime("encoder", Config(), name="push-test", engine=engine)  # type: ignore[arg-type]
+    worker._use_pool(pool := MemoryPool(1 << 16))
+    memory = worker._memory
+    assert memory is not None
+    memory.stalls = StallWatch(0.5, clock=clock)
+    memory._staged["r1"] = pool.try_alloc(512)
+    push = Push(request_id="r1", session="peer:1", address=0x1000, nbytes=512)
+    clock.now += 5.0
+    await memory.push(push, memory.stalls.look())  # refused: read just as the stall ended
+    again = msgspec.structs.replace(push, after_stall=True)
+    read_at = memory.stalls.look()
+    clock.now += 5.0  # stopped again before it wrote
+    await memory.push(again, read_at)
+    assert engine.writes == [] and memory.holds_output("r1")
+    memory.free("r1")  # the daemon's Abort, the request having ended meanwhile
+    assert pool.allocated_blocks == 0 and not memory._refused_at
 
 
 async def test_a_push_read_well_after_a_stall_writes() -> None:
