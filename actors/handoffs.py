@@ -323,11 +323,15 @@ class Handoffs:
             return
         if msg.stood_still:
             # The sender wrote nothing, its output still staged: while the request lives, the
-            # receiver's memory is still its own, so the push goes again, fresh by then.
-            if not flight.doomed:
+            # receiver's memory is still its own, so the push goes again, fresh by then; else
+            # both ends are freed.
+            if flight.doomed:
+                self._order(flight.role, flight.instance, Abort(request_id=rid))
+                self._release_receiver(flight)
+                del self._flights[rid]
+            else:
                 self._push(flight, after_stall=True)
-                return
-            self._order(flight.role, flight.instance, Abort(request_id=rid))
+            return
         if flight.doomed:
             # The request ended mid-push. A push that ended wrote all it will: only now is the
             # receiver's memory safe to reuse. One in doubt (timed out) may still land: that

@@ -1,5 +1,6 @@
-"""When this process last stood still: stopped (SIGSTOP, a paused container or VM) or
-starved, its event loop running nothing for a while.
+"""When this process last stood still: stopped (SIGSTOP, a frozen container) or starved,
+its event loop running nothing for a while. (A VM paused by its hypervisor may not see the
+pause in its monotonic clock: that pause goes unnoticed here.)
 
 A worker that stood still may read orders the daemon sent long ago: the daemon, hearing
 no heartbeats, may have evicted it and handed out again the receiver memory a ``Push``
@@ -24,12 +25,14 @@ class StallWatch:
         self._last_look = clock()
         self.stall_ended: float | None = None  # when the latest stall was noticed
         self.stalled_s = 0.0  # and how long it was
+        self.count = 0  # stalls noticed so far
 
     def look(self) -> float:
         """Note that the loop runs now (and whether it stood still since the last look); now."""
         now = self._clock()
         if now - self._last_look > self.limit_s:
             self.stall_ended, self.stalled_s = now, now - self._last_look
+            self.count += 1
         self._last_look = now
         return now
 
@@ -37,12 +40,13 @@ class StallWatch:
         """Whether the loop stood still after ``read_at`` or just before it: what was read
         then may have waited out the stall unread (orders that came during a stall are read
         in the moments after it ends, within ``limit_s`` even on a busy host)."""
-        return self.stood_still_since(read_at - self.limit_s)
-
-    def stood_still_since(self, moment: float) -> bool:
-        """Whether a stall was noticed after ``moment`` (this clock's)."""
         self.look()
-        return self.stall_ended is not None and self.stall_ended > moment
+        return self.stall_ended is not None and self.stall_ended >= read_at - self.limit_s
+
+    def stood_still_after(self, count: int) -> bool:
+        """Whether a stall was noticed after the ``count``-th."""
+        self.look()
+        return self.count > count
 
     async def run(self) -> None:
         while True:

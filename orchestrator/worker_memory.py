@@ -48,9 +48,9 @@ class RequestMemory:
         self._staged: dict[str, Block] = {}
         self._allocs: dict[str, Block] = {}
         self._pushing: set[str] = set()
-        # Pushes refused for a stall (``Pushed(stood_still)``), their outputs kept: when the
-        # refusal was reported. The Push sent again is stale only after a later stall.
-        self._refused_at: dict[str, float] = {}
+        # Pushes refused for a stall (``Pushed(stood_still)``), their outputs kept: the stalls
+        # noticed by then. The Push sent again is stale only after a later stall.
+        self._refused_after: dict[str, int] = {}
         # Until then a write we stopped waiting for may still be reading our memory or
         # landing in a peer's: the worker must not tell the daemon nothing of it can land.
         self.in_doubt_until = -math.inf
@@ -89,7 +89,7 @@ class RequestMemory:
         if block is not None:
             self._pool.free(block)
         if rid not in self._pushing:
-            self._refused_at.pop(rid, None)
+            self._refused_after.pop(rid, None)
             block = self._staged.pop(rid, None)
             if block is not None:
                 self._pool.free(block)
@@ -101,7 +101,7 @@ class RequestMemory:
             self._pool.free(block)
         self._staged.clear()
         self._allocs.clear()
-        self._refused_at.clear()
+        self._refused_after.clear()
 
     # ------------------------------------------------------------------ a stage's input and output
 
@@ -176,7 +176,8 @@ class RequestMemory:
             # Its output stays staged: the daemon sends the Push again if that memory is
             # still the request's, or an Abort.
             error, kept = str(exc), True
-            self._refused_at[rid] = self.stalls.look()
+            self.stalls.look()
+            self._refused_after[rid] = self.stalls.count
             self.log.warning("worker.stale_push_refused", request_id=rid, why=error)
         except TransferError as exc:
             error, in_doubt = str(exc), isinstance(exc, TransferInDoubt)
@@ -188,7 +189,7 @@ class RequestMemory:
         finally:
             self._pushing.discard(rid)
             if not kept:
-                self._refused_at.pop(rid, None)
+                self._refused_after.pop(rid, None)
                 del self._staged[rid]
                 # Freed even in doubt: a late read of it can only land in receiver memory that
                 # the daemon holds back until push_quarantine_s has passed.
@@ -225,9 +226,10 @@ class RequestMemory:
         return "mooncake"
 
     def _check_fresh(self, order: Push, read_at: float) -> None:
-        if order.after_stall:
+        refused_after = self._refused_after.get(order.request_id) if order.after_stall else None
+        if refused_after is not None:
             # Sent after this worker reported its stall: only a stall since makes it stale.
-            stale = self.stalls.stood_still_since(self._refused_at.get(order.request_id, -math.inf))
+            stale = self.stalls.stood_still_after(refused_after)
         else:
             stale = self.stalls.stood_still_near(read_at)
         if stale:

@@ -181,7 +181,7 @@ class MooncakeEngine:
             self._open(te, session, local_addr, remote_addr, nbytes, limit_s)
         if not self._attempt(te, session, local_addr, remote_addr, nbytes, deadline):
             log.warning("transfer.retry", session=session, nbytes=nbytes)
-            if not self._attempt(te, session, local_addr, remote_addr, nbytes, time.monotonic() + limit_s):
+            if not self._attempt(te, session, local_addr, remote_addr, nbytes, deadline):
                 raise TransferError(
                     f"write of {nbytes} bytes from {local_addr:#x} to {session} at {remote_addr:#x} "
                     "failed twice: peer unreachable or dead, or remote range not registered there"
@@ -217,9 +217,15 @@ class MooncakeEngine:
         """Submit one write and poll it until ``deadline`` (monotonic): True when done, False
         when it failed (worth one retry).
 
-        Raises TransferInDoubt when it times out, leaving the id to Mooncake untouched.
+        Raises TransferInDoubt when it times out, leaving the id to Mooncake untouched, and
+        TransferError, submitting nothing, once ``deadline`` has passed: a write started then
+        (after a handshake, a retry, or the worker standing still) could land after the
+        daemon has handed its target to another request.
         """
         submitted_at = time.monotonic()
+        if submitted_at >= deadline:
+            raise TransferError(f"write of {nbytes} bytes to {session}: its deadline passed before it was submitted "
+                                "(a slow handshake, or the worker stood still): not started")
         batch_id = te.transfer_submit_write(session, local_addr, remote_addr, nbytes)
         if not 0 < batch_id < _MAX_ID:  # nothing was submitted, so there is no id to poll
             took_s = time.monotonic() - submitted_at

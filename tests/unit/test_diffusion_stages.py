@@ -284,6 +284,27 @@ def test_steps_are_bounded_by_what_the_scheduler_takes(tmp_path, scheduler: str,
         assert images.shape == (1, 16, 16, 3)
 
 
+def test_a_scheduler_whose_library_is_missing_is_named_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    """diffusers' placeholder for a scheduler whose library is not installed (LMS without
+    scipy) raises ImportError when built: every role's limits build it."""
+    def missing(*args, **kwargs):
+        raise ImportError("DDIMScheduler requires the scipy library but it was not found in your environment")
+
+    monkeypatch.setattr(diffusers.DDIMScheduler, "from_config", missing)
+    with pytest.raises(ModelUnloadable, match="the model's scheduler DDIMScheduler cannot be built here: .*scipy"):
+        adapter_for(DiffusersConfig(family="sd15")).limits()
+
+
+def test_a_component_whose_library_is_missing_is_named_in_one_line(saved_sd15: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    def missing(*args, **kwargs):
+        raise ImportError("LMSDiscreteScheduler requires the scipy library")
+
+    monkeypatch.setattr(diffusers.StableDiffusionPipeline, "from_pretrained", missing)
+    with pytest.raises(ModelUnloadable, match="the denoiser's components do not load: .*scipy"):
+        build_diffusion_stage("denoiser", DiffusersConfig(family="sd15", path=str(saved_sd15)))
+
+
 def test_tiny_components_build_alone_identically() -> None:
     """A process building only the UNet gets the UNet the whole pipeline has."""
     alone = tiny.build_component("sd15", "unet", seed=9)

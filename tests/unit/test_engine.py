@@ -340,6 +340,21 @@ def test_a_write_whose_deadline_passed_in_its_handshake_never_starts(pair: Pair,
     assert fake.submits == 0
 
 
+def test_a_retry_is_not_submitted_past_the_writes_deadline(pair: Pair, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The retry of a quick failure keeps the write's own deadline: one submitted later (the
+    worker stood still between the attempts) could land after the daemon, hearing nothing,
+    handed its target to another request. Nothing more is submitted: a clean failure."""
+    fake = ScriptedMooncake([-1], [1], submit_s=0.1)
+    monkeypatch.setattr(pair.sender, "_te", fake)
+    monkeypatch.setattr(pair.sender, "_timeout_s", 0.0)
+    monkeypatch.setattr(transfer.engine, "_GRACE_S", 0.05)
+    with pytest.raises(TransferError, match="write of 64 bytes to peer:1: its deadline passed before it was "
+                                            "submitted") as failed:
+        pair.sender.write("peer:1", pair.out.base, 0x1000, 64)
+    assert not isinstance(failed.value, TransferInDoubt)
+    assert fake.submits == 1
+
+
 def test_a_peer_is_shaken_hands_with_once(pair: Pair, monkeypatch: pytest.MonkeyPatch) -> None:
     fake = ScriptedMooncake([1], [1], [1])
     monkeypatch.setattr(pair.sender, "_te", fake)

@@ -35,7 +35,8 @@ def test_what_was_read_before_a_stall_or_just_after_it_stood_still_and_later_rea
     before = watch.look()
     clock.now += 4.0  # stopped
     just_after = watch.look()  # the first look after it notices it, whoever looks
-    assert (watch.stall_ended, watch.stalled_s) == (just_after, 4.0)
+    assert (watch.stall_ended, watch.stalled_s, watch.count) == (just_after, 4.0, 1)
+    assert watch.stood_still_after(0) and not watch.stood_still_after(1)
     assert watch.stood_still_near(before) and watch.stood_still_near(just_after)
     clock.now += 0.5  # a message that came during the stall, read moments later
     assert watch.stood_still_near(clock.now)

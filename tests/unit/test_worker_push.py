@@ -158,7 +158,7 @@ class StallingEngine(RecordingEngine):
 
 @pytest.mark.parametrize("late", ["read just before the stall", "waiting for the push thread through it"])
 async def test_a_push_read_around_a_stall_of_the_worker_writes_nothing(late: str, logs: list[dict]) -> None:
-    """A worker that stood still (SIGSTOP, a paused VM) past two heartbeats was evicted and
+    """A worker that stood still (SIGSTOP, a frozen container) past two heartbeats was evicted and
     its pushes' targets handed out again, maybe to another request's data: a Push it read
     before (or that waited, unread, through) the stall must not land there. It reports that
     it stood still, nothing written, and keeps its output for the Push the daemon sends
@@ -214,7 +214,7 @@ async def test_a_push_sent_again_after_a_stall_is_stale_after_another_stall() ->
     await memory.push(again, read_at)
     assert engine.writes == [] and memory.holds_output("r1")
     memory.free("r1")  # the daemon's Abort, the request having ended meanwhile
-    assert pool.allocated_blocks == 0 and not memory._refused_at
+    assert pool.allocated_blocks == 0 and not memory._refused_after
 
 
 async def test_a_push_read_well_after_a_stall_writes() -> None:

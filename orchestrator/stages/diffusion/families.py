@@ -121,7 +121,10 @@ class FamilyAdapter:
         cls = self.scheduler_class()
         if cls is None:
             return fewest, most
-        scheduler = cls.from_config(self.config("scheduler"))
+        try:
+            scheduler = cls.from_config(self.config("scheduler"))
+        except ImportError as exc:  # every role's limits need it, and the denoiser runs it
+            raise ModelUnloadable(f"the model's scheduler {cls.__name__} cannot be built here: {exc}") from None
 
         def takes(steps: int) -> bool:
             # What it warns of (numpy deprecations) is no refusal, even where warnings raise.
@@ -236,7 +239,9 @@ class FamilyAdapter:
                 pipe = self.pipeline_cls.from_pretrained(
                     self.cfg.path, **absent, **self.pipeline_kwargs, dtype=self.dtype
                 )
-            except (OSError, ValueError) as exc:  # a part's weights missing or unreadable, say
+            # A part's weights missing or unreadable, say; or a class whose library is not
+            # installed (diffusers' placeholder raises ImportError: LMS without scipy).
+            except (OSError, ValueError, ImportError) as exc:
                 raise ModelUnloadable(f"{self.cfg.path}: the {role}'s components do not load: {exc}") from None
         else:
             built = {n: tiny.build_component(self.name, n, self.cfg.seed, self.dtype) for n in wanted}
