@@ -15,7 +15,7 @@ import torch
 from orchestrator.config import Config
 from orchestrator.stall_watch import StallWatch
 from orchestrator.worker import WorkerRuntime
-from orchestrator.worker_memory import INLINE_COPY_BYTES
+from orchestrator.worker_memory import INLINE_COPY_BYTES, RequestMemory
 from transfer import frames
 from transfer.engine import TransferError, TransferInDoubt
 from transfer.pool import MemoryPool
@@ -156,6 +156,15 @@ class StallingEngine(RecordingEngine):
         super().write(session, local_addr, remote_addr, nbytes)
 
 
+def watched_worker(engine: RecordingEngine, clock: Clock) -> tuple[WorkerRuntime, MemoryPool, RequestMemory]:
+    """An encoder's runtime whose loop's stalls are told by ``clock`` (half a heartbeat: 0.5 s)."""
+    worker = WorkerRuntime("encoder", Config(), name="push-test", engine=engine)  # type: ignore[arg-type]
+    worker._use_pool(pool := MemoryPool(1 << 16))
+    assert worker._memory is not None
+    worker._memory.stalls = StallWatch(0.5, clock=clock)
+    return worker, pool, worker._memory
+
+
 @pytest.mark.parametrize("late", ["read just before the stall", "waiting for the push thread through it"])
 async def test_a_push_read_around_a_stall_of_the_worker_writes_nothing(late: str, logs: list[dict]) -> None:
     """A worker that stood still (SIGSTOP, a frozen container) past two heartbeats was evicted and
@@ -165,11 +174,7 @@ async def test_a_push_read_around_a_stall_of_the_worker_writes_nothing(late: str
     again (``after_stall``) if that memory is still the request's: that one writes."""
     clock = Clock()
     engine = StallingEngine(clock)
-    worker = WorkerRuntime("encoder", Config(), name="push-test", engine=engine)  # type: ignore[arg-type]
-    worker._use_pool(pool := MemoryPool(1 << 16))
-    memory = worker._memory
-    assert memory is not None
-    memory.stalls = StallWatch(0.5, clock=clock)
+    worker, pool, memory = watched_worker(engine, clock)
     memory._staged["r1"] = pool.try_alloc(512)
     push = Push(request_id="r1", session="peer:1", address=0x1000, nbytes=512)
     if late == "read just before the stall":
@@ -199,11 +204,7 @@ async def test_a_push_read_around_a_stall_of_the_worker_writes_nothing(late: str
 async def test_a_push_sent_again_after_a_stall_is_stale_after_another_stall() -> None:
     clock = Clock()
     engine = RecordingEngine()
-    worker = WorkerRuntime("encoder", Config(), name="push-test", engine=engine)  # type: ignore[arg-type]
-    worker._use_pool(pool := MemoryPool(1 << 16))
-    memory = worker._memory
-    assert memory is not None
-    memory.stalls = StallWatch(0.5, clock=clock)
+    _, pool, memory = watched_worker(engine, clock)
     memory._staged["r1"] = pool.try_alloc(512)
     push = Push(request_id="r1", session="peer:1", address=0x1000, nbytes=512)
     clock.now += 5.0
@@ -220,11 +221,7 @@ async def test_a_push_sent_again_after_a_stall_is_stale_after_another_stall() ->
 async def test_a_push_read_well_after_a_stall_writes() -> None:
     clock = Clock()
     engine = RecordingEngine()
-    worker = WorkerRuntime("encoder", Config(), name="push-test", engine=engine)  # type: ignore[arg-type]
-    worker._use_pool(pool := MemoryPool(1 << 16))
-    memory = worker._memory
-    assert memory is not None
-    memory.stalls = StallWatch(0.5, clock=clock)
+    _, pool, memory = watched_worker(engine, clock)
     clock.now += 5.0
     memory.stalls.look()  # the stall, noticed
     for _ in range(3):  # then running, looked at every half limit, for longer than the limit
