@@ -125,6 +125,7 @@ class WorkerRuntime:
         self._log = log.bind(role=role, worker=self.name)
         self._peer_log = Throttled(self._log)  # what anyone reaching the work socket can make it say
         self._work_address: str | None = None  # once bound
+        self._daemon_link: tuple[zmq.asyncio.Context, zmq.asyncio.Socket] | None = None  # once created
         self._watchdog = StageWatchdog(self._wcfg.stage_timeout_s, log=self._log, exit=self._exit_at_once)
 
     # ------------------------------------------------------------------ lifecycle
@@ -155,10 +156,11 @@ class WorkerRuntime:
         self._engine.register(pool.base, pool.size)
         self._use_pool(pool, writers)
         ctx = zmq.asyncio.Context()
-        work = zmq.Socket(ctx, zmq.PULL)
+        work = ctx.socket(zmq.PULL, socket_class=zmq.Socket)  # plain: read by a PlainPump
         work.setsockopt(zmq.LINGER, 0)
         dealer = ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
+        self._daemon_link = (ctx, dealer)
         registered: Registered | None = None
         try:
             self._work_address = work_address = bind_work_socket(work, self._wcfg)
@@ -193,6 +195,21 @@ class WorkerRuntime:
         the worker's requests again elsewhere."""
         remove_ipc_file(self._work_address)
         os._exit(status)
+
+    def _exit_after_reports(self, status: int) -> None:
+        """``_exit_at_once``, but first send every queued report and wait, up to
+        LEAVING_LINGER_MS, until ZMQ has put them on the wire. On the loop only: it takes
+        the daemon link from under the tasks that use it, which never run again."""
+        if self._daemon_link is not None:
+            ctx, dealer = self._daemon_link
+            sender = zmq.Socket.shadow(dealer.underlying)
+            try:
+                for message in self._outbox.take_now():
+                    sender.send_multipart(message, zmq.NOBLOCK, copy=False)
+            except zmq.ZMQError:
+                pass  # no room to queue them: the daemon notices the silence instead
+            ctx.destroy(linger=LEAVING_LINGER_MS)  # closes both sockets; returns once the reports are out, or the linger is over
+        self._exit_at_once(status)
 
     def _may_say_leaving(self) -> bool:
         """Leaving tells the daemon no write of ours can still land: false for a while after
@@ -476,8 +493,12 @@ class WorkerRuntime:
             # A CUDA error (an illegal access, a device-side assert) often leaves the process's
             # GPU context unusable, and torch cannot say which do: every later request would
             # fail here at once, and a worker that fails at once looks idlest to the dispatch.
+            # The request fails rather than being started again elsewhere: if it is what
+            # faults the device, it would take down worker after worker (daemon.retries).
             self._log.error("worker.device_broken", request_id=rid, error=str(exc), exit_status=EXIT_DEVICE_BROKEN)
-            self._exit_at_once(EXIT_DEVICE_BROKEN)
+            self._report(Done(request_id=rid, ok=False, compute_ms=compute_ms, reason=Reason.STAGE_FAILED,
+                              error=brief(f"the device failed and its worker exits: {exc}")))
+            self._exit_after_reports(EXIT_DEVICE_BROKEN)
         except Exception as exc:  # one request's failure must not kill the worker
             if control.stopped:
                 # Aborted while it ran, then it failed: the daemon expects no report but the

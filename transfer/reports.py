@@ -64,6 +64,10 @@ class ReportOutbox:
     async def take(self) -> list[Message]:
         """Wait for at least one report, then return every queued one as messages."""
         await self._ready.wait()
+        return self.take_now()
+
+    def take_now(self) -> list[Message]:
+        """Every queued report as messages, at once (none: an empty list)."""
         self._ready = anyio.Event()
         queued, self._queued = self._queued, []
         return group_reports(queued)

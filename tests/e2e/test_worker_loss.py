@@ -119,23 +119,24 @@ def test_a_hung_stage_takes_its_worker_down_and_nothing_else(start_cluster: Star
     assert name not in {i.name for i in stats.instances}
 
 
-def test_a_cuda_error_takes_its_worker_down_and_its_request_is_retried(start_cluster: StartCluster) -> None:
+def test_a_cuda_error_fails_its_request_and_takes_only_its_worker_down(start_cluster: StartCluster) -> None:
     """A kernel fault leaves a GPU context unusable: its worker exits with status 71 for a
-    supervisor to replace, and the daemon starts the request again on the other denoiser,
-    which fails the same way (the request itself faults), so the client hears worker_lost."""
+    supervisor to replace. Its request fails with stage_failed, said before the exit: started
+    again on the other denoiser, a request that faults the device would take that one down too."""
     cluster = start_cluster(**{"model.faults": {"device_error_prompt": "fault"}})
     with Client(cluster.config.daemon.client_endpoint) as client:
         with pytest.raises(Rejection) as caught:
             client.submit(GenParams(prompt="fault the kernel", seed=1, output="raw"), timeout_s=30)
-        assert caught.value.reason == Reason.WORKER_LOST
-        for name in ("denoiser0", "denoiser1"):
-            assert cluster.workers[name].wait(timeout=10) == EXIT_DEVICE_BROKEN
-            assert "worker.device_broken" in cluster.log_of(name)
-        cluster.start_worker("denoiser", 2)
+        assert caught.value.reason == Reason.STAGE_FAILED
+        assert "the device failed and its worker exits: CUDA error: an illegal memory access" in str(caught.value)
+        [broken] = [name for name in ("denoiser0", "denoiser1") if "worker.device_broken" in cluster.log_of(name)]
+        assert cluster.workers[broken].wait(timeout=10) == EXIT_DEVICE_BROKEN
         params = GenParams(prompt="an ordinary request", seed=2, output="raw")
         generation = client.submit(params, timeout_s=30)
     assert torch.equal(generation.outputs["images"], expected_outputs(params, cluster.config.model.null)["images"])
-    wait_for(cluster, lambda s: all_free(s) and len(s.instances) == 3)
+    stats = wait_for(cluster, lambda s: all_free(s) and len(s.instances) == 3)
+    assert broken not in {i.name for i in stats.instances}
+    assert all(proc.poll() is None for name, proc in cluster.workers.items() if name != broken)
 
 
 def test_a_worker_told_to_stop_during_a_hung_stage_still_exits(start_cluster: StartCluster) -> None:

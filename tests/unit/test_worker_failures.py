@@ -77,18 +77,21 @@ def test_an_out_of_memory_error_without_a_message_still_fails_plainly() -> None:
     assert isinstance(failure, StageError) and str(failure) == "out of GPU memory for this request"
 
 
-async def test_a_cuda_error_takes_the_worker_down_for_its_supervisor(logs: list[dict]) -> None:
+async def test_a_cuda_error_fails_its_request_and_takes_the_worker_down(logs: list[dict]) -> None:
     """Every later kernel of a poisoned context fails at once, and a worker that fails at once
-    looks idlest to the dispatch: it exits instead, as a hung stage does, and the daemon starts
-    its requests again elsewhere."""
+    looks idlest to the dispatch: it exits instead, as a hung stage does. Its request fails
+    first: started again elsewhere, a request that faults the device would take down every
+    worker it is retried on."""
     exits: list[int] = []
     async with worker("encoder") as w:
         w._exit_at_once = exits.append  # type: ignore[method-assign]
         w._stage = Failing(torch.AcceleratorError("CUDA error: an illegal memory access was encountered"))
         w.send(Work(request_id="r1", params=PARAMS))
-        assert await reports(w, 0, settle_s=0.3) == []  # no Done: the request is the daemon's to retry
+        [done] = await reports(w, 1)
         w.tg.cancel_scope.cancel()
     assert exits == [EXIT_DEVICE_BROKEN]
+    assert done.request_id == "r1" and not done.ok and done.reason == Reason.STAGE_FAILED
+    assert done.error == "the device failed and its worker exits: CUDA error: an illegal memory access was encountered"
     [event] = [e for e in logs if e["event"] == "worker.device_broken"]
     assert event["request_id"] == "r1" and "illegal memory access" in event["error"]
 
