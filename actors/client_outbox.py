@@ -77,9 +77,11 @@ class ClientOutbox:
     def holding(self) -> bool:
         return bool(self._held)
 
-    def send(self, parts: Reply, now: float) -> bool:
+    def send(self, parts: Reply, now: float, *, awaited: bool = True) -> bool:
         """Send a reply now, or hold it if ZMQ has no room yet (never blocks). True if its
-        connection starts holding replies, and so needs a resend scheduled."""
+        connection starts holding replies, and so needs a resend scheduled. A reply not
+        ``awaited`` (its client may have left on purpose) is not counted when its
+        connection is gone."""
         held = self._held.get(parts[0])
         if held is not None:
             self._hold(held, parts)  # behind what waits already
@@ -88,7 +90,7 @@ class ClientOutbox:
             send_frames(self._sock, parts, NOBLOCK, copy=False)
         except zmq.ZMQError as exc:
             if exc.errno != zmq.EAGAIN:
-                self._unsendable(parts[0], 1, exc)
+                self._unsendable(parts[0], 1 if awaited else 0, exc)
                 return False
             self._held[parts[0]] = held = _Held(due=now + RESEND_FIRST_S)
             self._hold(held, parts)
@@ -153,7 +155,8 @@ class ClientOutbox:
 
     def _unsendable(self, identity: bytes, count: int, exc: zmq.ZMQError) -> None:
         gone = exc.errno == zmq.EHOSTUNREACH
-        self._drop(count, exc.strerror, gone=gone)
+        if count:
+            self._drop(count, exc.strerror, gone=gone)
         if gone:
             self._on_gone(identity)
 

@@ -135,7 +135,7 @@ class FrontendActor:
         self._draining = False
         self._retried = 0
         self._refused: dict[str, int] = {}  # by reason: submits refused at the door
-        self._unsent: list[list] = []  # replies waiting for the flush
+        self._unsent: list[tuple[list, bool]] = []  # replies waiting for the flush, and whether awaited
         self._log = log.bind(actor="frontend")
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[str] = anyio.TASK_STATUS_IGNORED) -> None:
@@ -242,7 +242,7 @@ class FrontendActor:
         elif violation := self._door.violation(msg.params):
             problem = Reason.INVALID, violation
         if problem is not None:
-            self._refuse(identity, rid, *problem)
+            self._refuse(identity, rid, *problem, awaited=problem[0] != Reason.CANCELLED)
             # Ended here: a Cancel of it that finds nothing now came late, not before its Submit.
             self._just_ended.add(rid, time.monotonic())
             return
@@ -251,10 +251,10 @@ class FrontendActor:
         self._admit(Asked(identity, rid, msg.params, msg.priority, msg.progress, now, now + timeout_s,
                           self._cfg.retries, msg.cancel_token), timeout_s)
 
-    def _refuse(self, identity: bytes, rid: str, reason: Reason, message: str) -> None:
+    def _refuse(self, identity: bytes, rid: str, reason: Reason, message: str, *, awaited: bool = True) -> None:
         """Refuse a request at the door (never admitted), and count it by reason."""
         self._refused[reason] = self._refused.get(reason, 0) + 1
-        self._send(identity, Rejected(request_id=rid, reason=reason, message=message))
+        self._send(identity, Rejected(request_id=rid, reason=reason, message=message), awaited=awaited)
 
     def _admit(self, asked: Asked, timeout_s: float, *, again: bool = False) -> None:
         key = f"{asked.request_id}#{next(self._keys)}"
@@ -309,7 +309,9 @@ class FrontendActor:
                     if asked.cancelled and isinstance(message, Rejected) and message.reason in RETRIED:
                         message = Rejected(request_id=key, reason=Reason.CANCELLED, message=asked.cancelled)
                     if not self._retry(asked, message, avoid):
-                        self._send(asked.identity, self._explained(message, asked.request_id), frames)
+                        # A client that cancelled its request may have closed its connection.
+                        self._send(asked.identity, self._explained(message, asked.request_id), frames,
+                                   awaited=asked.cancelled != BY_THE_CLIENT)
             case SetDraining():
                 self._draining = True
             case LimitsChanged(role=role, instance=instance, limits=None):
@@ -352,18 +354,19 @@ class FrontendActor:
                 f"{message.message}; no {' or '.join(missing)} worker is registered"))
         return msgspec.structs.replace(message, request_id=rid)
 
-    def _send(self, identity: bytes, message: ClientReply, frames: tuple | list = ()) -> None:
-        """Queue a reply: replies leave together once the daemon is quiet."""
+    def _send(self, identity: bytes, message: ClientReply, frames: tuple | list = (), *, awaited: bool = True) -> None:
+        """Queue a reply: replies leave together once the daemon is quiet. Not ``awaited``: the
+        end of a request its client cancelled, which finding no client is no reply lost."""
         if not self._unsent:
             self._inbox.board.when_quiet(self._flush)
-        self._unsent.append([identity, b"", encode(message), *frames])
+        self._unsent.append(([identity, b"", encode(message), *frames], awaited))
 
     def _flush(self) -> None:
         assert self._outbox is not None and self._pump is not None
         unsent, self._unsent = self._unsent, []
         now = time.monotonic()
-        for parts in unsent:
+        for parts, awaited in unsent:
             # Never blocks: sent, held, or dropped (client_outbox.py).
-            if self._outbox.send(parts, now):
+            if self._outbox.send(parts, now, awaited=awaited):
                 self._newly_held.set()
         self._pump.after_send()

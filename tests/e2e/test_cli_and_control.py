@@ -133,6 +133,8 @@ def test_ctrl_c_on_submit_cancels_the_request(start_cluster: StartCluster, tmp_p
     assert "Traceback" not in stderr and "interrupted: request" in stderr and stderr.strip().endswith("cancelled")
     stats = wait_for(cluster, all_free)
     assert stats.failed_by_reason == {"cancelled": 1}
+    # Its Rejected(cancelled) found the process gone: a reply nobody waited for, not one lost.
+    assert stats.replies_dropped == 0 and "client.reply_dropped" not in cluster.log_of("daemon")
 
 
 async def test_workers_and_drain_commands_list_the_instances_then_finish_work_and_exit(

@@ -112,6 +112,16 @@ def test_replies_held_for_a_client_that_left_are_all_dropped(sock: FakeRouter) -
     assert box.dropped == 4 and not box.holding and sock.heard_gone == [b"a", b"a"]
 
 
+def test_a_reply_nobody_awaits_is_not_counted_when_its_client_is_gone(sock: FakeRouter) -> None:
+    """The end of a request its client cancelled: that client may have closed its connection."""
+    box = outbox(sock)
+    sock.gone.add(b"a")
+    box.send(reply(b"a", 0), now=0.0, awaited=False)
+    assert box.dropped == 0 and sock.sent == [] and sock.heard_gone == [b"a"]
+    box.send(reply(b"a", 1), now=0.0)
+    assert box.dropped == 1
+
+
 def test_a_connection_that_only_does_not_read_is_not_reported_gone(sock: FakeRouter) -> None:
     box = outbox(sock, held_bytes=10)
     sock.room[b"full"] = 0
