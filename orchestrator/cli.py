@@ -209,7 +209,7 @@ def _check_endpoint(endpoint: str, *, answered_within_s: float = 0.0) -> str:
     try:
         sock.connect(endpoint)
         if watch is not None and not watch.wait_connected(answered_within_s):
-            raise TimeoutError(f"no daemon at {endpoint}: nothing there took a connection within {answered_within_s:g}s")
+            raise TimeoutError(watch.why_none(endpoint, answered_within_s))
     finally:
         if watch is not None:
             watch.close()

@@ -20,8 +20,9 @@ from zmq.utils.monitor import parse_monitor_message
 NO_DAEMON_S = 3.0
 
 # A connection counts once ZMQ's handshake is done: a port that accepts TCP and speaks
-# something else (or a stopped process's) never gets that far.
-_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+# something else (or a stopped process's) never gets that far. That something accepted
+# one at all (EVENT_CONNECTED) tells such a port from an empty one.
+_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
 
 
 def closed_why(endpoint: str) -> str:
@@ -37,13 +38,16 @@ class ConnectionWatch:
         self._sock = sock
         self.monitor = sock.get_monitor_socket(_EVENTS)  # of the socket's own kind (asyncio or not)
         self.connected = False
+        self.accepted = False  # whether anything there ever took a connection, handshake or not
         self.closes = 0  # connections lost so far: a request sent before one closed is lost with it
         self._since = time.monotonic()  # when it last connected or lost its connection
 
     def heard(self, frames: list[bytes]) -> None:
         """Take in one monitor message."""
         event = parse_monitor_message(frames)["event"]
-        if event == zmq.EVENT_HANDSHAKE_SUCCEEDED and not self.connected:
+        if event == zmq.EVENT_CONNECTED:
+            self.accepted = True
+        elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED and not self.connected:
             self.connected, self._since = True, time.monotonic()
         elif event == zmq.EVENT_DISCONNECTED and self.connected:
             # (A connection that closes before its handshake was never a daemon's: the wait
@@ -79,8 +83,16 @@ class ConnectionWatch:
         for ``NO_DAEMON_S``; None while one has or may yet."""
         due = self.no_daemon_at(sent_at)
         if due is not None and time.monotonic() >= due:
-            return f"no daemon at {endpoint}: nothing there took a connection within {NO_DAEMON_S:g}s"
+            return self.why_none(endpoint, NO_DAEMON_S)
         return None
+
+    def why_none(self, endpoint: str, waited_s: float) -> str:
+        """Why no daemon is connected after ``waited_s``: nothing listens, or something
+        listens and does not speak (a stopped or stuck daemon, another kind of server)."""
+        if self.accepted:
+            return (f"no daemon answers at {endpoint}: something there took the connection but did not complete "
+                    f"ZMQ's handshake within {waited_s:g}s (a stopped or stuck daemon, or not a ZMQ socket)")
+        return f"no daemon at {endpoint}: nothing there took a connection within {waited_s:g}s"
 
     def close(self) -> None:
         """Stop watching (again: nothing)."""

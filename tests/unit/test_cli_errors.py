@@ -69,6 +69,20 @@ def test_a_command_with_no_daemon_there_says_so_within_seconds(command: list[str
         f"triptych {command[0]}: no daemon at {endpoint}: nothing there took a connection within 3s")
 
 
+def test_a_command_facing_a_daemon_that_does_not_answer_says_so(tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """A stopped daemon's socket still takes connections (the kernel does), and never
+    completes ZMQ's handshake: not "nothing there"."""
+    with socket.socket(socket.AF_UNIX) as frozen:
+        frozen.bind(str(tmp_path / "frozen"))
+        frozen.listen()
+        endpoint = f"ipc://{tmp_path}/frozen"
+        assert cli.main(["stats", "--endpoint", endpoint]) == 1
+    assert capsys.readouterr().err.strip() == (
+        f"triptych stats: no daemon answers at {endpoint}: something there took the connection but did not "
+        "complete ZMQ's handshake within 3s (a stopped or stuck daemon, or not a ZMQ socket)")
+
+
 def test_submit_refuses_a_timeout_of_zero_as_it_parses(capsys: pytest.CaptureFixture[str]) -> None:
     """0 used to be read as "none given" and waited the default 120 s."""
     with pytest.raises(SystemExit) as exited:
