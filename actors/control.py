@@ -35,6 +35,7 @@ from transfer.protocol import (
     Stats,
     Workers,
     encode,
+    wrong_socket,
 )
 
 QUERY_TIMEOUT_S = 5.0
@@ -79,11 +80,13 @@ class ControlActor:
 
     async def _answer(self, frames: list[bytes]) -> ControlReply:
         if len(frames) != 3 or frames[1] != b"":
-            return Rejected(request_id="", reason=Reason.INVALID, message="invalid control request: expected [empty, body]")
+            return Rejected(request_id="", reason=Reason.INVALID, message=wrong_socket("control", frames[-1])
+                            or "invalid control request: expected [empty, body]")
         try:
             msg = CONTROL_REQUEST.decode(frames[2])
         except DECODE_ERRORS as exc:
-            return Rejected(request_id="", reason=Reason.INVALID, message=f"invalid control request: {exc}")
+            return Rejected(request_id="", reason=Reason.INVALID,
+                            message=wrong_socket("control", frames[2]) or f"invalid control request: {exc}")
         match msg:
             case GetStats():
                 return await self.stats()

@@ -59,6 +59,7 @@ from transfer.protocol import (
     Rejected,
     Submit,
     encode,
+    wrong_socket,
 )
 from transfer.sockets import EVENTS, POLLIN, PlainPump, recv_frames
 
@@ -194,13 +195,13 @@ class FrontendActor:
         identity = frames[0]
         # REQ and DEALER clients both put an empty delimiter before the body.
         if len(frames) != 3 or frames[1] != b"":
-            self._refuse(identity, "", Reason.INVALID,
-                         f"invalid request: expected [empty, body] frames, got {len(frames) - 1}")
+            self._refuse(identity, "", Reason.INVALID, wrong_socket("client", frames[-1])
+                         or f"invalid request: expected [empty, body] frames, got {len(frames) - 1}")
             return
         try:
             msg = CLIENT_REQUEST.decode(frames[2])
         except DECODE_ERRORS as exc:
-            self._refuse(identity, "", Reason.INVALID, f"invalid request: {exc}")
+            self._refuse(identity, "", Reason.INVALID, wrong_socket("client", frames[2]) or f"invalid request: {exc}")
             return
         if msg.protocol != PROTOCOL_VERSION:
             self._refuse(identity, msg.request_id, Reason.UNSUPPORTED,

@@ -267,7 +267,8 @@ class TransferNegotiator:
         self._pools[msg.role].post(Join(instance=instance, name=msg.name, work_address=msg.work_address,
                                          session=msg.session, key=key, capacity=msg.capacity, fits=fits))
         self._frontend.post(LimitsChanged(role=msg.role, instance=instance, limits=msg.limits))
-        self._reply(routing_id, Registered(instance=instance, key=key, heartbeat_s=self._cfg.heartbeat_s))
+        self._reply(routing_id, Registered(instance=instance, key=key, heartbeat_s=self._cfg.heartbeat_s,
+                                           max_message_bytes=self._cfg.worker_max_message_bytes))
         self._log.info("worker.registered", instance=instance, name=msg.name, role=msg.role,
                        session=msg.session, slots=[s.size for s in msg.slots], capacity=msg.capacity,
                        limits=msgspec.to_builtins(msg.limits))

@@ -1,11 +1,13 @@
-"""argparse types for the command lines' numbers: a bad one is a usage error naming it, not
-a traceback from deep inside a run."""
+"""argparse types for the command lines' numbers and endpoints: a bad one is a usage error
+naming it, not a traceback from deep inside a run."""
 
 from __future__ import annotations
 
 import argparse
 import math
 from collections.abc import Callable
+
+from orchestrator.config import dial_problem
 
 
 def positive_seconds(text: str) -> float:
@@ -32,3 +34,10 @@ def at_least(least: int) -> Callable[[str], int]:
         return value
 
     return parse
+
+
+def dialable(endpoint: str) -> str:
+    """An endpoint a command can connect to: tcp://host:port or ipc://path, no wildcard."""
+    if (problem := dial_problem(endpoint)) is not None:
+        raise argparse.ArgumentTypeError(f"{endpoint} is {problem}")
+    return endpoint

@@ -16,8 +16,8 @@ import anyio
 import msgspec
 import zmq
 
-from orchestrator.arguments import positive_seconds
-from orchestrator.config import load_config
+from orchestrator.arguments import dialable, positive_seconds
+from orchestrator.config import dial_problem, load_config
 from orchestrator.connection_watch import NO_DAEMON_S, ConnectionWatch
 from transfer.binding import EndpointUnusable
 from transfer.protocol import GenParams, Progress, Reason
@@ -200,10 +200,12 @@ def _drain(args: argparse.Namespace) -> int:
 
 
 def _check_endpoint(endpoint: str, *, answered_within_s: float = 0.0) -> str:
-    """``endpoint``, checked: ``zmq.ZMQError`` for one no socket can connect to (``nonsense``);
-    with ``answered_within_s``, ``TimeoutError`` unless something there takes a connection in
+    """``endpoint``, checked: ``EndpointUnusable`` for one no peer can connect to (malformed,
+    or a wildcard only the daemon can bind); with ``answered_within_s``, ``TimeoutError`` unless something there takes a connection in
     that time (a command would otherwise wait out its whole timeout for a daemon that is not
     running)."""
+    if (problem := dial_problem(endpoint)) is not None:
+        raise EndpointUnusable(f"{endpoint} is {problem}")
     sock = zmq.Context.instance().socket(zmq.DEALER)
     watch = ConnectionWatch(sock) if answered_within_s else None
     try:
@@ -264,7 +266,8 @@ def _parser() -> argparse.ArgumentParser:
         return p
 
     def endpoint(p: argparse.ArgumentParser, key: str) -> None:
-        p.add_argument("--endpoint", default="", help=f"the daemon's socket (default: daemon.{key} in --config)")
+        p.add_argument("--endpoint", default=None, type=dialable,
+                       help=f"the daemon's socket (default: daemon.{key} in --config)")
 
     command("serve", _serve, "run the orchestrator daemon")
     p = command("worker", _worker, "run one stage worker")

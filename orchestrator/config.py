@@ -53,6 +53,18 @@ def endpoint_problem(endpoint: str) -> str | None:
     return None
 
 
+def dial_problem(endpoint: str) -> str | None:
+    """Why a peer (a worker, a client, a command) cannot connect to ``endpoint``, or None:
+    the daemon may bind a wildcard host or port, but a peer must name a real one."""
+    if (problem := endpoint_problem(endpoint)) is not None:
+        return problem
+    if endpoint.startswith("tcp://"):
+        host, port = endpoint.removeprefix("tcp://").rsplit(":", 1)
+        if host in WILDCARD_HOSTS or port == "*":
+            return "an address for the daemon to bind, not one to connect to: name the daemon's host and port"
+    return None
+
+
 def listens_beyond_this_host(endpoint: str) -> bool:
     """Whether a ZMQ bind endpoint is reachable from other hosts: tcp on anything but a
     loopback address (a wildcard, an interface or host name counts as reachable)."""
@@ -131,10 +143,21 @@ class DaemonConfig(Section):
     worker_max_message_bytes: Annotated[int, msgspec.Meta(ge=MiB)] = 1024 * MiB
 
     def __post_init__(self) -> None:
-        for key in ("client_endpoint", "control_endpoint", "worker_endpoint"):
+        keys = ("client_endpoint", "control_endpoint", "worker_endpoint")
+        for key in keys:
             problem = endpoint_problem(getattr(self, key))
             if problem is not None:
                 raise ValueError(f"daemon.{key} ({getattr(self, key)}) is {problem}")
+        for i, key in enumerate(keys):
+            for other in keys[i + 1:]:
+                # (Each "any port" or "any path" endpoint binds one of its own.)
+                if getattr(self, key) == getattr(self, other) and not getattr(self, key).endswith("*"):
+                    raise ValueError(f"daemon.{key} and daemon.{other} are both {getattr(self, key)}: each of the "
+                                     "daemon's sockets needs an endpoint of its own")
+        if self.request_timeout_s > self.max_request_timeout_s:
+            raise ValueError(f"daemon.request_timeout_s ({self.request_timeout_s:g}) is more than "
+                             f"daemon.max_request_timeout_s ({self.max_request_timeout_s:g}), the longest a request "
+                             "may wait")
         if listens_beyond_this_host(self.worker_endpoint) and (
             self.token == DEV_TOKEN or self.token.lower().startswith("change-me")
             or len(self.token.strip()) < MIN_NETWORK_TOKEN_CHARS

@@ -31,7 +31,7 @@ import torch
 import zmq
 import zmq.asyncio
 
-from orchestrator.config import Config
+from orchestrator.config import Config, dial_problem
 from orchestrator.early_signals import STOP_SIGNALS
 from orchestrator.log import Throttled
 from orchestrator.priority_gate import PriorityGate
@@ -42,10 +42,11 @@ from orchestrator.watchdog import EXIT_DEVICE_BROKEN, StageWatchdog
 from orchestrator.work_socket import bind_work_socket, close_work_socket
 from orchestrator.worker_memory import RequestMemory
 from transfer import frames
-from transfer.binding import remove_ipc_file
+from transfer.binding import EndpointUnusable, remove_ipc_file
 from transfer.engine import Engine, MooncakeEngine
 from transfer.pool import MemoryPool, PoolError, PoolUnallocatable, physical_memory
 from transfer.protocol import (
+    CLIENT_REPLY,
     DAEMON_TO_WORKER,
     DECODE_ERRORS,
     PROTOCOL_VERSION,
@@ -63,6 +64,7 @@ from transfer.protocol import (
     Register,
     Registered,
     RegisterRefused,
+    Rejected,
     Role,
     Step,
     Stopped,
@@ -91,9 +93,20 @@ class DaemonUnreachable(TimeoutError):
     """No daemon answered the registration within ``connect_timeout_s``."""
 
 
-def _decode_reply(body: bytes) -> Registered | RegisterRefused | None:
+def _decode_reply(frames: list[bytes], endpoint: str) -> Registered | RegisterRefused | None:
+    """The daemon's answer; None (logged) for one that cannot be read. An answer in a REQ
+    envelope comes from a client or control socket, not the worker socket: ``WorkerRefused``
+    says so at once, rather than the worker retrying it until connect_timeout_s."""
+    if len(frames) == 2 and frames[0] == b"":
+        try:
+            answer = CLIENT_REPLY.decode(frames[1])
+        except DECODE_ERRORS:
+            answer = None
+        said = answer.message if isinstance(answer, Rejected) else "something that is no worker socket's answer"
+        raise WorkerRefused(f"daemon.worker_endpoint ({endpoint}) is not the daemon's worker socket: it answered "
+                            f"{said!r}")
     try:
-        return DAEMON_TO_WORKER.decode(body)
+        return DAEMON_TO_WORKER.decode(frames[-1])
     except DECODE_ERRORS as exc:
         log.warning("worker.bad_reply", error=str(exc))
         return None
@@ -125,12 +138,16 @@ class WorkerRuntime:
         self._log = log.bind(role=role, worker=self.name)
         self._peer_log = Throttled(self._log)  # what anyone reaching the work socket can make it say
         self._work_address: str | None = None  # once bound
+        self._max_message_bytes = cfg.daemon.worker_max_message_bytes  # until the daemon says its own
         self._daemon_link: tuple[zmq.asyncio.Context, zmq.asyncio.Socket] | None = None  # once created
         self._watchdog = StageWatchdog(self._wcfg.stage_timeout_s, log=self._log, exit=self._exit_at_once)
 
     # ------------------------------------------------------------------ lifecycle
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[str] = anyio.TASK_STATUS_IGNORED) -> None:
+        if (problem := dial_problem(endpoint := self._cfg.daemon.worker_endpoint)) is not None:
+            # The daemon may bind a wildcard; a worker on another host needs its real address.
+            raise EndpointUnusable(f"daemon.worker_endpoint ({endpoint}) is {problem}")
         if self._wcfg.pool_bytes > (memory := physical_memory()):
             # Said before the model loads; a pool only near the machine's size fails to
             # allocate (PoolUnallocatable), or the kernel ends the worker as it is touched.
@@ -230,6 +247,8 @@ class WorkerRuntime:
         """Serve one registration; return the refusal that says the daemon no longer knows it."""
         assert self._engine is not None
         self._key = registered.key
+        # The daemon's, not this worker's config's (a copy that may differ): its socket cuts off a larger frame.
+        self._max_message_bytes = registered.max_message_bytes or self._cfg.daemon.worker_max_message_bytes
         self._log = log.bind(role=self.role, worker=self.name, instance=registered.instance)
         self._peer_log = Throttled(self._log)
         assert self._memory is not None
@@ -297,7 +316,7 @@ class WorkerRuntime:
             await dealer.send(encode(hello))
             with anyio.move_on_after(REGISTER_RETRY_S):
                 while True:
-                    reply = _decode_reply(await dealer.recv())
+                    reply = _decode_reply(await dealer.recv_multipart(), self._cfg.daemon.worker_endpoint)
                     if isinstance(reply, Registered):
                         return reply
                     if isinstance(reply, RegisterRefused) and not reply.rejoin:
@@ -330,7 +349,7 @@ class WorkerRuntime:
     async def _watch_daemon(self, dealer: zmq.asyncio.Socket) -> RegisterRefused:
         """Return the refusal that says the daemon forgot this worker; raise on any other."""
         while True:
-            reply = _decode_reply(await dealer.recv())
+            reply = _decode_reply(await dealer.recv_multipart(), self._cfg.daemon.worker_endpoint)
             if isinstance(reply, RegisterRefused):
                 if reply.rejoin:
                     return reply
@@ -458,7 +477,7 @@ class WorkerRuntime:
         """The daemon disconnects, unread, a worker that sends it a frame over its
         worker_max_message_bytes (and then takes it for dead): an output that large fails its
         request here instead, saying why."""
-        limit = self._cfg.daemon.worker_max_message_bytes
+        limit = self._max_message_bytes
         for spec in specs:
             if spec.nbytes > limit:
                 raise StageError(f"output {spec.name!r} is {spec.nbytes} bytes, more than the daemon takes in one "

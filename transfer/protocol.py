@@ -383,6 +383,9 @@ class Registered(Wire):
     instance: str
     key: bytes
     heartbeat_s: float
+    # The largest frame the daemon's socket takes (daemon.worker_max_message_bytes, which a
+    # worker's own config may not share): a decoder refuses a larger output. 0: no limit said.
+    max_message_bytes: NonNegative = 0
 
 
 class RegisterRefused(Wire):
@@ -587,6 +590,24 @@ encode = ENCODER.encode
 # msgspec reaches even inside a field it skips (a 2 KB message). Catch all of them
 # wherever a peer's bytes are decoded.
 DECODE_ERRORS = (msgspec.DecodeError, RecursionError)
+
+
+# The daemon's sockets, and what each takes in: a message sent to the wrong one is told where it goes.
+_REQUESTS_BY_SOCKET = (("client", CLIENT_REQUEST), ("control", CONTROL_REQUEST), ("worker", WORKER_MESSAGE))
+
+
+def wrong_socket(here: str, body: bytes) -> str | None:
+    """What the daemon's ``here`` socket ("client", "control" or "worker") answers a peer
+    whose message ``body`` is meant for another of its sockets; None if it is not."""
+    for socket, decoder in _REQUESTS_BY_SOCKET:
+        try:
+            decoder.decode(body)
+        except DECODE_ERRORS:
+            continue
+        if socket == here:
+            return None
+        return f"this is the daemon's {here} socket; this message goes to its {socket} socket (daemon.{socket}_endpoint)"
+    return None
 
 
 def brief(text: str) -> str:

@@ -465,7 +465,7 @@ async def test_a_cancel_of_a_submit_refused_at_the_door_came_late_not_early(ctx:
 async def test_a_submits_timeout_is_capped_by_max_request_timeout_s(ctx: zmq.asyncio.Context,
                                                                     tmp_path: Path) -> None:
     with anyio.fail_after(5):
-        async with running_frontend(ctx, tmp_path, max_request_timeout_s=5.0) as f:
+        async with running_frontend(ctx, tmp_path, max_request_timeout_s=5.0, request_timeout_s=5.0) as f:
             for asked, given in ((100.0, 5.0), (2.0, 2.0)):
                 await f.ask(Submit(protocol=PROTOCOL_VERSION, params=PARAMS, timeout_s=asked))
                 admit = await f.tracker.receive()

@@ -95,10 +95,17 @@ def test_submit_reports_a_rejection_and_exits_nonzero(start_cluster: StartCluste
     assert "rejected (invalid)" in done.stderr and "multiple of 8" in done.stderr
     huge = triptych("submit", "--prompt", "x", "--seed", str(2**70), "--out", str(tmp_path), config=cluster.config_path)
     assert huge.returncode == 2 and "rejected (invalid): not sent" in huge.stderr
-    # Control commands pointed at the client socket: the daemon's refusal, in one line.
+    # Control commands pointed at the client socket, and a submit at the control socket: the
+    # daemon's refusal says which socket it is, in one line.
     lost = triptych("stats", "--endpoint", cluster.config.daemon.client_endpoint, config=cluster.config_path)
-    assert lost.returncode == 2 and lost.stderr.startswith("triptych stats: rejected (invalid)")
-    assert "Traceback" not in lost.stderr
+    assert lost.returncode == 2 and lost.stderr == (
+        "triptych stats: rejected (invalid): this is the daemon's client socket; this message goes to its control "
+        "socket (daemon.control_endpoint)\n")
+    astray = triptych("submit", "--prompt", "x", "--out", str(tmp_path), "--endpoint",
+                      cluster.config.daemon.control_endpoint, config=cluster.config_path)
+    assert astray.returncode == 2 and astray.stderr.endswith(
+        "rejected (invalid): this is the daemon's control socket; this message goes to its client socket "
+        "(daemon.client_endpoint)\n")
     # ...and at the worker socket: its answer says which socket it is, at once.
     started = time.monotonic()
     astray = triptych("stats", "--endpoint", cluster.config.daemon.worker_endpoint, config=cluster.config_path)

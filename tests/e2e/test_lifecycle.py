@@ -727,10 +727,33 @@ def test_a_worker_with_no_daemon_says_it_waits_then_gives_up_in_one_line(tmp_pat
     assert "no answer from the daemon" in events[-1]["error"] and "workers.encoder.connect_timeout_s" in events[-1]["error"]
 
 
+@pytest.mark.parametrize("socket", ["client", "control"])
+def test_a_worker_sent_to_another_daemon_socket_says_so_at_once(start_cluster: StartCluster, tmp_path: Path,
+                                                                socket: str) -> None:
+    """Not "no answer from the daemon" after connect_timeout_s (60 s) of retrying: the socket
+    answered, saying which it is."""
+    cluster = start_cluster(layout={"encoder": 1, "denoiser": 1, "decoder": 1})
+    endpoint = getattr(cluster.config.daemon, f"{socket}_endpoint")
+    # Its own copy of the config names no socket twice (that is refused as it loads).
+    astray = config_variant(cluster, tmp_path / "astray.toml", "daemon",
+                            {"worker_endpoint": endpoint, f"{socket}_endpoint": f"ipc://{tmp_path}/elsewhere"})
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "orchestrator", "worker", "--role", "encoder", "--config",
+                           str(astray)], capture_output=True, text=True, timeout=120)
+    events = [json.loads(line) for line in done.stderr.splitlines() if line.startswith("{")]
+    assert done.returncode == 1 and events[-1]["event"] == "process.failed", done.stderr[-2000:]
+    assert events[-1]["error"] == (
+        f"WorkerRefused: daemon.worker_endpoint ({endpoint}) is not the daemon's worker socket: it answered "
+        f"\"this is the daemon's {socket} socket; this message goes to its worker socket (daemon.worker_endpoint)\"")
+    assert time.monotonic() - started < 30  # a model load, then one answer
+
+
 @pytest.mark.parametrize(("setting", "says"), [
     ({"workers.encoder": {"pool_bytes": 1 << 60}}, "workers.encoder.pool_bytes (1152921504606846976) is more than "
                                                    "this machine's memory"),
     ({"transfer": {"metadata_server": "etcd://127.0.0.1:1"}}, "EngineUnusable: mooncake initialize failed"),
+    ({"daemon": {"worker_endpoint": "tcp://*:5557", "token": "a-secret-of-our-own"}},
+     "daemon.worker_endpoint (tcp://*:5557) is an address for the daemon to bind, not one to connect to"),
 ])
 def test_a_worker_its_machine_cannot_serve_as_configured_says_why_in_one_line(tmp_path: Path, setting: dict,
                                                                             says: str) -> None:

@@ -299,12 +299,16 @@ def test_a_client_that_never_reads_makes_the_daemon_hold_only_so_much(start_clus
     assert all_free(cluster.control.stats())
 
 
-def test_an_output_larger_than_the_daemon_takes_fails_its_request_only(start_cluster: StartCluster) -> None:
+def test_an_output_larger_than_the_daemon_takes_fails_its_request_only(start_cluster: StartCluster,
+                                                                        tmp_path: Path) -> None:
     """A decoder output past daemon.worker_max_message_bytes would get the decoder cut off
     unread by the daemon's socket (and taken for dead, its other requests with it): the
-    decoder refuses it instead, naming the limit, and serves on."""
-    cluster = start_cluster(layout={"encoder": 1, "denoiser": 1, "decoder": 1},
-                            daemon={"worker_max_message_bytes": 1 << 20})
+    decoder refuses it instead, naming the limit, and serves on. The limit is the daemon's,
+    said at registration: this decoder's own config has the default, 1,024 times larger."""
+    cluster = start_cluster(layout={"encoder": 1, "denoiser": 1}, daemon={"worker_max_message_bytes": 1 << 20})
+    own = config_variant(cluster, tmp_path / "decoder.toml", "daemon", {"worker_max_message_bytes": 1 << 30})
+    cluster.start_worker("decoder", 0, config_path=own)
+    cluster.wait_registered(3, timeout_s=60)
     with Client(endpoint(cluster)) as client:
         with pytest.raises(Rejection) as caught:  # 1024 x 1024 x 3 bytes
             client.submit(GenParams(prompt="p", width=1024, height=1024, output="raw"), timeout_s=20)

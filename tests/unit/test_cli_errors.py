@@ -22,7 +22,6 @@ from transfer.binding import EndpointUnusable
     (["stats", "--config", "/nonexistent/triptych.toml"], "No such file"),
     (["stats", "--config", "MALFORMED"], "MALFORMED: Expected ']'"),
     (["serve", "--config", "CAPACITY0"], "capacity"),
-    (["stats", "--endpoint", "foo"], "Invalid argument"),
 ])
 def test_a_mistake_is_one_line_and_exit_1(argv: list[str], says: str, tmp_path: Path,
                                           capsys: pytest.CaptureFixture[str]) -> None:
@@ -83,6 +82,24 @@ def test_a_command_facing_a_daemon_that_does_not_answer_says_so(tmp_path: Path,
         "complete ZMQ's handshake within 3s (a stopped or stuck daemon, or not a ZMQ socket)")
 
 
+@pytest.mark.parametrize("endpoint", ["foo", "tcp://*:5556", "tcp://127.0.0.1:99999"])
+def test_an_endpoint_no_command_can_connect_to_is_a_usage_error(endpoint: str,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["stats", "--endpoint", endpoint])
+    assert exited.value.code == 2 and f"argument --endpoint: {endpoint} is " in capsys.readouterr().err
+
+
+def test_a_configs_wildcard_endpoint_is_one_line_not_a_zmq_error(tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """The daemon binds tcp://*:PORT; a command reading the same file must be told to name a host."""
+    config = tmp_path / "c.toml"
+    config.write_text('[daemon]\ncontrol_endpoint = "tcp://*:5556"\n')
+    assert cli.main(["stats", "--config", str(config)]) == 1
+    assert capsys.readouterr().err.strip() == ("triptych stats: tcp://*:5556 is an address for the daemon to bind, "
+                                               "not one to connect to: name the daemon's host and port")
+
+
 def test_submit_refuses_a_timeout_of_zero_as_it_parses(capsys: pytest.CaptureFixture[str]) -> None:
     """0 used to be read as "none given" and waited the default 120 s."""
     with pytest.raises(SystemExit) as exited:
@@ -93,8 +110,10 @@ def test_submit_refuses_a_timeout_of_zero_as_it_parses(capsys: pytest.CaptureFix
 @pytest.mark.usefixtures("never_serve")
 def test_metrics_checks_its_endpoint_before_it_serves(capsys: pytest.CaptureFixture[str]) -> None:
     """Not left to each scrape, where it would be an HTTP 500."""
-    assert cli.main(["metrics", "--endpoint", "nonsense"]) == 1
-    assert capsys.readouterr().err == "triptych metrics: Invalid argument (addr='nonsense')\n"
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["metrics", "--endpoint", "nonsense"])
+    assert exited.value.code == 2
+    assert "argument --endpoint: nonsense is not tcp://host:port or ipc://path" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(("argv", "says"), [

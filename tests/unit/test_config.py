@@ -8,7 +8,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from orchestrator.config import Config, load_config
+from orchestrator.config import Config, dial_problem, load_config
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
@@ -98,6 +98,32 @@ def test_bad_value_names_its_path(tmp_path: Path, text: str, path: str) -> None:
 def test_malformed_toml_is_a_decode_error(tmp_path: Path) -> None:
     with pytest.raises(msgspec.DecodeError):
         load_config(write(tmp_path, "[daemon\n"))
+
+
+@pytest.mark.parametrize(("text", "says"), [
+    ('[daemon]\nclient_endpoint = "ipc:///tmp/t"\ncontrol_endpoint = "ipc:///tmp/t"\n',
+     "daemon.client_endpoint and daemon.control_endpoint are both ipc:///tmp/t: each of the daemon's sockets needs "
+     "an endpoint of its own"),
+    ("[daemon]\nrequest_timeout_s = 60.0\nmax_request_timeout_s = 10.0\n",
+     "daemon.request_timeout_s (60) is more than daemon.max_request_timeout_s (10), the longest a request may wait"),
+], ids=["one endpoint for two sockets", "a default deadline past the longest"])
+def test_contradictory_daemon_settings_are_refused(tmp_path: Path, text: str, says: str) -> None:
+    with pytest.raises(msgspec.ValidationError, match=re.escape(says)):
+        load_config(write(tmp_path, text))
+
+
+@pytest.mark.parametrize(("endpoint", "problem"), [
+    ("tcp://10.0.0.5:5557", None),
+    ("ipc:///run/triptych/workers", None),
+    ("tcp://*:5557", "an address for the daemon to bind, not one to connect to"),
+    ("tcp://0.0.0.0:5557", "an address for the daemon to bind, not one to connect to"),
+    ("tcp://daemon-host:*", "an address for the daemon to bind, not one to connect to"),
+    ("tcp://daemon-host:99999", "port 99999, not 1-65535"),
+])
+def test_what_a_peer_can_connect_to(endpoint: str, problem: str | None) -> None:
+    """The daemon may bind a wildcard (its config loads); a worker or a command must dial a real address."""
+    found = dial_problem(endpoint)
+    assert found == problem if problem is None else found.startswith(problem)
 
 
 @pytest.mark.parametrize("wildcard", ["0.0.0.0", "*", "::"])
@@ -213,7 +239,7 @@ def test_an_ipv6_endpoint_is_refused_at_load_saying_why(tmp_path: Path) -> None:
         load_config(write(tmp_path, '[daemon]\nclient_endpoint = "tcp://[::1]:5555"\n'))
 
 
-@pytest.mark.parametrize("endpoint", ["tcp://127.0.0.1:5555", "tcp://*:5555", "tcp://*:*", "tcp://eth0:5555",
+@pytest.mark.parametrize("endpoint", ["tcp://127.0.0.1:6000", "tcp://*:5555", "tcp://*:*", "tcp://eth0:5555",
                                       "tcp://gpu-host-3.example:7000", "ipc:///tmp/triptych/c", "ipc://@abstract"])
 def test_the_endpoints_operators_write_load(tmp_path: Path, endpoint: str) -> None:
     assert load_config(write(tmp_path, f'[daemon]\ncontrol_endpoint = "{endpoint}"\n')).daemon.control_endpoint == endpoint
