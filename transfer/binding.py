@@ -3,6 +3,7 @@ silently taken over."""
 
 from __future__ import annotations
 
+import errno
 import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -23,7 +24,9 @@ def bind(sock: zmq.Socket, endpoint: str) -> None:
     try:
         sock.bind(endpoint)
     except zmq.ZMQError as exc:
-        raise EndpointUnusable(f"{exc.strerror}: {endpoint}") from exc
+        # ZMQ's word for a host it cannot resolve to one of this machine's interfaces.
+        why = " (no address or interface of this host by that name)" if exc.errno == errno.ENODEV else ""
+        raise EndpointUnusable(f"{exc.strerror}: {endpoint}{why}") from exc
 
 
 def bind_exclusive(sock: zmq.Socket, endpoint: str) -> str:

@@ -18,7 +18,7 @@ import zmq
 from orchestrator.config import Config, WorkerConfig
 from orchestrator.work_socket import ORDER_MAX_MESSAGE_BYTES, bind_work_socket, close_work_socket, dialable
 from orchestrator.worker import WorkerRuntime
-from transfer.binding import EndpointUnusable
+from transfer.binding import EndpointUnusable, bind
 from transfer.pool import MemoryPool
 from transfer.protocol import Abort, encode
 
@@ -131,6 +131,19 @@ def test_an_address_the_work_socket_cannot_bind_is_named() -> None:
             bind_work_socket(pull, WorkerConfig(bind_host="192.0.2.1"))
     finally:
         pull.close(linger=0)
+        ctx.destroy(linger=0)
+
+
+def test_a_host_that_names_nothing_here_is_said_plainly() -> None:
+    """ZMQ's own word for it is "No such device"."""
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    try:
+        with pytest.raises(EndpointUnusable, match=r"tcp://no-such-host\.invalid:28555 \(no address or interface of "
+                                                   r"this host by that name\)$"):
+            bind(router, "tcp://no-such-host.invalid:28555")
+    finally:
+        router.close(linger=0)
         ctx.destroy(linger=0)
 
 
