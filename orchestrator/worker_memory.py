@@ -161,9 +161,19 @@ class RequestMemory:
             self.log.error("worker.repeated_order", request_id=rid, order="Push")
             return
         block = self._staged.get(rid)
-        if block is None or order.nbytes > block.size:
+        if block is None:
             self._report(Pushed(request_id=rid, ok=False, transfer_ms=0.0,
                                 error=f"nothing staged for {rid!r} of {order.nbytes} bytes"))
+            return
+        if order.nbytes > block.size:
+            # A buggy or forged order: its write would read past the block, into whatever the
+            # pool holds next. Nothing is written, and the output is freed as a failed push's is.
+            self._refused_after.pop(rid, None)
+            del self._staged[rid]
+            self._pool.free(block)
+            self._report(Pushed(request_id=rid, ok=False, transfer_ms=0.0,
+                                error=f"nothing staged for {rid!r} of {order.nbytes} bytes "
+                                      f"(its staged output is {block.size} bytes)"))
             return
         self._pushing.add(rid)
         started = time.perf_counter()

@@ -57,3 +57,13 @@ async def test_its_task_looks_often_enough_that_ordinary_running_is_no_stall() -
     with anyio.move_on_after(0.5):
         await watch.run()
     assert watch.stall_ended is None
+
+
+def test_a_stall_only_a_little_past_the_limit_is_one() -> None:
+    """The limit is the line, not a rough scale: a gap of half again it is a stall, noticed
+    as a long one is (the other tests' stalls are several limits long)."""
+    clock = Clock()
+    watch = StallWatch(1.0, clock=clock)
+    before = watch.look()
+    clock.now += 1.5
+    assert watch.stood_still_near(before) and (watch.stalled_s, watch.count) == (1.5, 1)

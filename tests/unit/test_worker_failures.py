@@ -133,3 +133,21 @@ async def test_a_failure_with_a_huge_message_reaches_the_daemon_cut_short() -> N
         w.tg.cancel_scope.cancel()
     assert isinstance(done, Done) and done.error.startswith("bad prompt: xxx") and done.error.endswith("…")
     assert len(done.error) == MAX_ERROR_TEXT
+
+
+@pytest.mark.parametrize(("over", "sent"), [(0, True), (1, False)], ids=["exactly the limit", "one byte more"])
+async def test_a_decoder_output_up_to_the_daemons_frame_limit_is_sent_and_one_past_it_fails(over: int,
+                                                                                            sent: bool) -> None:
+    """The daemon cuts off, unread, a worker whose frame passes its worker_max_message_bytes
+    (sent in Registered), and then takes it for dead: that request fails here instead."""
+    limit = 4096
+    async with worker("decoder") as w:
+        w._max_message_bytes = limit
+        w._stage = Returning({"images": torch.zeros(limit + over, dtype=torch.uint8)})
+        w.send(Work(request_id="r1", params=PARAMS))
+        [done] = await reports(w, 1)
+        w.tg.cancel_scope.cancel()
+    assert isinstance(done, Done) and done.ok == sent
+    if not sent:
+        assert done.reason == Reason.INVALID
+        assert f"is {limit + 1} bytes" in done.error and f"worker_max_message_bytes = {limit}" in done.error

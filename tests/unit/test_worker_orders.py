@@ -329,3 +329,51 @@ async def test_heartbeats_do_not_pile_up_while_the_daemon_takes_nothing() -> Non
             w.tg.cancel_scope.cancel()
     finally:
         ctx.destroy(linger=0)
+
+
+async def test_a_ready_on_the_slow_path_gives_its_allocation_back_once_its_input_is_read() -> None:
+    """No slot was free: the Alloc's block holds the input until the Ready copies it out.
+    Nothing else frees that block (the Abort finds it no longer the request's input), so a
+    run that kept it would leak it for good."""
+    latents = TensorSpec(name="latents", dtype="float32", shape=(1, 4, 1, 1), offset=0, nbytes=16)
+    async with worker("decoder") as w:
+        w.send(Alloc(request_id="r1", nbytes=latents.nbytes))
+        [allocated] = await reports(w, 1)
+        assert isinstance(allocated, Allocated) and w._pool.allocated_blocks == 1
+        w.send(Ready(request_id="r1", params=PARAMS, address=allocated.address, manifest=[latents], slot_id=None))
+        [done] = await reports(w, 1)
+        assert isinstance(done, Done) and done.ok
+        assert w._pool.allocated_blocks == 0 and not w._memory.holds_input("r1")
+
+
+async def test_an_abort_during_a_push_frees_its_output_only_when_the_write_ends() -> None:
+    """The write is still reading the staged block: freed at once, it could be handed to the
+    next output and overwritten under the write. The push still reports (the daemon awaits
+    its Pushed), then frees it."""
+    engine = SlowEngine(seconds=0.5)
+    async with worker("encoder", engine) as w:
+        w._memory._staged["r1"] = w._pool.try_alloc(512)
+        w.send(Push(request_id="r1", session="peer:1", address=0x1000, nbytes=512))
+        with anyio.fail_after(5):
+            while not engine.writes:  # the write is under way
+                await anyio.sleep(0.01)
+        w.send(Abort(request_id="r1"))
+        await anyio.sleep(0.05)
+        assert w._pool.allocated_blocks == 1 and w._memory.pushing("r1")
+        [pushed] = await reports(w, 1)
+    assert isinstance(pushed, Pushed) and pushed.ok and pushed.request_id == "r1"
+    assert w._pool.allocated_blocks == 0 and not w._memory.holds_output("r1")
+
+
+async def test_a_push_longer_than_its_staged_output_writes_nothing_and_frees_it() -> None:
+    """A buggy or forged order: the write would read past the block, whatever the pool holds
+    next (another request's output) going to the peer. It fails as a failed write does."""
+    engine = SlowEngine()
+    async with worker("encoder", engine) as w:
+        w._memory._staged["r1"] = block = w._pool.try_alloc(512)
+        w.send(Push(request_id="r1", session="peer:1", address=0x1000, nbytes=block.size + 1))
+        [pushed] = await reports(w, 1)
+    assert isinstance(pushed, Pushed) and not pushed.ok and not pushed.in_doubt
+    assert f"of {block.size + 1} bytes" in pushed.error and f"its staged output is {block.size} bytes" in pushed.error
+    assert engine.writes == 0
+    assert w._pool.allocated_blocks == 0 and not w._memory.holds_output("r1")
