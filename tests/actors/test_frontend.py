@@ -408,6 +408,27 @@ async def test_the_submits_priority_reaches_the_tracker(ctx: zmq.asyncio.Context
             assert isinstance(admit, Admit) and admit.priority == 42
 
 
+async def test_a_submit_past_the_wires_bounds_on_its_id_or_priority_is_refused_at_the_door(
+    ctx: zmq.asyncio.Context, tmp_path: Path
+) -> None:
+    """A 129-character id or a priority outside -100..100 is refused as invalid, naming the
+    field, and never admitted; the bounds themselves are admitted."""
+    with anyio.fail_after(5):
+        async with running_frontend(ctx, tmp_path) as f:
+            for fields, path in (({"request_id": "r" * 129}, "request_id"), ({"priority": 101}, "priority"),
+                                 ({"priority": -101}, "priority")):
+                await f.ask(Submit(protocol=PROTOCOL_VERSION, params=PARAMS, **fields))
+                rejected, _ = await f.reply()
+                assert isinstance(rejected, Rejected) and rejected.reason == Reason.INVALID
+                assert rejected.message.startswith("invalid request:") and rejected.message.endswith(f"`$.{path}`")
+            assert_empty(f.tracker)
+            assert (await f.admitted("r" * 128)).startswith("r" * 128 + "#")
+            for priority in (100, -100):
+                await f.ask(Submit(protocol=PROTOCOL_VERSION, params=PARAMS, priority=priority))
+                admit = await f.tracker.receive()
+                assert isinstance(admit, Admit) and admit.priority == priority
+
+
 async def test_progress_reaches_its_client_under_its_id_and_leaves_the_request_in_flight(
     ctx: zmq.asyncio.Context, tmp_path: Path
 ) -> None:

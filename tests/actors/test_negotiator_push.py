@@ -488,6 +488,23 @@ async def test_the_line_for_slots_moves_on_when_its_first_ends_and_newcomers_joi
             assert (stats.handoffs_in_flight, stats.prealloc[denoiser.instance]) == (3, PreallocCounts(0, 2))
 
 
+async def test_an_input_the_size_of_the_receivers_region_is_allocated_there_not_made_to_wait(
+    ctx: zmq.asyncio.Context, tmp_path: Path
+) -> None:
+    """One slot, taken, and a 256-byte region: an input of exactly 256 bytes fits the region,
+    so it is allocated there at once; made to wait for the slot, it would sit behind the
+    request holding it. One byte more fits only the slot, and waits."""
+    with anyio.fail_after(5):
+        async with encoder_and_denoiser(ctx, tmp_path, slots=1, pool_size=SLOT_SIZE + 256) as (n, encoder, denoiser):
+            await stage_and_place(n, encoder, denoiser, "r1", NBYTES)
+            assert pushes(n) == [("r1", POOL_BASE)]
+            await stage_and_place(n, encoder, denoiser, "r2", 256)
+            await stage_and_place(n, encoder, denoiser, "r3", 257)
+            assert n.take("denoiser") == [Send(instance=denoiser.instance, order=Alloc(request_id="r2", nbytes=256))]
+            stats = await n.stats()
+            assert (stats.handoffs_in_flight, stats.fast_path, stats.slow_path) == (3, {HOP: 1}, {HOP: 1})
+
+
 async def test_a_sender_leaving_with_a_push_into_a_slot_and_a_flight_waiting_for_it(
     ctx: zmq.asyncio.Context, tmp_path: Path
 ) -> None:
@@ -644,13 +661,20 @@ async def test_a_worker_of_another_model_waits_for_the_eviction_of_silent_ones(
                 assert isinstance(DAEMON_TO_WORKER.decode(await newcomer.recv()), Registered)
 
 
-async def test_a_registration_the_wire_refuses_is_answered_naming_the_field(ctx: zmq.asyncio.Context,
-                                                                            tmp_path: Path) -> None:
-    """Not silence: the worker would wait out its connect_timeout_s, then blame the daemon."""
+@pytest.mark.parametrize(("register", "path"), [
+    ({"capacity": 2000}, "$.capacity"),
+    ({"capacity": 0}, "$.capacity"),  # a worker that could never be given work
+    ({"slots": [SlotInfo(slot_id=0, address=0, size=0)]}, "$.slots[0].size"),  # a slot no input fits
+], ids=["capacity past 1024", "no capacity", "empty slot"])
+async def test_a_registration_the_wire_refuses_is_answered_naming_the_field(
+    ctx: zmq.asyncio.Context, tmp_path: Path, register: dict[str, Any], path: str
+) -> None:
+    """Not silence: the worker would wait out its connect_timeout_s, then blame the daemon.
+    Only a forged or broken worker sends these: the config refuses a capacity outside 1..1024."""
     with anyio.fail_after(5):
         async with running_negotiator(ctx, tmp_path) as n:
-            reply = await refused(ctx, n, capacity=2000)
-            assert reply.message.startswith("unreadable registration:") and "$.capacity" in reply.message
+            reply = await refused(ctx, n, **register)
+            assert reply.message.startswith("unreadable registration:") and reply.message.endswith(f"`{path}`")
 
 
 async def test_a_stall_of_the_daemon_is_no_workers_silence(ctx: zmq.asyncio.Context, tmp_path: Path) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
@@ -281,11 +282,12 @@ async def unequal_decoders(ctx: zmq.asyncio.Context, tmp_path: Path, *, policy: 
         yield pool
 
 
-async def left_waiting(pool: Pool, rid: str, priority: int = 0, *, progress: bool = False) -> None:
+async def left_waiting(pool: Pool, rid: str, priority: int = 0, *, progress: bool = False,
+                       deadline: float = math.inf) -> None:
     """Dispatch a LARGE job while decoder-2 is full: not placed, not sent back to the queue,
     it waits in the pool, and admission gets its slot back for jobs decoder-1 can take."""
     pool.inbox.post(Dispatch(job=msgspec.structs.replace(job(rid, "decoder", nbytes=LARGE, priority=priority),
-                                                         progress=progress)))
+                                                         progress=progress, deadline=deadline)))
     assert await pool.admission.receive() == Credit(role="decoder", delta=1)
 
 
@@ -346,6 +348,21 @@ async def test_waiting_jobs_go_by_priority_then_age_and_a_forgotten_one_leaves(
                 pool.inbox.post(Release(request_id=held, instance="decoder-2", ok=True))
                 assert await pool.placed(taker, LARGE, priority=priority) == "decoder-2"
             assert (await pool.stats()).waiting == 0
+
+
+async def test_a_freed_slot_skips_a_waiting_job_whose_deadline_passed(ctx: zmq.asyncio.Context,
+                                                                    tmp_path: Path) -> None:
+    """The tracker is about to end it (its Forget takes it out of the line): started now, it
+    would hold the slot, and a hand-off, for a request nobody waits for, ahead of a live one."""
+    with anyio.fail_after(5):
+        async with unequal_decoders(ctx, tmp_path) as pool:
+            assert await pool.dispatch("busy", LARGE) == "decoder-2"
+            await left_waiting(pool, "expired", deadline=time.monotonic())  # older: first in line, were it live
+            await left_waiting(pool, "live")
+            pool.inbox.post(Release(request_id="busy", instance="decoder-2", ok=True))
+            assert await pool.placed("live", LARGE) == "decoder-2"
+            assert (await pool.stats()).waiting == 1  # the expired one, until its Forget
+            assert_empty(pool.negotiator)
 
 
 async def test_a_waiting_job_that_asked_for_progress_is_told_its_place_among_the_waiting(

@@ -6,6 +6,7 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import anyio
@@ -31,7 +32,7 @@ from actors.mail import (
 )
 from actors.mailbox import Mailbox, Switchboard
 from actors.tracker import TrackerActor, TrackerStats
-from tests.actors.streams import open_stream
+from tests.actors.streams import open_stream, queued
 from transfer.protocol import GenParams, Progress, Reason, Rejected, Result, Role, TensorSpec
 
 PARAMS = GenParams(prompt="a cat")
@@ -288,6 +289,57 @@ async def test_tick_expires_only_requests_past_their_deadline() -> None:
             deliver = await tick_until_delivered(t)
             assert deliver.request_id == "hasty"
             assert (await t.stats()).by_state == {"encoding": 1}
+
+
+async def past_deadline(t: Tracker, rid: str) -> None:
+    """Admit ``rid`` with a tiny timeout and return once its deadline has passed."""
+    t.inbox.post(Admit(request_id=rid, params=PARAMS, timeout_s=TINY_TIMEOUT_S, submitted_at=time.monotonic()))
+    deadline = (await t.admission.receive()).job.deadline
+    await anyio.sleep(deadline - time.monotonic() + TINY_TIMEOUT_S)
+
+
+async def test_the_first_tick_past_a_deadline_expires_its_request(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ticks come every tick_s, a fraction of a second: a request is timed out at the first
+    one after its deadline, not at one some slack later (its client waits that long). The
+    tracker's clock is set by hand, so a slow machine cannot blur "just after"."""
+    clock = SimpleNamespace(now=1000.0)
+    monkeypatch.setattr("actors.tracker.time", SimpleNamespace(monotonic=lambda: clock.now))
+    with anyio.fail_after(5):
+        async with running_tracker() as t:
+            t.inbox.post(Admit(request_id="r1", params=PARAMS, timeout_s=1.0, submitted_at=clock.now))
+            assert (await t.admission.receive()).job.deadline == 1001.0
+            clock.now = 1001.0
+            t.inbox.post(Tick())
+            await t.stats()
+            deliver = t.frontend.receive_nowait()
+            assert isinstance(deliver.message, Rejected) and deliver.message.reason == Reason.TIMED_OUT
+
+
+async def test_deadlines_of_live_requests_outlast_the_rebuild_of_the_heap() -> None:
+    """Ended requests leave their deadlines in the heap until over 1,024 pile up and it is
+    rebuilt from the table. Both live requests, the one admitted before the 1,100 that ended
+    and the one whose admission set the rebuild off, must keep their deadlines through it:
+    one dropped would never time out, and its client would wait forever."""
+    with anyio.fail_after(5):
+        async with running_tracker() as t:
+            # No Tick until the end, so the early one's deadline may pass meanwhile.
+            t.inbox.post(Admit(request_id="early", params=PARAMS, timeout_s=TINY_TIMEOUT_S,
+                               submitted_at=time.monotonic()))
+            t.admission.receive_nowait()
+            ended = [f"r{i}" for i in range(1100)]
+            for rid in ended:  # all live at once: the heap is not rebuilt while they are
+                t.inbox.post(Admit(request_id=rid, params=PARAMS, timeout_s=60.0, submitted_at=time.monotonic()))
+                t.admission.receive_nowait()
+            for rid in ended:
+                t.inbox.post(CancelRequest(request_id=rid))
+                t.frontend.receive_nowait()
+                assert t.admission.receive_nowait() == Forget(request_id=rid)
+            await past_deadline(t, "late")  # 1,102 deadlines for 2 live requests: rebuilt
+            t.inbox.post(Tick())
+            stats = await t.stats()
+            assert [(d.request_id, d.message.reason) for d in queued(t.frontend)] == [("early", Reason.TIMED_OUT),
+                                                                                     ("late", Reason.TIMED_OUT)]
+            assert stats.by_state == {}
 
 
 # --------------------------------------------------------------------------- failures and cancels

@@ -111,10 +111,13 @@ class ScriptedMooncake:
     Fails the test if an id is polled after it returned 1 or -1 (Mooncake has freed it by
     then) or after -2, or if an id is polled that was never handed out (both segfault)."""
 
-    def __init__(self, *scripts: Sequence[int], submit_s: float = 0.0, open_s: float = 0.0) -> None:
-        self.scripts = [list(script) for script in scripts]  # [] means "submit fails (0)"
+    def __init__(self, *scripts: Sequence[int], submit_s: float = 0.0, open_s: float = 0.0, refused_opens: int = 0,
+                 refused_id: int = 0) -> None:
+        self.scripts = [list(script) for script in scripts]  # [] means "submit fails (refused_id)"
         self.submit_s = submit_s  # how long each submit takes
         self.open_s = open_s  # how long opening a peer's segment (its handshake) takes
+        self.refused_opens = refused_opens  # how many of the first empty writes fail (0: the peer is not open)
+        self.refused_id = refused_id  # what a failed submit returns: 0, or an id no real one can be
         self.opens = 0
         self.submits = 0
         self.polls: dict[int, int] = {}
@@ -124,12 +127,14 @@ class ScriptedMooncake:
         if nbytes == 0:  # the empty write that opens a peer: its handshake, then done at once
             time.sleep(self.open_s)
             self.opens += 1
+            if self.opens <= self.refused_opens:
+                return 0
             self.polls[_OPENED] = 0
             return _OPENED
         time.sleep(self.submit_s)
         self.submits += 1
         if not self.scripts[self.submits - 1]:
-            return 0
+            return self.refused_id
         batch_id = 0x5000 + self.submits  # a plausible pointer
         self.polls[batch_id] = 0
         return batch_id
@@ -362,6 +367,37 @@ def test_a_peer_is_shaken_hands_with_once(pair: Pair, monkeypatch: pytest.Monkey
     for _ in range(3):
         pair.sender.write("peer:1", pair.out.base, 0x1000, 64)
     assert (fake.opens, fake.submits) == (1, 3)
+
+
+def test_a_peer_whose_handshake_failed_is_shaken_hands_with_again(pair: Pair, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failed handshake opened nothing: the next write must shake hands first again, or
+    its submit holds the handshake (up to a minute with a peer that does not answer) past
+    the write's deadline."""
+    fake = ScriptedMooncake([1], [1], [1], refused_opens=1)
+    monkeypatch.setattr(pair.sender, "_te", fake)
+    monkeypatch.setattr(pair.sender, "_opened", set())
+    pair.sender.write("peer:1", pair.out.base, 0x1000, 64)  # left to the real write, which went through
+    assert (fake.opens, fake.submits) == (1, 1)
+    for _ in range(2):
+        pair.sender.write("peer:1", pair.out.base, 0x1000, 64)
+    assert (fake.opens, fake.submits) == (2, 3)
+
+
+@pytest.mark.parametrize("refused_id", [2**64 - 1, -1], ids=["uint64 -1", "-1"])
+def test_a_submit_that_returns_no_real_id_fails_without_a_poll(
+    pair: Pair, monkeypatch: pytest.MonkeyPatch, refused_id: int
+) -> None:
+    """A failed submit returns an error code, not a batch id: polling it would hand Mooncake
+    a pointer to nothing (a segfault). Each attempt fails at once, as a refused submit (0) does."""
+    fake = ScriptedMooncake([], [], refused_id=refused_id)  # the fake fails the test on a poll of either
+    monkeypatch.setattr(pair.sender, "_te", fake)
+    monkeypatch.setattr(pair.sender, "_opened", {"peer:1"})
+    started = time.monotonic()
+    with pytest.raises(TransferError, match="write of 64 bytes .* to peer:1 .*failed twice") as failed:
+        pair.sender.write("peer:1", pair.out.base, 0x1000, 64)
+    assert not isinstance(failed.value, TransferInDoubt)  # nothing was submitted
+    assert time.monotonic() - started < 0.5
+    assert fake.submits == 2 and fake.polls == {}
 
 
 def test_mooncake_timeout_status_raises_without_retry(pair: Pair, monkeypatch: pytest.MonkeyPatch) -> None:

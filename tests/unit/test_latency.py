@@ -27,3 +27,13 @@ def test_a_stage_counts_its_wait_its_compute_and_its_hand_off_with_the_bytes() -
         "decoder.queued": (1, 0.0), "decoder.compute": (1, 40.0),
     }
     assert book.handoff_bytes() == {"denoiser->decoder": 4096}
+
+
+def test_the_bytes_of_every_hand_off_over_a_hop_add_up() -> None:
+    """handoff_bytes is what crossed each hop since the daemon started, not the last request's."""
+    book = LatencyBook()
+    for nbytes in (4096, 1000):
+        book.stage(StageTiming(role="encoder", instance="encoder-1", queued_ms=0.0, compute_ms=1.0, transfer_ms=1.0,
+                               transfer_bytes=nbytes))
+    assert book.handoff_bytes() == {"encoder->denoiser": 5096}
+    assert sum(book.latency()["encoder->denoiser"].counts) == 2

@@ -147,6 +147,20 @@ def test_empty_request_id_is_refused_in_cancel() -> None:
         p.CLIENT_REQUEST.decode(p.encode(p.Cancel(protocol=1, request_id="")))
 
 
+def test_a_submits_id_and_priority_are_bounded() -> None:
+    """The id comes back in every reply and log line, and priorities past the documented
+    range would let one client jump every queue: the wire takes 128 characters and -100..100."""
+    def submit(**fields: object) -> p.Submit:
+        return p.Submit(protocol=p.PROTOCOL_VERSION, params=p.GenParams(prompt="x"), **fields)
+
+    for fine in (submit(request_id="r" * 128), submit(priority=100), submit(priority=-100)):
+        assert p.CLIENT_REQUEST.decode(p.encode(fine)) == fine
+    for bad, path in ((submit(request_id="r" * 129), "request_id"), (submit(priority=101), "priority"),
+                      (submit(priority=-101), "priority")):
+        with pytest.raises(msgspec.ValidationError, match=rf"- at `\$\.{path}`$"):
+            p.CLIENT_REQUEST.decode(p.encode(bad))
+
+
 def test_unknown_fields_are_skipped() -> None:
     """An older peer decodes a newer peer's message that carries an extra field."""
     raw = msgspec.msgpack.encode({"kind": "Abort", "request_id": "r1", "added_later": [1, 2]})
@@ -228,7 +242,12 @@ def test_no_order_can_outgrow_a_work_socket_frame() -> None:
     p.Register(protocol=p.PROTOCOL_VERSION, token="t", role="decoder", name="d", work_address="ipc://w",
                session="s", pool_base=0, pool_size=1 << 30,
                slots=[p.SlotInfo(slot_id=i, address=i * 256, size=256) for i in range(p.MAX_SLOTS + 1)], capacity=1),
-], ids=["session", "manifest", "dimensions", "slots"])
+    p.Register(protocol=p.PROTOCOL_VERSION, token="t", role="decoder", name="d", work_address="ipc://w",
+               session="s", pool_base=0, pool_size=1024, slots=[p.SlotInfo(slot_id=0, address=0, size=0)],
+               capacity=1),
+    p.Register(protocol=p.PROTOCOL_VERSION, token="t", role="decoder", name="d", work_address="ipc://w",
+               session="s", pool_base=0, pool_size=1024, slots=[], capacity=0),
+], ids=["session", "manifest", "dimensions", "slots", "empty slot", "no capacity"])
 def test_what_a_worker_registers_and_reports_is_bounded(report: p.Wire) -> None:
     with pytest.raises(msgspec.ValidationError):
         p.WORKER_MESSAGE.decode(p.encode(report))
