@@ -56,7 +56,8 @@ class _Held:
     """One connection's replies that ZMQ had no room for, oldest first, and when to try again."""
 
     due: float
-    replies: deque[Reply] = field(default_factory=deque)
+    replies: deque[tuple[Reply, bool]] = field(default_factory=deque)  # and whether each is awaited
+    awaited: int = 0  # how many of them are
     nbytes: int = 0  # their held_cost
     delay: float = RESEND_FIRST_S
 
@@ -71,7 +72,7 @@ class ClientOutbox:
         self._held: dict[bytes, _Held] = {}  # by connection identity
         self._total = 0  # held_cost of what is held for every connection
         self._log = log
-        self.dropped = 0  # replies never sent: their client was gone, or not reading
+        self.dropped = 0  # awaited replies never sent: their client was gone, or not reading
 
     @property
     def holding(self) -> bool:
@@ -80,11 +81,10 @@ class ClientOutbox:
     def send(self, parts: Reply, now: float, *, awaited: bool = True) -> bool:
         """Send a reply now, or hold it if ZMQ has no room yet (never blocks). True if its
         connection starts holding replies, and so needs a resend scheduled. A reply not
-        ``awaited`` (its client may have left on purpose) is not counted when its
-        connection is gone."""
+        ``awaited`` (its client may have left on purpose) is not counted when it is dropped."""
         held = self._held.get(parts[0])
         if held is not None:
-            self._hold(held, parts)  # behind what waits already
+            self._hold(held, parts, awaited)  # behind what waits already
             return False
         try:
             send_frames(self._sock, parts, NOBLOCK, copy=False)
@@ -93,7 +93,7 @@ class ClientOutbox:
                 self._unsendable(parts[0], 1 if awaited else 0, exc)
                 return False
             self._held[parts[0]] = held = _Held(due=now + RESEND_FIRST_S)
-            self._hold(held, parts)
+            self._hold(held, parts, awaited)
             return True
         return False
 
@@ -114,7 +114,7 @@ class ClientOutbox:
     def abandon(self) -> None:
         """Drop everything still held (the daemon is stopping), counted and logged."""
         for held in self._held.values():
-            self._drop(len(held.replies), "the daemon stopped before its client took them", gone=False)
+            self._drop(held.awaited, "the daemon stopped before its client took them", gone=False)
         self._held.clear()
         self._total = 0
 
@@ -123,43 +123,47 @@ class ClientOutbox:
         is gone has all of them dropped."""
         sent = False
         while held.replies:
-            parts = held.replies[0]
+            parts, awaited = held.replies[0]
             try:
                 send_frames(self._sock, parts, NOBLOCK, copy=False)
             except zmq.ZMQError as exc:
                 if exc.errno != zmq.EAGAIN:
-                    count = len(held.replies)
+                    count = held.awaited
                     held.replies.clear()
                     self._total -= held.nbytes
-                    held.nbytes = 0
+                    held.nbytes = held.awaited = 0
                     self._unsendable(identity, count, exc)
                 return sent
             held.replies.popleft()
+            held.awaited -= awaited
             nbytes = held_cost(parts)
             held.nbytes -= nbytes
             self._total -= nbytes
             sent = True
         return sent
 
-    def _hold(self, held: _Held, parts: Reply) -> None:
+    def _hold(self, held: _Held, parts: Reply, awaited: bool) -> None:
         if held.nbytes >= self._held_bytes:
-            self._drop(1, "client_held_bytes of its replies already waiting", gone=False)
+            self._drop(awaited, "client_held_bytes of its replies already waiting", gone=False)
             return
         if self._total >= self._held_total_bytes:
-            self._drop(1, "client_held_total_bytes of replies to all clients already waiting", gone=False)
+            self._drop(awaited, "client_held_total_bytes of replies to all clients already waiting", gone=False)
             return
         nbytes = held_cost(parts)
-        held.replies.append(parts)
+        held.replies.append((parts, awaited))
+        held.awaited += awaited
         held.nbytes += nbytes
         self._total += nbytes
 
     def _unsendable(self, identity: bytes, count: int, exc: zmq.ZMQError) -> None:
         gone = exc.errno == zmq.EHOSTUNREACH
-        if count:
-            self._drop(count, exc.strerror, gone=gone)
+        self._drop(count, exc.strerror, gone=gone)
         if gone:
             self._on_gone(identity)
 
     def _drop(self, count: int, why: str, *, gone: bool) -> None:
+        """Count and log ``count`` awaited replies dropped (none: nothing to say)."""
+        if not count:
+            return
         self.dropped += count
         self._log.warning("client.reply_dropped", why=why, replies=count, client_gone=gone)

@@ -36,8 +36,9 @@ def at_least(least: int) -> Callable[[str], int]:
     return parse
 
 
-def dialable(endpoint: str) -> str:
-    """An endpoint a command can connect to: tcp://host:port or ipc://path, no wildcard."""
-    if (problem := dial_problem(endpoint)) is not None:
+def connect_endpoint(endpoint: str) -> str:
+    """An endpoint a command can connect to: tcp://host:port or ipc://path, no ``*``; empty
+    (the config's endpoint, as when none is given)."""
+    if endpoint and (problem := dial_problem(endpoint)) is not None:
         raise argparse.ArgumentTypeError(f"{endpoint} is {problem}")
     return endpoint

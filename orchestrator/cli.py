@@ -16,7 +16,7 @@ import anyio
 import msgspec
 import zmq
 
-from orchestrator.arguments import dialable, positive_seconds
+from orchestrator.arguments import connect_endpoint, positive_seconds
 from orchestrator.config import dial_problem, load_config
 from orchestrator.connection_watch import NO_DAEMON_S, ConnectionWatch
 from transfer.binding import EndpointUnusable
@@ -266,7 +266,7 @@ def _parser() -> argparse.ArgumentParser:
         return p
 
     def endpoint(p: argparse.ArgumentParser, key: str) -> None:
-        p.add_argument("--endpoint", default=None, type=dialable,
+        p.add_argument("--endpoint", default="", type=connect_endpoint,
                        help=f"the daemon's socket (default: daemon.{key} in --config)")
 
     command("serve", _serve, "run the orchestrator daemon")

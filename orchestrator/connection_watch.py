@@ -51,8 +51,8 @@ class ConnectionWatch:
             self.connected, self._since = True, time.monotonic()
         elif event == zmq.EVENT_DISCONNECTED and self.connected:
             # (A connection that closes before its handshake was never a daemon's: the wait
-            # for one goes on, its clock not restarted.)
-            self.connected, self._since = False, time.monotonic()
+            # for one goes on, its clock not restarted.) Whatever accepts one next is news.
+            self.connected, self.accepted, self._since = False, False, time.monotonic()
             self.closes += 1
 
     def read(self) -> None:

@@ -214,24 +214,31 @@ class WorkerRuntime:
         os._exit(status)
 
     def _exit_after_reports(self, status: int) -> None:
-        """``_exit_at_once``, but first send every queued report and wait, up to
-        LEAVING_LINGER_MS, until ZMQ has put them on the wire. On the loop only: it takes
-        the daemon link from under the tasks that use it, which never run again."""
+        """``_exit_at_once``, but first send every queued report, then ``Leaving`` if it may
+        be said (the daemon starts this worker's other requests again at once, rather than
+        sending it work until it falls silent), and wait up to LEAVING_LINGER_MS until ZMQ
+        has put them on the wire. On the loop only: it takes the daemon link from under the
+        tasks that use it, which never run again."""
         if self._daemon_link is not None:
             ctx, dealer = self._daemon_link
+            messages = self._outbox.take_now()
+            if self._may_say_leaving():
+                messages.append([encode(Leaving())])
             sender = zmq.Socket.shadow(dealer.underlying)
             try:
-                for message in self._outbox.take_now():
+                for message in messages:
                     sender.send_multipart(message, zmq.NOBLOCK, copy=False)
             except zmq.ZMQError:
                 pass  # no room to queue them: the daemon notices the silence instead
-            ctx.destroy(linger=LEAVING_LINGER_MS)  # closes both sockets; returns once the reports are out, or the linger is over
+            ctx.destroy(linger=LEAVING_LINGER_MS)  # closes both sockets; returns once all is out, or the linger is over
         self._exit_at_once(status)
 
     def _may_say_leaving(self) -> bool:
-        """Leaving tells the daemon no write of ours can still land: false for a while after
-        a push we stopped waiting for (the daemon then waits out its quarantine instead)."""
-        return self._memory is None or time.monotonic() >= self._memory.in_doubt_until
+        """Leaving tells the daemon no write of ours can still land: false while a push
+        runs, and for a while after one we stopped waiting for (the daemon then waits out
+        its quarantine instead)."""
+        memory = self._memory
+        return memory is None or (not memory.writing and time.monotonic() >= memory.in_doubt_until)
 
     def _say_leaving(self, dealer: zmq.asyncio.Socket) -> int:
         """Send ``Leaving`` without waiting (this may run while cancelled); return how long
@@ -515,8 +522,9 @@ class WorkerRuntime:
             # The request fails rather than being started again elsewhere: if it is what
             # faults the device, it would take down worker after worker (daemon.retries).
             self._log.error("worker.device_broken", request_id=rid, error=str(exc), exit_status=EXIT_DEVICE_BROKEN)
-            self._report(Done(request_id=rid, ok=False, compute_ms=compute_ms, reason=Reason.STAGE_FAILED,
-                              error=brief(f"the device failed and its worker exits: {exc}")))
+            if not control.stopped:  # else the request is over: the daemon expects no Done
+                self._report(Done(request_id=rid, ok=False, compute_ms=compute_ms, reason=Reason.STAGE_FAILED,
+                                  error=brief(f"the device failed and its worker exits: {exc}")))
             self._exit_after_reports(EXIT_DEVICE_BROKEN)
         except Exception as exc:  # one request's failure must not kill the worker
             if control.stopped:

@@ -76,6 +76,11 @@ class RequestMemory:
     def pushing(self, rid: str) -> bool:
         return rid in self._pushing
 
+    @property
+    def writing(self) -> bool:
+        """Whether any push is under way (its write may be reading or landing)."""
+        return bool(self._pushing)
+
     def holds_output(self, rid: str) -> bool:
         return rid in self._staged or rid in self._pushing
 
@@ -168,12 +173,10 @@ class RequestMemory:
         if order.nbytes > block.size:
             # A buggy or forged order: its write would read past the block, into whatever the
             # pool holds next. Nothing is written, and the output is freed as a failed push's is.
-            self._refused_after.pop(rid, None)
-            del self._staged[rid]
-            self._pool.free(block)
+            self._unstage(rid, block)
             self._report(Pushed(request_id=rid, ok=False, transfer_ms=0.0,
-                                error=f"nothing staged for {rid!r} of {order.nbytes} bytes "
-                                      f"(its staged output is {block.size} bytes)"))
+                                error=f"a push of {order.nbytes} bytes is longer than the output staged for {rid!r} "
+                                      f"({block.size} bytes)"))
             return
         self._pushing.add(rid)
         started = time.perf_counter()
@@ -199,13 +202,17 @@ class RequestMemory:
         finally:
             self._pushing.discard(rid)
             if not kept:
-                self._refused_after.pop(rid, None)
-                del self._staged[rid]
                 # Freed even in doubt: a late read of it can only land in receiver memory that
                 # the daemon holds back until push_quarantine_s has passed.
-                self._pool.free(block)
+                self._unstage(rid, block)
         self._report(Pushed(request_id=rid, ok=not error, transfer_ms=(time.perf_counter() - started) * 1000,
                             error=brief(error), via=via, in_doubt=in_doubt, stood_still=kept))
+
+    def _unstage(self, rid: str, block: Block) -> None:
+        """Free ``rid``'s staged output, ``block``, and forget its refused pushes."""
+        self._refused_after.pop(rid, None)
+        del self._staged[rid]
+        self._pool.free(block)
 
     async def _deliver(self, order: Push, src_addr: int, read_at: float) -> Via:
         """Copy into a same-host receiver's shared pool, else transfer with the engine.

@@ -16,7 +16,8 @@ FLUSH_ON_CLOSE_MS = 1000
 
 
 class EndpointUnusable(OSError):
-    """An endpoint this process cannot bind: in use, malformed, or not an address of this host."""
+    """An endpoint this process cannot bind (in use, malformed, or not an address of this
+    host), or cannot connect to (malformed, or ``*``)."""
 
 
 def bind(sock: zmq.Socket, endpoint: str) -> None:

@@ -15,7 +15,17 @@ from orchestrator.cluster import LocalCluster
 from orchestrator.fork_server import ForkServer
 from orchestrator.stages.null import expected_outputs
 from tests.e2e.conftest import RawClient, StartCluster, all_free, assert_torch_free, config_variant, wait_for
-from transfer.protocol import PROTOCOL_VERSION, GenParams, GetStats, Progress, Reason, Rejected, Submit, encode
+from transfer.protocol import (
+    PROTOCOL_VERSION,
+    Cancelled,
+    GenParams,
+    GetStats,
+    Progress,
+    Reason,
+    Rejected,
+    Submit,
+    encode,
+)
 
 HOPS = ("encoder->denoiser", "denoiser->decoder")
 
@@ -127,9 +137,14 @@ def test_garbage_wrong_type_and_bad_field_get_typed_rejections(cluster: LocalClu
         assert isinstance(garbage, Rejected) and garbage.reason == Reason.INVALID
         assert "invalid request" in garbage.message
 
-        wrong_type = client.send_raw([encode(GetStats())])
+        wrong_type = client.send_raw([encode(Cancelled(request_id="r", found=True))])  # a reply, not a request
         assert isinstance(wrong_type, Rejected) and wrong_type.reason == Reason.INVALID
-        assert "GetStats" in wrong_type.message
+        assert "Cancelled" in wrong_type.message
+
+        astray = client.send_raw([encode(GetStats())])  # another socket's request: named
+        assert isinstance(astray, Rejected) and astray.reason == Reason.INVALID
+        assert astray.message == ("this is the daemon's client socket; this message goes to its control socket "
+                                  "(daemon.control_endpoint)")
 
         bad_field = client.send_raw([encode(Submit(protocol=PROTOCOL_VERSION, params=params(0)))
                                      .replace(b"\xa5width@", b"\xa5width\xd0\xfb")])  # width = -5
@@ -149,7 +164,7 @@ def test_garbage_wrong_type_and_bad_field_get_typed_rejections(cluster: LocalClu
     assert torch.equal(generation.outputs["images"], expected_outputs(params(5), cluster.config.model.null)["images"])
     # Each refusal counted, at the door: none was admitted, so none failed.
     after = cluster.control.stats()
-    assert after.refused.get("invalid", 0) - before.refused.get("invalid", 0) == 5
+    assert after.refused.get("invalid", 0) - before.refused.get("invalid", 0) == 6
     assert after.failed_by_reason == before.failed_by_reason
 
 

@@ -90,6 +90,14 @@ def test_an_endpoint_no_command_can_connect_to_is_a_usage_error(endpoint: str,
     assert exited.value.code == 2 and f"argument --endpoint: {endpoint} is " in capsys.readouterr().err
 
 
+def test_an_empty_endpoint_is_the_configs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """As when none is given: a script passing an unset variable still reaches the daemon it names."""
+    config = tmp_path / "c.toml"
+    config.write_text(f'[daemon]\ncontrol_endpoint = "ipc://{tmp_path}/nobody"\n')
+    assert cli.main(["stats", "--endpoint", "", "--config", str(config)]) == 1
+    assert f"no daemon at ipc://{tmp_path}/nobody" in capsys.readouterr().err
+
+
 def test_a_configs_wildcard_endpoint_is_one_line_not_a_zmq_error(tmp_path: Path,
                                                                   capsys: pytest.CaptureFixture[str]) -> None:
     """The daemon binds tcp://*:PORT; a command reading the same file must be told to name a host."""

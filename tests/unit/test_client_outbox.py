@@ -122,6 +122,25 @@ def test_a_reply_nobody_awaits_is_not_counted_when_its_client_is_gone(sock: Fake
     assert box.dropped == 1
 
 
+def test_a_reply_nobody_awaits_is_not_counted_when_dropped_after_waiting(sock: FakeRouter) -> None:
+    """Held, or to be held, behind others for a full connection: dropped past the budget or
+    with its connection found gone, it is not counted; the awaited ones around it are."""
+    box = outbox(sock, held_bytes=10)
+    sock.room[b"a"] = 0
+    box.send(reply(b"a", 0), now=0.0)  # held
+    box.send(reply(b"a", 1), now=0.0, awaited=False)  # past client_held_bytes
+    assert box.dropped == 0
+    box.abandon()
+    assert box.dropped == 1  # a's first only
+    box = outbox(sock)
+    sock.room[b"b"] = 0
+    box.send(reply(b"b", 0), now=0.0, awaited=False)
+    box.send(reply(b"b", 1), now=0.0)
+    sock.gone.add(b"b")
+    box.resend(now=1.0)
+    assert box.dropped == 1 and not box.holding and sock.heard_gone == [b"b"]
+
+
 def test_a_connection_that_only_does_not_read_is_not_reported_gone(sock: FakeRouter) -> None:
     box = outbox(sock, held_bytes=10)
     sock.room[b"full"] = 0

@@ -104,9 +104,7 @@ def test_malformed_toml_is_a_decode_error(tmp_path: Path) -> None:
     ('[daemon]\nclient_endpoint = "ipc:///tmp/t"\ncontrol_endpoint = "ipc:///tmp/t"\n',
      "daemon.client_endpoint and daemon.control_endpoint are both ipc:///tmp/t: each of the daemon's sockets needs "
      "an endpoint of its own"),
-    ("[daemon]\nrequest_timeout_s = 60.0\nmax_request_timeout_s = 10.0\n",
-     "daemon.request_timeout_s (60) is more than daemon.max_request_timeout_s (10), the longest a request may wait"),
-], ids=["one endpoint for two sockets", "a default deadline past the longest"])
+], ids=["one endpoint for two sockets"])
 def test_contradictory_daemon_settings_are_refused(tmp_path: Path, text: str, says: str) -> None:
     with pytest.raises(msgspec.ValidationError, match=re.escape(says)):
         load_config(write(tmp_path, text))
@@ -116,14 +114,14 @@ def test_contradictory_daemon_settings_are_refused(tmp_path: Path, text: str, sa
     ("tcp://10.0.0.5:5557", None),
     ("ipc:///run/triptych/workers", None),
     ("tcp://*:5557", "an address for the daemon to bind, not one to connect to"),
-    ("tcp://0.0.0.0:5557", "an address for the daemon to bind, not one to connect to"),
+    ("tcp://0.0.0.0:5557", None),  # Linux connects it to this host
     ("tcp://daemon-host:*", "an address for the daemon to bind, not one to connect to"),
     ("tcp://daemon-host:99999", "port 99999, not 1-65535"),
 ])
 def test_what_a_peer_can_connect_to(endpoint: str, problem: str | None) -> None:
     """The daemon may bind a wildcard (its config loads); a worker or a command must dial a real address."""
     found = dial_problem(endpoint)
-    assert found == problem if problem is None else found.startswith(problem)
+    assert found is None if problem is None else found.startswith(problem)
 
 
 @pytest.mark.parametrize("wildcard", ["0.0.0.0", "*", "::"])

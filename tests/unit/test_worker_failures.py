@@ -7,15 +7,19 @@ from __future__ import annotations
 import gc
 import weakref
 from collections.abc import Iterator
+from pathlib import Path
 
+import anyio
 import pytest
 import torch
+import zmq
+import zmq.asyncio
 
 from orchestrator.stages import RunControl, StageError, StageStopped
 from orchestrator.stages.base import released
 from orchestrator.watchdog import EXIT_DEVICE_BROKEN
 from tests.unit.test_worker_orders import PARAMS, reports, worker
-from transfer.protocol import MAX_ERROR_TEXT, Done, Reason, Work
+from transfer.protocol import MAX_ERROR_TEXT, WORKER_MESSAGE, Done, Reason, Stopped, Work
 
 
 class Failing:
@@ -94,6 +98,43 @@ async def test_a_cuda_error_fails_its_request_and_takes_the_worker_down(logs: li
     assert done.error == "the device failed and its worker exits: CUDA error: an illegal memory access was encountered"
     [event] = [e for e in logs if e["event"] == "worker.device_broken"]
     assert event["request_id"] == "r1" and "illegal memory access" in event["error"]
+
+
+@pytest.mark.parametrize("writing", [False, True], ids=["idle", "a push under way"])
+async def test_a_worker_whose_device_broke_gets_its_reports_out_before_it_exits(writing: bool, tmp_path: Path) -> None:
+    """The failed request's Done reaches the daemon (what was queued before it too), and
+    then Leaving, so the daemon starts the worker's other requests again at once; but not
+    while a push of its own may still be writing into a receiver's memory."""
+    endpoint = f"ipc://{tmp_path}/workers"
+    daemon_ctx, link_ctx = zmq.Context(), zmq.asyncio.Context()
+    daemon = daemon_ctx.socket(zmq.ROUTER)
+    daemon.bind(endpoint)
+    dealer = link_ctx.socket(zmq.DEALER)
+    dealer.connect(endpoint)
+    exits: list[int] = []
+    try:
+        async with worker("encoder") as w:
+            w._exit_at_once = exits.append  # type: ignore[method-assign]
+            w._daemon_link = (link_ctx, dealer)
+            if writing:
+                w._memory._pushing.add("r0")
+            w._stage = Failing(torch.AcceleratorError("CUDA error: an illegal memory access was encountered"))
+            w._report(Stopped(request_id="r0", ack=1))  # queued before the fault
+            w.send(Work(request_id="r1", params=PARAMS))
+            with anyio.fail_after(5):
+                while not exits:
+                    await anyio.sleep(0.01)
+            w.tg.cancel_scope.cancel()
+        assert exits == [EXIT_DEVICE_BROKEN] and link_ctx.closed  # the linger waited for what was queued
+        heard = []
+        while daemon.poll(1000):
+            heard += [WORKER_MESSAGE.decode(body) for body in daemon.recv_multipart()[1:]]
+    finally:
+        link_ctx.destroy(linger=0)  # done already, unless the test failed before
+        daemon.close(linger=0)
+        daemon_ctx.term()
+    assert [type(m).__name__ for m in heard] == ["Stopped", "Done", *([] if writing else ["Leaving"])]
+    assert heard[1].request_id == "r1" and heard[1].reason == Reason.STAGE_FAILED
 
 
 class Returning:
