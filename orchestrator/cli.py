@@ -201,9 +201,9 @@ def _drain(args: argparse.Namespace) -> int:
 
 def _check_endpoint(endpoint: str, *, answered_within_s: float = 0.0) -> str:
     """``endpoint``, checked: ``EndpointUnusable`` for one no peer can connect to (malformed,
-    or a wildcard only the daemon can bind); with ``answered_within_s``, ``TimeoutError`` unless something there takes a connection in
-    that time (a command would otherwise wait out its whole timeout for a daemon that is not
-    running)."""
+    or a ``*`` only the daemon can bind); with ``answered_within_s``, ``TimeoutError`` unless
+    something there takes a connection in that time (a command would otherwise wait out its
+    whole timeout for a daemon that is not running)."""
     if (problem := dial_problem(endpoint)) is not None:
         raise EndpointUnusable(f"{endpoint} is {problem}")
     sock = zmq.Context.instance().socket(zmq.DEALER)

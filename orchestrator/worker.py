@@ -146,7 +146,7 @@ class WorkerRuntime:
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[str] = anyio.TASK_STATUS_IGNORED) -> None:
         if (problem := dial_problem(endpoint := self._cfg.daemon.worker_endpoint)) is not None:
-            # The daemon may bind a wildcard; a worker on another host needs its real address.
+            # Said before the model loads: the daemon may bind `*`, which no peer can connect to.
             raise EndpointUnusable(f"daemon.worker_endpoint ({endpoint}) is {problem}")
         if self._wcfg.pool_bytes > (memory := physical_memory()):
             # Said before the model loads; a pool only near the machine's size fails to
