@@ -24,6 +24,7 @@ from orchestrator.client_wire import (
     Generation,
     Lost,
     cancel_found,
+    daemon_endpoint,
     decode_reply,
     read_reply,
     submit_body,
@@ -83,7 +84,7 @@ class AsyncClient:
     """
 
     def __init__(self, endpoint: str) -> None:
-        self.endpoint = endpoint
+        self.endpoint = daemon_endpoint(endpoint)
         self._tokens = CancelTokens()
         self._ctx: zmq.asyncio.Context | None = None  # from opening to closing
         self._sock: zmq.asyncio.Socket | None = None

@@ -22,6 +22,7 @@ from orchestrator.client_wire import (
     Generation,
     Reply,
     cancel_found,
+    daemon_endpoint,
     read_reply,
     submit_body,
     wait_s,
@@ -38,7 +39,7 @@ class Client:
     """Blocking client on a REQ socket: one request at a time."""
 
     def __init__(self, endpoint: str, *, ctx: zmq.Context | None = None) -> None:
-        self.endpoint = endpoint
+        self.endpoint = daemon_endpoint(endpoint)
         self._ctx = ctx or zmq.Context.instance()
         self._tokens = CancelTokens()
         self._sock, self._watch = self._connect()

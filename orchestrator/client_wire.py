@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
+from orchestrator.config import dial_problem
 from orchestrator.rejection import Rejection
 from transfer.protocol import (
     CLIENT_REPLY,
@@ -82,6 +83,14 @@ class CancelTokens:
 
     def cancel_frame(self, request_id: str) -> bytes:
         return encode(Cancel(protocol=PROTOCOL_VERSION, request_id=request_id, cancel_token=self.of(request_id)))
+
+
+def daemon_endpoint(endpoint: str) -> str:
+    """``endpoint``, or ``ValueError`` if no client can connect there (malformed, or a ``*``
+    only the daemon can bind): ZMQ would say only "Invalid argument"."""
+    if (problem := dial_problem(endpoint)) is not None:
+        raise ValueError(f"{endpoint} is {problem}")
+    return endpoint
 
 
 def submit_body(params: GenParams, request_id: str, timeout_s: float | None, priority: int, tokens: CancelTokens,

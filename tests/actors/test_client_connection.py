@@ -384,3 +384,10 @@ async def test_an_answer_that_came_just_before_its_connection_closed_is_an_answe
         finally:
             answering.join()
             blocking_ctx.term()
+
+
+@pytest.mark.parametrize("make", [Client, AsyncClient], ids=["Client", "AsyncClient"])
+def test_a_client_refuses_an_endpoint_it_cannot_connect_to_saying_why(make: type) -> None:
+    """``*`` is for the daemon to bind; ZMQ's own word for connecting to it is "Invalid argument"."""
+    with pytest.raises(ValueError, match=r"tcp://\*:5555 is an address for the daemon to bind, not one to connect to"):
+        make("tcp://*:5555")
