@@ -1,7 +1,8 @@
 """Configuration: frozen msgspec Structs that configs/*.toml decode into.
 
 One file configures a whole cluster: the daemon reads ``[daemon]``, a worker reads
-``[daemon]`` (to find it), ``[workers.<role>]``, ``[model]`` and ``[transfer]``. Unknown
+``[daemon]`` (to find it), ``[workers.<role>]``, ``[model]`` and ``[transfer]``, and every
+process reads ``[log]``. Unknown
 keys are errors that name the exact key, so a typo never silently falls back to a default.
 """
 
