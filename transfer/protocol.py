@@ -393,8 +393,9 @@ class RegisterRefused(Wire):
     a connection the daemon does not know (it restarted, or evicted this worker)."""
 
     message: str
-    # True for the unknown connection, and for a daemon that stops: registering again is
-    # the cure, so the worker rejoins (keeping its loaded stage) instead of exiting.
+    # True for the unknown connection, for a daemon that stops, and for a registration
+    # ``deferred`` (below): registering again is the cure, so the worker rejoins (keeping
+    # its loaded stage) instead of exiting.
     rejoin: bool = False
     # Sent by a daemon that stops, when no write it ordered can still land in this worker's
     # memory: rejoining, it need not wait out push_quarantine_s first.
