@@ -251,7 +251,9 @@ class DiffusersConfig(Section):
     path: str = ""
     dtype: Literal["float32", "float16", "bfloat16"] = "float32"
     device: str = "cpu"  # "cuda", "cuda:1", ...
-    seed: int = 0  # seeds the tiny pipeline's random weights
+    # Seeds the tiny pipeline's random weights. TOML's 64-bit range: Python's TOML reader
+    # takes larger integers, which torch.manual_seed refuses as each worker loads.
+    seed: Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)] = 0
 
 
 class LimitsConfig(Section):

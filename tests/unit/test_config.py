@@ -88,6 +88,8 @@ def test_unknown_key_names_its_path(tmp_path: Path, text: str, where: str) -> No
         ("[model.null]\nembed_shape = [-1, 77]\n", "$.model.null.embed_shape[0]"),
         ("[model.null]\nembed_shape = []\n", "$.model.null.embed_shape"),
         ("[daemon]\nworker_max_message_bytes = 64\n", "$.daemon.worker_max_message_bytes"),  # no Register fits
+        # Past TOML's 64-bit integers (which Python's TOML reader still takes) torch cannot seed.
+        ("[model.diffusers]\nseed = 18446744073709551616\n", "$.model.diffusers.seed"),
     ],
 )
 def test_bad_value_names_its_path(tmp_path: Path, text: str, path: str) -> None:
