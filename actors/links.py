@@ -42,6 +42,13 @@ class Link:
     def holds(self, address: int, nbytes: int) -> bool:
         return self.pool_base <= address and address + nbytes <= self.pool_base + self.pool_size
 
+    def shares_memory(self, msg: Register) -> bool:
+        """Whether ``msg`` advertises the shared pool this worker registered: one file of one
+        kernel (the path differs by process, the file's identity does not)."""
+        mine, theirs = self.local, msg.local
+        return mine is not None and theirs is not None and (mine.host, mine.device, mine.inode) == (
+            theirs.host, theirs.device, theirs.inode)
+
 
 def registration_problem(msg: Register, token: str) -> str | None:
     """Why ``msg`` must be refused (the ``RegisterRefused`` message), or None to accept it."""

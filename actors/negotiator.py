@@ -242,8 +242,9 @@ class TransferNegotiator:
             self._peer_log.warning("worker.refused", name=msg.name, why=refusal.message)
             self._reply(routing_id, refusal)
             return
-        for stale in [old for old in self._links.values() if msg.name == old.name or msg.session == old.session]:
-            # Same name or session, new connection: a restart, whose old process is dead,
+        for stale in [old for old in self._links.values()
+                      if msg.name == old.name or msg.session == old.session or old.shares_memory(msg)]:
+            # Same name, session or shared pool, new connection: a restart, whose old process is dead,
             # or (same name) a second live process under the name. One silent for a while
             # is taken for the dead one of a restart, and what it was pushing into is freed
             # at once; one heard from lately may be alive and still pushing, so its writes
@@ -252,9 +253,7 @@ class TransferNegotiator:
             # gone: the ROUTER drops it.)
             silent = self._silent(stale)
             self._evict(stale, f"{stale.instance} re-registered as a new process", gone=silent)
-            self._reply(stale.routing_id, RegisterRefused(
-                message=f"another worker registered under the name {msg.name!r}: worker names must be unique"
-                if msg.name == stale.name else f"another worker registered the Mooncake session {msg.session}"))
+            self._reply(stale.routing_id, RegisterRefused(message=self._replaced_by(msg, stale)))
         instance = f"{msg.role}-{next(self._ids)}"
         now = time.monotonic()
         link = Link(routing_id, instance, msg.role, msg.name, msg.session, msg.pool_base, msg.pool_size,
@@ -273,6 +272,15 @@ class TransferNegotiator:
                        session=msg.session, slots=[s.size for s in msg.slots], capacity=msg.capacity,
                        limits=msgspec.to_builtins(msg.limits))
 
+    @staticmethod
+    def _replaced_by(msg: Register, stale: Link) -> str:
+        """What ``stale``'s connection is told when ``msg`` takes its place."""
+        if msg.name == stale.name:
+            return f"another worker registered under the name {msg.name!r}: worker names must be unique"
+        if msg.session == stale.session or msg.local is None:
+            return f"another worker registered the Mooncake session {msg.session}"
+        return f"another worker registered the shared memory {msg.local.path}"
+
     def _claimed_by_another(self, msg: Register) -> RegisterRefused | None:
         """A worker heard from lately holds ``msg``'s Mooncake session under another name, or
         its name under another role: the newcomer is refused and the live one serves on.
@@ -287,6 +295,11 @@ class TransferNegotiator:
                 return RegisterRefused(rejoin=True, deferred=True, message=(
                     f"the Mooncake session {msg.session} is registered by {old.instance} ({old.name!r}), "
                     "which is still heard from: a session names one worker's memory"))
+            if old.shares_memory(msg) and old.name != msg.name and msg.local is not None:
+                # The same for a same-host copy, which lands in the file the receiver advertised.
+                return RegisterRefused(rejoin=True, deferred=True, message=(
+                    f"the shared memory {msg.local.path} is registered by {old.instance} ({old.name!r}), "
+                    "which is still heard from: it is one worker's pool"))
             if old.name == msg.name and old.role != msg.role:
                 return RegisterRefused(rejoin=True, deferred=True, message=(
                     f"the name {msg.name!r} is held by {old.instance}, a live {old.role} worker: "
@@ -302,7 +315,8 @@ class TransferNegotiator:
     def _full(self, msg: Register) -> RegisterRefused | None:
         """Refuse a newcomer past ``max_workers`` (one replacing its own stale link is no
         newcomer). It retries: it gets in once another leaves."""
-        replacing = any(msg.name == old.name or msg.session == old.session for old in self._links.values())
+        replacing = any(msg.name == old.name or msg.session == old.session or old.shares_memory(msg)
+                        for old in self._links.values())
         if replacing or len(self._links) < self._cfg.max_workers:
             return None
         return RegisterRefused(rejoin=True, deferred=True, message=(

@@ -44,6 +44,11 @@ from transfer.protocol import Latency, Progress, Reason, Rejected, Result, Stage
 
 log = structlog.get_logger()
 
+# The least time between two Steps relayed to a client. A worker reports one at most every
+# progress_interval_s (0.5 s by default), far apart from this: only a broken worker sends
+# them faster, and relaying each would spend the daemon on one client's progress.
+MIN_STEP_GAP_S = 0.01
+
 
 @dataclass(slots=True)
 class Entry:
@@ -56,6 +61,7 @@ class Entry:
     steps: int  # denoising steps, as asked, then as its denoiser reports them
     stages: list[StageTiming] = field(default_factory=list)
     first_step: tuple[float, int] | None = None  # (when, steps done) at its first step report
+    last_step: tuple[float, int] | None = None  # (when, steps done) at the latest step report relayed
     own_step_ms: float | None = None  # its denoiser's pace since then
     # How long the stage before waited for this one's slot (HandedOff.waited_ms): queueing
     # for this stage, though spent before its window opened.
@@ -119,8 +125,8 @@ class TrackerActor:
                 self._fail(rid, Reason.CANCELLED, why)
             case Stepped(request_id=rid, step=step, steps=steps):
                 entry = self._table.get(rid)
-                if entry is not None:
-                    now = time.monotonic()
+                now = time.monotonic()
+                if entry is not None and self._news(entry, now, step):
                     self._stepped(entry, now, step, steps)
                     self._tell_progress(rid, entry, now, step=step, steps=steps)
             case Queued(request_id=rid, role=role, position=position):
@@ -170,6 +176,16 @@ class TrackerActor:
         self._move(entry, ACTIVE_BY_ROLE[following])
         entry.stage_started, entry.carried_ms = now, mail.waited_ms
         self._tell_progress(mail.request_id, entry, now)
+
+    @staticmethod
+    def _news(entry: Entry, now: float, done: int) -> bool:
+        """Whether a step report of ``done`` steps is worth relaying: it moves on from the last
+        one relayed, and not within MIN_STEP_GAP_S of it (a repeated, reordered or flooding
+        report is dropped)."""
+        if entry.last_step is not None and (done <= entry.last_step[1] or now - entry.last_step[0] < MIN_STEP_GAP_S):
+            return False
+        entry.last_step = (now, done)
+        return True
 
     @staticmethod
     def _stepped(entry: Entry, now: float, done: int, steps: int) -> None:

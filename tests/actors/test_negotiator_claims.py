@@ -13,7 +13,14 @@ import zmq.asyncio
 
 from actors.mail import Join, Leave, LimitsChanged
 from actors.negotiator import PreallocCounts
-from tests.actors.negotiator_harness import encoder_and_denoiser, registration, speak
+from tests.actors.negotiator_harness import (
+    encoder_and_denoiser,
+    fake_worker,
+    registration,
+    running_negotiator,
+    shared_pool,
+    speak,
+)
 from transfer.protocol import DAEMON_TO_WORKER, Reason, Register, Registered, RegisterRefused, encode
 
 HEARTBEAT_S = 0.05
@@ -70,3 +77,32 @@ async def test_a_live_workers_session_is_refused_until_that_worker_falls_silent(
                 assert [m.instance for m in n.take("frontend") if isinstance(m, LimitsChanged)] == [
                     denoiser.instance, registered.instance]
                 assert denoiser.instance not in (await n.stats()).prealloc
+
+
+async def test_a_live_workers_shared_pool_is_refused_under_another_name_and_session(
+    ctx: zmq.asyncio.Context, tmp_path: Path
+) -> None:
+    """A same-host push copies into the file the receiver advertised: two links advertising one
+    file would have copies meant for one worker's slots land in the other's, as two on one
+    session would. Before, the second was registered, and its pushes overwrote the first's inputs."""
+    with anyio.fail_after(5):
+        async with running_negotiator(ctx, tmp_path, heartbeat_s=HEARTBEAT_S) as n, \
+                fake_worker(ctx, n, "denoiser", slots=2, host="host-a") as denoiser:
+            shared = shared_pool("host-a", "denoiser")
+            hello = msgspec.structs.replace(registration("denoiser", "own-session", 2, local=shared), name="other")
+            await speak(n, denoiser)
+            sock, reply = await claim(ctx, n.endpoint, hello)
+            with sock:
+                assert isinstance(reply, RegisterRefused) and reply.rejoin and reply.deferred
+                assert reply.message == (f"the shared memory {shared.path} is registered by {denoiser.instance} "
+                                         "('denoiser-worker'), which is still heard from: it is one worker's pool")
+                assert (await n.stats()).prealloc[denoiser.instance] == PreallocCounts(2, 2)
+                n.assert_silent()
+                await anyio.sleep(3 * HEARTBEAT_S)  # silent now: the file's old owner is taken for dead
+                await sock.send(encode(hello))
+                registered = DAEMON_TO_WORKER.decode(await sock.recv())
+                assert isinstance(registered, Registered)
+                leave = n.take("denoiser")[0]
+                assert isinstance(leave, Leave) and leave.instance == denoiser.instance
+                told = DAEMON_TO_WORKER.decode(await denoiser.sock.recv())
+                assert told == RegisterRefused(message=f"another worker registered the shared memory {shared.path}")

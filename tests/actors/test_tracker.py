@@ -31,7 +31,7 @@ from actors.mail import (
     TrackerMail,
 )
 from actors.mailbox import Mailbox, Switchboard
-from actors.tracker import TrackerActor, TrackerStats
+from actors.tracker import MIN_STEP_GAP_S, TrackerActor, TrackerStats
 from tests.actors.streams import open_stream, queued
 from transfer.protocol import GenParams, Progress, Reason, Rejected, Result, Role, TensorSpec
 
@@ -512,3 +512,29 @@ async def test_a_retrys_times_count_from_the_clients_submit() -> None:
                                submitted_at=time.monotonic() - 2.0))
             news = (await t.frontend.receive()).message
             assert isinstance(news, Progress) and news.elapsed_ms >= 2000
+
+
+async def test_a_flood_of_step_reports_is_relayed_only_as_often_as_a_client_can_use_it() -> None:
+    """A worker sends a Step at most every progress_interval_s; one that sends thousands at once
+    (or repeats one, or goes back) must not make the daemon send each to the client. Before,
+    every report became a Progress: 256,000 Steps from one denoiser held up every other
+    request on the daemon for 11 s and overflowed the client's replies."""
+    with anyio.fail_after(5):
+        async with running_tracker() as t:
+            t.inbox.post(Admit(request_id="r1", params=PARAMS, timeout_s=60.0, progress=True,
+                               submitted_at=time.monotonic()))
+            await t.admission.receive()
+            await t.frontend.receive()  # encoding
+            t.inbox.post(handed_off("r1", "encoder"))
+            await t.frontend.receive()  # denoising
+            for step in range(1, 1001):
+                t.inbox.post(Stepped(request_id="r1", step=step, steps=20))
+            assert (await t.frontend.receive()).message.step == 1
+            await t.stats()
+            t.assert_silent()
+            await anyio.sleep(2 * MIN_STEP_GAP_S)
+            t.inbox.post(Stepped(request_id="r1", step=1, steps=20))  # a repeat, or out of order
+            await t.stats()
+            t.assert_silent()
+            t.inbox.post(Stepped(request_id="r1", step=7, steps=20))
+            assert (await t.frontend.receive()).message.step == 7
