@@ -37,10 +37,15 @@ from transfer.protocol import (
     encode,
     wrong_socket,
 )
+from transfer.sockets import recv_cut
 
 QUERY_TIMEOUT_S = 5.0
 CONTROL_SEND_HWM = 100
 CONTROL_MAX_MESSAGE_BYTES = 64 * 1024  # a control request is a few bytes
+# The frames of a control message read, its identity included (a valid one has 3); any more
+# are dropped unread, a batch at a time, so that no message of millions of empty frames
+# (each within the size limit) holds the daemon's loop.
+CONTROL_FRAMES_READ = 8
 
 
 class ControlActor:
@@ -67,7 +72,7 @@ class ControlActor:
                           max_message_bytes=CONTROL_MAX_MESSAGE_BYTES) as (sock, bound):
             task_status.started(bound)
             while True:
-                frames = await sock.recv_multipart()
+                frames = await recv_cut(sock, CONTROL_FRAMES_READ)
                 try:
                     reply = await self._answer(frames)
                 except TimeoutError:

@@ -61,7 +61,7 @@ from transfer.protocol import (
     encode,
     wrong_socket,
 )
-from transfer.sockets import EVENTS, POLLIN, PlainPump, recv_frames
+from transfer.sockets import EVENTS, POLLIN, PlainPump, recv_head
 
 log = structlog.get_logger()
 
@@ -70,6 +70,10 @@ log = structlog.get_logger()
 RETRIED = frozenset({Reason.WORKER_LOST, Reason.TRANSFER_FAILED})
 # Requests a stopping daemon still reads off its client socket to answer them (draining).
 UNREAD_ANSWERED = 1024
+# The frames of a client message read, its identity included (a valid one has 3); any
+# more are dropped unread, a batch at a time, so that no client's message of millions of
+# empty frames holds the daemon's loop (transfer/sockets.py, PlainPump).
+CLIENT_FRAMES_READ = 8
 # A Cancel that finds nothing may have overtaken its Submit: a blocking client interrupted
 # just after sending cancels on a fresh connection, and the ROUTER reads connections in no
 # set order. That id's Submit arriving within this is refused as cancelled, not run for
@@ -144,7 +148,8 @@ class FrontendActor:
         with bound_router(self._ctx, self._cfg.client_endpoint, send_hwm=self._cfg.client_send_hwm,
                           max_message_bytes=self._cfg.client_max_message_bytes,
                           close_linger_ms=FLUSH_ON_CLOSE_MS, plain=True, mandatory=True) as (sock, bound):
-            self._pump = PlainPump(sock, self._on_frames, copy=True, hold=self._inbox.board.hold)
+            self._pump = PlainPump(sock, self._on_frames, copy=True, hold=self._inbox.board.hold,
+                                   most_frames=CLIENT_FRAMES_READ)
             self._outbox = ClientOutbox(sock, held_bytes=self._cfg.client_held_bytes,
                                         held_total_bytes=self._cfg.client_held_total_bytes,
                                         on_gone=self._connection_gone, log=self._log)
@@ -163,11 +168,17 @@ class FrontendActor:
         (``draining``, for a submit) instead of silence until the client's deadline. A
         bounded read; what arrives after it meets a closed socket."""
         self._draining = True
+        assert self._pump is not None
+        if self._pump.mid_message:
+            return  # dropping an overlong message's rest, which the close does at once
         with self._inbox.board.hold():  # its end flushes the replies (``_send``)
             for _ in range(UNREAD_ANSWERED):
                 if not sock.getsockopt(EVENTS) & POLLIN:
                     return
-                self._on_frames(recv_frames(sock, copy=True))
+                frames, more = recv_head(sock, copy=True, most=CLIENT_FRAMES_READ)
+                if more:
+                    return  # an overlong message: not read on, as the daemon stops
+                self._on_frames(frames)
 
     async def _serve_socket(self) -> None:
         assert self._pump is not None
@@ -195,8 +206,9 @@ class FrontendActor:
         identity = frames[0]
         # REQ and DEALER clients both put an empty delimiter before the body.
         if len(frames) != 3 or frames[1] != b"":
+            got = f"{len(frames) - 1}" if len(frames) < CLIENT_FRAMES_READ else f"{CLIENT_FRAMES_READ - 1} or more"
             self._refuse(identity, "", Reason.INVALID, wrong_socket("client", frames[-1])
-                         or f"invalid request: expected [empty, body] frames, got {len(frames) - 1}")
+                         or f"invalid request: expected [empty, body] frames, got {got}")
             return
         try:
             msg = CLIENT_REQUEST.decode(frames[2])

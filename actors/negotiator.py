@@ -58,6 +58,7 @@ from orchestrator.log import Throttled
 from transfer.binding import FLUSH_ON_CLOSE_MS, bound_router
 from transfer.protocol import (
     DECODE_ERRORS,
+    MAX_TENSORS,
     WORKER_MESSAGE,
     Allocated,
     AllocRejected,
@@ -81,6 +82,13 @@ from transfer.protocol import (
 )
 from transfer.reports import REPORTS_PER_MESSAGE
 from transfer.sockets import NOBLOCK, PlainPump
+
+# The frames of a worker-socket message read, its routing id included: twice the most a
+# worker sends (REPORTS_PER_MESSAGE reports, or a Done and MAX_TENSORS frames), so that one
+# sending too many is logged with their number. Any more are dropped unread, a batch at a
+# time: anyone can connect to the socket, and its size limit is per frame, so one message of
+# a million empty frames, read whole, held the daemon's loop for seconds.
+WORKER_FRAMES_READ = 2 * max(1 + REPORTS_PER_MESSAGE, 2 + MAX_TENSORS)
 
 log = structlog.get_logger()
 
@@ -143,7 +151,8 @@ class TransferNegotiator:
                           max_message_bytes=self._cfg.worker_max_message_bytes, close_linger_ms=FLUSH_ON_CLOSE_MS,
                           plain=True) as (sock, bound):
             self._sock = sock
-            self._pump = PlainPump(sock, self._on_frames, copy=False, hold=self._inbox.board.hold)
+            self._pump = PlainPump(sock, self._on_frames, copy=False, hold=self._inbox.board.hold,
+                                   most_frames=WORKER_FRAMES_READ)
             await serve_mailbox(self._inbox, self._handle, pump=self._pump.run, task_status=task_status,
                                 started=bound)
 

@@ -78,6 +78,10 @@ class CancelTokens:
         self._secret = secrets.token_bytes(16)
 
     def of(self, request_id: str) -> str:
+        if not isinstance(request_id, str):
+            # A TypeError, as any other field of the wrong type (a submit's is a Rejection,
+            # not sent), not an AttributeError from inside the HMAC.
+            raise TypeError(f"request_id must be a str, not {type(request_id).__name__}")
         # surrogatepass: an id that is no text is refused when its Submit is encoded, not here.
         return hmac.new(self._secret, request_id.encode("utf-8", "surrogatepass"), hashlib.sha256).hexdigest()[:32]
 

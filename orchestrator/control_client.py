@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import zmq
 
+from orchestrator.client_wire import daemon_endpoint
 from orchestrator.deadlines import poll_ms
 from orchestrator.rejection import answer_as
 from transfer.protocol import (
@@ -33,7 +34,9 @@ class Control:
     """Blocking client for the control socket."""
 
     def __init__(self, endpoint: str, *, timeout_s: float = 10.0, ctx: zmq.Context | None = None) -> None:
-        self.endpoint = endpoint
+        # As the other clients: an endpoint no one can connect to is a ValueError saying why,
+        # not ZMQ's "Invalid argument" (``*``) or a wait for a daemon that cannot be there.
+        self.endpoint = daemon_endpoint(endpoint)
         self._timeout_ms = poll_ms(timeout_s)
         self._ctx = ctx or zmq.Context.instance()
 

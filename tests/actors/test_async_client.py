@@ -154,9 +154,15 @@ async def test_a_submit_the_daemon_would_refuse_is_refused_at_once_and_never_sen
                 await client.submit(GenParams(prompt="p", seed=np.int64(7)), timeout_s=30)
             with pytest.raises(Rejection, match="not sent: 'utf-8' codec can't encode"):  # a lone surrogate
                 await client.submit(GenParams(prompt="a\ud800b"), timeout_s=30)
+            with pytest.raises(Rejection, match="not sent: request_id must be a str, not int"):
+                await client.submit(GenParams(prompt="p"), request_id=7, timeout_s=30)
+            with pytest.raises(TypeError, match="request_id must be a str, not bytes"):
+                await client.cancel(b"r")
             for never_ending in (-1.0, math.inf, 0.0):
                 with pytest.raises(ValueError, match="timeout_s must be a positive number of seconds"):
                     await client.cancel("r", timeout_s=never_ending)
+        with Client(endpoint) as blocking, pytest.raises(Rejection, match="not sent: request_id must be a str"):
+            blocking.submit(GenParams(prompt="p"), request_id=7, timeout_s=30)
         for never_ending in (-1.0, math.inf, math.nan):
             with Client(endpoint) as blocking, pytest.raises(ValueError, match="positive number of seconds"):
                 blocking.cancel("r", timeout_s=never_ending)

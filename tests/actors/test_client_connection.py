@@ -16,6 +16,7 @@ import zmq.asyncio
 
 from actors.mail import Admit
 from orchestrator.client import AsyncClient, Client
+from orchestrator.control_client import Control
 from tests.actors.test_frontend import running_frontend
 from transfer.protocol import (
     CLIENT_REQUEST,
@@ -386,8 +387,14 @@ async def test_an_answer_that_came_just_before_its_connection_closed_is_an_answe
             blocking_ctx.term()
 
 
-@pytest.mark.parametrize("make", [Client, AsyncClient], ids=["Client", "AsyncClient"])
+@pytest.mark.parametrize("make", [Client, AsyncClient, Control], ids=["Client", "AsyncClient", "Control"])
 def test_a_client_refuses_an_endpoint_it_cannot_connect_to_saying_why(make: type) -> None:
     """``*`` is for the daemon to bind; ZMQ's own word for connecting to it is "Invalid argument"."""
     with pytest.raises(ValueError, match=r"tcp://\*:5555 is an address for the daemon to bind, not one to connect to"):
         make("tcp://*:5555")
+
+
+def test_the_control_client_refuses_a_port_out_of_range_at_once() -> None:
+    """Not after its whole timeout: no daemon can listen on port 99999."""
+    with pytest.raises(ValueError, match=r"tcp://127.0.0.1:99999 is port 99999, not 1-65535"):
+        Control("tcp://127.0.0.1:99999")

@@ -60,3 +60,37 @@ async def test_a_drain_begins_even_when_an_owner_is_too_slow_to_count_the_reques
     (reply,), drain_requested = await ask_a_silent_owner(ctx, tmp_path, [encode(Drain())])
     assert reply.reason == Reason.OVERLOADED and reply.message.endswith("the drain has begun")
     assert drain_requested.is_set()
+
+
+async def test_a_message_of_many_frames_is_refused_while_the_loop_runs_on(ctx: zmq.asyncio.Context,
+                                                                          tmp_path: Path) -> None:
+    """ZMQ's size limit is per frame: read whole, one message of 100,000 empty frames held
+    the daemon's loop (every socket and timer) for its whole read."""
+    turns = 0
+
+    async def count_turns() -> None:
+        nonlocal turns
+        while True:
+            turns += 1
+            await anyio.sleep(0)
+
+    # inproc: the whole message is in the control socket's queue once it is sent, so the
+    # turns counted from then are those taken while it was read.
+    control = ControlActor(ctx=ctx, endpoint=f"inproc://control-{tmp_path.name}", owners={},
+                           drain_requested=anyio.Event())
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            endpoint = await tg.start(control.run)
+            client = ctx.socket(zmq.DEALER)
+            client.connect(endpoint)
+            try:
+                await client.send_multipart([b"", *[b""] * 100_000, encode(GetStats())])
+                before = turns
+                tg.start_soon(count_turns)
+                empty, body = await client.recv_multipart()
+            finally:
+                client.close(linger=0)
+            tg.cancel_scope.cancel()
+    assert empty == b"" and CONTROL_REPLY.decode(body) == Rejected(
+        request_id="", reason=Reason.INVALID, message="invalid control request: expected [empty, body]")
+    assert turns - before >= 10  # other tasks ran while its rest was dropped

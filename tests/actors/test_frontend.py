@@ -644,3 +644,17 @@ async def test_a_clients_own_cancel_that_meets_another_clients_request_is_an_ack
                 assert caught.value.reason == Reason.DUPLICATE  # its own answer: B's "x" is in flight
                 assert_empty(f.tracker)  # A's Cancel stopped nothing
                 tg.cancel_scope.cancel()
+
+
+async def test_a_message_of_millions_of_frames_is_refused_after_its_first_few(ctx: zmq.asyncio.Context,
+                                                                              tmp_path: Path) -> None:
+    """Each frame is within the size limit; the rest of the message is dropped unread."""
+    async with running_frontend(ctx, tmp_path) as fe:
+        await fe.client.send_multipart([b"", *[b""] * 200_000, b"last"])
+        await fe.ask(Cancel(protocol=PROTOCOL_VERSION, request_id="after"))
+        with anyio.fail_after(10):
+            assert (await fe.reply())[0] == Rejected(
+                request_id="", reason=Reason.INVALID,
+                message=f"invalid request: expected [empty, body] frames, got {frontend.CLIENT_FRAMES_READ - 1} or more")
+            assert (await fe.reply())[0] == Cancelled(request_id="after", found=False)
+        assert (await fe.stats()).refused == {Reason.INVALID: 1}

@@ -3,6 +3,7 @@ each gets a typed refusal or is ignored, and the daemon's loop never dies of it.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import anyio
@@ -35,6 +36,7 @@ from transfer.protocol import (
     DAEMON_TO_WORKER,
     Allocated,
     Done,
+    Heartbeat,
     Leaving,
     Push,
     Pushed,
@@ -253,3 +255,36 @@ async def test_a_flood_of_junk_from_anyone_costs_a_few_log_lines(
             await n.stats()
             bad = [line for line in logs if line["event"] == "worker.bad_message"]
             assert len(bad) == 10
+
+
+async def test_a_message_of_a_million_frames_never_holds_the_loop_for_long(
+    ctx: zmq.asyncio.Context, tmp_path: Path
+) -> None:
+    """Anyone may connect to the worker socket, and its size limit is per frame: read whole,
+    one message of a million empty frames held the daemon's loop (every socket and timer)
+    for a second. Its rest is dropped a batch at a time instead."""
+    longest_gap = 0.0
+
+    async def watch_the_loop() -> None:
+        nonlocal longest_gap
+        last = time.monotonic()
+        while True:
+            await anyio.sleep(0)
+            now = time.monotonic()
+            longest_gap, last = max(longest_gap, now - last), now
+
+    with anyio.fail_after(20):
+        async with running_negotiator(ctx, tmp_path) as n, anyio.create_task_group() as tg:
+            tg.start_soon(watch_the_loop)
+            stranger = ctx.socket(zmq.DEALER)
+            stranger.setsockopt(zmq.LINGER, 0)
+            stranger.setsockopt(zmq.SNDHWM, 0)
+            stranger.connect(n.endpoint)
+            try:
+                await stranger.send_multipart([encode(Heartbeat()), *[b""] * 1_000_000])
+                refused = DAEMON_TO_WORKER.decode(await stranger.recv())
+            finally:
+                stranger.close(linger=0)
+            tg.cancel_scope.cancel()
+    assert isinstance(refused, RegisterRefused) and refused.rejoin
+    assert longest_gap < 0.1

@@ -9,7 +9,7 @@ import anyio
 import pytest
 import zmq
 
-from transfer.sockets import NOBLOCK, PUMP_BATCH, PlainPump, recv_frames, send_frames
+from transfer.sockets import NOBLOCK, PUMP_BATCH, SKIP_BATCH, PlainPump, recv_frames, send_frames
 
 
 @pytest.fixture
@@ -72,3 +72,39 @@ def test_send_frames_and_recv_frames_move_whole_messages_one_at_a_time(pair: tup
     assert recv_frames(pull, copy=True) == [b"single"]
     with pytest.raises(zmq.Again):
         recv_frames(pull, copy=True)
+
+
+async def test_a_message_of_more_frames_than_wanted_is_cut_and_its_rest_dropped_while_the_loop_runs(
+    pair: tuple[zmq.Socket, zmq.Socket],
+) -> None:
+    """ZMQ's size limit is per frame: one message can hold millions of empty frames. Read
+    whole in one callback, it held the loop (every other socket and timer) for seconds."""
+    pull, push = pair
+    for _ in range(SKIP_BATCH * 20):
+        push.send(b"", zmq.SNDMORE)
+    push.send(b"last")
+    push.send_multipart([b"next", b"whole"])
+    seen: list[list[bytes]] = []
+    turns_before: list[int] = []  # the loop's turns before each message was handed over
+    turns = 0
+
+    async def count_turns() -> None:
+        nonlocal turns
+        while True:
+            turns += 1
+            await anyio.sleep(0)
+
+    def handle(frames: list[bytes]) -> None:
+        seen.append(frames)
+        turns_before.append(turns)
+
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(count_turns)
+            await anyio.sleep(0)
+            tg.start_soon(PlainPump(pull, handle, copy=True, most_frames=3).run)
+            while len(seen) < 2:
+                await anyio.sleep(0.01)
+            tg.cancel_scope.cancel()
+    assert seen == [[b"", b"", b""], [b"next", b"whole"]]
+    assert turns_before[0] >= 10  # other tasks ran while its 20 batches were dropped
