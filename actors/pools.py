@@ -51,7 +51,7 @@ from actors.mail import (
     TrackerMail,
 )
 from actors.mailbox import Mailbox, MailboxCounts
-from transfer.protocol import Abort, Probe, Reason, Role, WorkOrder, encode
+from transfer.protocol import ORDERS_PER_MESSAGE, Abort, Probe, Reason, Role, WorkOrder, encode
 from transfer.sockets import NOBLOCK, send_frames
 
 log = structlog.get_logger()
@@ -305,16 +305,20 @@ class PoolActor:
         unsent, self._unsent = self._unsent, {}
         for inst in unsent.values():
             orders, inst.unsent = inst.unsent, []
-            try:
-                # Never block the loop on one worker: a full queue (SNDHWM) means it is stuck.
-                send_frames(inst.socket, [inst.key, *map(encode, orders)], NOBLOCK)
-            except zmq.Again:
-                # Its requests fail when it is evicted; an Abort lost here would leave memory
-                # held at the worker, which its rejoin frees.
-                self._log.error("pool.worker_stuck", instance=inst.instance, orders=len(orders),
-                                requests=[order.request_id for order in orders])
-                self._negotiator.post(Stuck(instance=inst.instance,
-                                            message=f"{self.role} {inst.instance} is not taking work"))
+            for start in range(0, len(orders), ORDERS_PER_MESSAGE):
+                try:
+                    # Never block the loop on one worker: a full queue (SNDHWM) means it is stuck.
+                    send_frames(inst.socket, [inst.key, *map(encode, orders[start : start + ORDERS_PER_MESSAGE])],
+                                NOBLOCK)
+                except zmq.Again:
+                    # Its requests fail when it is evicted; an Abort lost here would leave memory
+                    # held at the worker, which its rejoin frees.
+                    lost = orders[start:]
+                    self._log.error("pool.worker_stuck", instance=inst.instance, orders=len(lost),
+                                    requests=[order.request_id for order in lost])
+                    self._negotiator.post(Stuck(instance=inst.instance,
+                                                message=f"{self.role} {inst.instance} is not taking work"))
+                    break
 
     def _join(self, mail: Join) -> None:
         # A plain socket even under an asyncio context: sends are NOBLOCK and never

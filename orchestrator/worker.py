@@ -49,6 +49,7 @@ from transfer.protocol import (
     CLIENT_REPLY,
     DAEMON_TO_WORKER,
     DECODE_ERRORS,
+    ORDERS_PER_MESSAGE,
     PROTOCOL_VERSION,
     WORK_ORDER,
     Abort,
@@ -269,8 +270,7 @@ class WorkerRuntime:
             tg.start_soon(self._memory.stalls.run)
             tg.start_soon(self._memory.unmap_gone_receivers)
             tg.start_soon(self._send_reports, dealer)
-            # Read on the loop without zmq.asyncio; nothing else uses this socket.
-            tg.start_soon(PlainPump(work, partial(self._on_orders, tg=tg), copy=True).run)
+            tg.start_soon(self._order_reader(work, tg).run)
             try:
                 forgotten = await self._watch_daemon(dealer)
             finally:
@@ -364,12 +364,22 @@ class WorkerRuntime:
 
     # ------------------------------------------------------------------ orders
 
+    def _order_reader(self, work: zmq.Socket, tg: anyio.abc.TaskGroup) -> PlainPump:
+        """Reads the work socket on the loop without zmq.asyncio (nothing else uses it). Anyone
+        who reaches it can send, and its size limit is per frame: past the most the daemon
+        sends, a message's frames are dropped unread a batch a turn, so that a message of
+        millions of empty frames never holds the loop (and with it heartbeats and pushes)."""
+        return PlainPump(work, partial(self._on_orders, tg=tg), copy=True, most_frames=2 + ORDERS_PER_MESSAGE)
+
     def _on_orders(self, parts: list[bytes], tg: anyio.abc.TaskGroup) -> None:
-        """``[key, order, order, ...]``: the daemon sends all it has for this worker at once."""
+        """``[key, order, order, ...]``: the daemon sends what it has for this worker at once,
+        up to ORDERS_PER_MESSAGE orders a message (the pump reads one frame more, to tell)."""
         if len(parts) < 2 or not hmac.compare_digest(parts[0], self._key):
             self._peer_log.warning("worker.order_refused", why="missing or wrong key")
             return
-        for body in parts[1:]:
+        if len(parts) > 1 + ORDERS_PER_MESSAGE:
+            self._peer_log.warning("worker.too_many_orders", read=ORDERS_PER_MESSAGE)
+        for body in parts[1 : 1 + ORDERS_PER_MESSAGE]:
             try:
                 order = WORK_ORDER.decode(body)
             except DECODE_ERRORS as exc:

@@ -48,6 +48,10 @@ MAX_TENSORS = 64  # per hand-off or result
 MAX_SLOTS = 4096  # preallocated receive slots per worker: the daemon sorts and checks them all on its loop
 MAX_TENSOR_NAME = 256
 MAX_DIMS = 8
+# Work orders in one daemon -> worker message (its key frame first): the pool sends more as
+# several messages, and a worker reads no more frames of one, so that a stranger's message of
+# millions of empty frames (each within the work socket's size limit) never holds its loop.
+ORDERS_PER_MESSAGE = 256
 # How a hand-off's bytes moved: the transfer engine, or a copy into shared memory (same host).
 Via = Literal["mooncake", "memcpy"]
 

@@ -715,6 +715,23 @@ async def test_orders_from_one_delivery_leave_as_one_message_in_order(ctx: zmq.a
             assert key == KEY and [WORK_ORDER.decode(body) for body in bodies] == orders
 
 
+async def test_orders_past_the_most_one_message_carries_leave_in_order_as_several(
+        ctx: zmq.asyncio.Context, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker reads no more than ORDERS_PER_MESSAGE orders of one message."""
+    monkeypatch.setattr("actors.pools.ORDERS_PER_MESSAGE", 2)
+    with anyio.fail_after(5):
+        async with fake_worker(ctx, tmp_path) as (address, worker), running_pool("encoder", ctx) as pool:
+            await pool.join(address, work=worker)
+            orders = [Abort(request_id=f"r{i}") for i in range(5)]
+            with pool.inbox.board.hold():
+                for order in orders:
+                    pool.inbox.post(Send(instance="encoder-1", order=order))
+            messages = [await worker.recv_multipart() for _ in range(3)]
+            assert [len(bodies) for _, *bodies in messages] == [2, 2, 1]
+            assert all(key == KEY for key, *_ in messages)
+            assert [WORK_ORDER.decode(body) for _, *bodies in messages for body in bodies] == orders
+
+
 async def test_a_batch_to_a_stuck_worker_reports_it_once(tmp_path: Path) -> None:
     ctx = zmq.Context()
     try:

@@ -1,6 +1,7 @@
 """A worker's answers to orders that are odd (repeated, aborted at once, pointing at memory
 that is not the request's): nothing crashes, nothing leaks, nothing reads another
-request's memory. The runtime is driven without sockets: orders in, reports out."""
+request's memory. The runtime is driven without a daemon: orders in (as its work socket's
+reader hands them on, or through that reader), reports out."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import threading
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -383,3 +385,50 @@ async def test_a_push_longer_than_its_staged_output_writes_nothing_and_frees_it(
                             f"({block.size} bytes)")
     assert engine.writes == 0
     assert w._pool.allocated_blocks == 0 and not w._memory.holds_output("r1")
+
+
+async def test_orders_past_the_most_one_message_carries_are_not_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The daemon sends at most ORDERS_PER_MESSAGE orders a message: more are not its."""
+    monkeypatch.setattr("orchestrator.worker.ORDERS_PER_MESSAGE", 2)
+    async with worker() as w:
+        w.send(*(Alloc(request_id=f"r{i}", nbytes=256) for i in range(3)))
+        allocated = await reports(w, 2, settle_s=0.2)
+    assert [r.request_id for r in allocated] == ["r0", "r1"]
+
+
+async def test_a_message_of_a_million_frames_never_holds_the_workers_loop_for_long(tmp_path: Path) -> None:
+    """Anyone who reaches a work socket can send, and its size limit is per frame: read
+    whole, one message of a million empty frames held the worker's loop, heartbeats and
+    pushes with it, for a second. Its rest is dropped a batch at a time, and the orders
+    after it are read as ever."""
+    longest_gap = 0.0
+
+    async def watch_the_loop() -> None:
+        nonlocal longest_gap
+        last = time.monotonic()
+        while True:
+            await anyio.sleep(0)
+            now = time.monotonic()
+            longest_gap, last = max(longest_gap, now - last), now
+
+    ctx = zmq.asyncio.Context()
+    work = ctx.socket(zmq.PULL, socket_class=zmq.Socket)  # plain, as the worker's own
+    sender = ctx.socket(zmq.PUSH)
+    try:
+        work.bind(f"ipc://{tmp_path}/work")
+        sender.setsockopt(zmq.SNDHWM, 0)
+        sender.connect(f"ipc://{tmp_path}/work")
+        with anyio.fail_after(20):
+            async with worker() as w:
+                w.tg.start_soon(w._order_reader(work, w.tg).run)
+                w.tg.start_soon(watch_the_loop)
+                await sender.send_multipart([b"stranger", *[b""] * 1_000_000])
+                await sender.send_multipart([w._key, encode(Alloc(request_id="r1", nbytes=256))])
+                allocated = await reports(w, 1)
+                w.tg.cancel_scope.cancel()
+    finally:
+        sender.close(linger=0)
+        work.close(linger=0)
+        ctx.destroy(linger=0)
+    assert [type(r) for r in allocated] == [Allocated]
+    assert longest_gap < 0.1
