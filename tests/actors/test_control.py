@@ -11,6 +11,7 @@ import zmq.asyncio
 from actors.control import ControlActor
 from actors.mail import QueryStats
 from actors.mailbox import Switchboard
+from tests.loop_watch import LoopWatch
 from transfer.protocol import CONTROL_REPLY, Drain, GetStats, Reason, Rejected, encode
 
 
@@ -66,13 +67,7 @@ async def test_a_message_of_many_frames_is_refused_while_the_loop_runs_on(ctx: z
                                                                           tmp_path: Path) -> None:
     """ZMQ's size limit is per frame: read whole, one message of 100,000 empty frames held
     the daemon's loop (every socket and timer) for its whole read."""
-    turns = 0
-
-    async def count_turns() -> None:
-        nonlocal turns
-        while True:
-            turns += 1
-            await anyio.sleep(0)
+    loop = LoopWatch()
 
     # inproc: the whole message is in the control socket's queue once it is sent, so the
     # turns counted from then are those taken while it was read.
@@ -85,12 +80,12 @@ async def test_a_message_of_many_frames_is_refused_while_the_loop_runs_on(ctx: z
             client.connect(endpoint)
             try:
                 await client.send_multipart([b"", *[b""] * 100_000, encode(GetStats())])
-                before = turns
-                tg.start_soon(count_turns)
+                before = loop.turns
+                tg.start_soon(loop.run)
                 empty, body = await client.recv_multipart()
             finally:
                 client.close(linger=0)
             tg.cancel_scope.cancel()
     assert empty == b"" and CONTROL_REPLY.decode(body) == Rejected(
         request_id="", reason=Reason.INVALID, message="invalid control request: expected [empty, body]")
-    assert turns - before >= 10  # other tasks ran while its rest was dropped
+    assert loop.turns - before >= 10  # other tasks ran while its rest was dropped

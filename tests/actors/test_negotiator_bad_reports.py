@@ -3,7 +3,6 @@ each gets a typed refusal or is ignored, and the daemon's loop never dies of it.
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import anyio
@@ -32,6 +31,7 @@ from tests.actors.negotiator_harness import (
     stage_encoder_output,
     wait_late,
 )
+from tests.loop_watch import LoopWatch
 from transfer.protocol import (
     DAEMON_TO_WORKER,
     Allocated,
@@ -263,19 +263,10 @@ async def test_a_message_of_a_million_frames_never_holds_the_loop_for_long(
     """Anyone may connect to the worker socket, and its size limit is per frame: read whole,
     one message of a million empty frames held the daemon's loop (every socket and timer)
     for a second. Its rest is dropped a batch at a time instead."""
-    longest_gap = 0.0
-
-    async def watch_the_loop() -> None:
-        nonlocal longest_gap
-        last = time.monotonic()
-        while True:
-            await anyio.sleep(0)
-            now = time.monotonic()
-            longest_gap, last = max(longest_gap, now - last), now
-
+    loop = LoopWatch()
     with anyio.fail_after(20):
         async with running_negotiator(ctx, tmp_path) as n, anyio.create_task_group() as tg:
-            tg.start_soon(watch_the_loop)
+            tg.start_soon(loop.run)
             stranger = ctx.socket(zmq.DEALER)
             stranger.setsockopt(zmq.LINGER, 0)
             stranger.setsockopt(zmq.SNDHWM, 0)
@@ -287,4 +278,4 @@ async def test_a_message_of_a_million_frames_never_holds_the_loop_for_long(
                 stranger.close(linger=0)
             tg.cancel_scope.cancel()
     assert isinstance(refused, RegisterRefused) and refused.rejoin
-    assert longest_gap < 0.1
+    assert loop.longest_gap < 0.1

@@ -9,6 +9,7 @@ import anyio
 import pytest
 import zmq
 
+from tests.loop_watch import LoopWatch
 from transfer.sockets import NOBLOCK, PUMP_BATCH, SKIP_BATCH, PlainPump, recv_frames, send_frames
 
 
@@ -86,21 +87,15 @@ async def test_a_message_of_more_frames_than_wanted_is_cut_and_its_rest_dropped_
     push.send_multipart([b"next", b"whole"])
     seen: list[list[bytes]] = []
     turns_before: list[int] = []  # the loop's turns before each message was handed over
-    turns = 0
-
-    async def count_turns() -> None:
-        nonlocal turns
-        while True:
-            turns += 1
-            await anyio.sleep(0)
+    loop = LoopWatch()
 
     def handle(frames: list[bytes]) -> None:
         seen.append(frames)
-        turns_before.append(turns)
+        turns_before.append(loop.turns)
 
     with anyio.fail_after(10):
         async with anyio.create_task_group() as tg:
-            tg.start_soon(count_turns)
+            tg.start_soon(loop.run)
             await anyio.sleep(0)
             tg.start_soon(PlainPump(pull, handle, copy=True, most_frames=3).run)
             while len(seen) < 2:

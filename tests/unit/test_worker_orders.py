@@ -22,6 +22,7 @@ import zmq.asyncio
 from orchestrator.config import Config, ModelConfig, NullStageConfig, WorkerConfig, WorkersConfig
 from orchestrator.stages import build_stage
 from orchestrator.worker import WorkerRuntime
+from tests.loop_watch import LoopWatch
 from transfer import frames
 from transfer.engine import TransferInDoubt
 from transfer.pool import MemoryPool
@@ -401,16 +402,7 @@ async def test_a_message_of_a_million_frames_never_holds_the_workers_loop_for_lo
     whole, one message of a million empty frames held the worker's loop, heartbeats and
     pushes with it, for a second. Its rest is dropped a batch at a time, and the orders
     after it are read as ever."""
-    longest_gap = 0.0
-
-    async def watch_the_loop() -> None:
-        nonlocal longest_gap
-        last = time.monotonic()
-        while True:
-            await anyio.sleep(0)
-            now = time.monotonic()
-            longest_gap, last = max(longest_gap, now - last), now
-
+    loop = LoopWatch()
     ctx = zmq.asyncio.Context()
     work = ctx.socket(zmq.PULL, socket_class=zmq.Socket)  # plain, as the worker's own
     sender = ctx.socket(zmq.PUSH)
@@ -421,7 +413,7 @@ async def test_a_message_of_a_million_frames_never_holds_the_workers_loop_for_lo
         with anyio.fail_after(20):
             async with worker() as w:
                 w.tg.start_soon(w._order_reader(work, w.tg).run)
-                w.tg.start_soon(watch_the_loop)
+                w.tg.start_soon(loop.run)
                 await sender.send_multipart([b"stranger", *[b""] * 1_000_000])
                 await sender.send_multipart([w._key, encode(Alloc(request_id="r1", nbytes=256))])
                 allocated = await reports(w, 1)
@@ -431,4 +423,4 @@ async def test_a_message_of_a_million_frames_never_holds_the_workers_loop_for_lo
         work.close(linger=0)
         ctx.destroy(linger=0)
     assert [type(r) for r in allocated] == [Allocated]
-    assert longest_gap < 0.1
+    assert loop.longest_gap < 0.1
