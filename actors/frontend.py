@@ -45,6 +45,7 @@ from actors.mail import (
 from actors.mailbox import Mailbox, MailboxCounts
 from actors.recent import RecentIds
 from orchestrator.config import DaemonConfig
+from orchestrator.limits import raw_output_violation
 from transfer.binding import FLUSH_ON_CLOSE_MS, bound_router
 from transfer.protocol import (
     CLIENT_REQUEST,
@@ -252,7 +253,8 @@ class FrontendActor:
             problem = Reason.DUPLICATE, f"request {rid!r} is already in flight"
         elif len(self._clients) >= self._cfg.max_in_flight:
             problem = Reason.OVERLOADED, f"{len(self._clients)} requests in flight (max_in_flight)"
-        elif violation := self._door.violation(msg.params):
+        elif violation := (self._door.violation(msg.params)
+                           or raw_output_violation(msg.params, self._cfg.worker_max_message_bytes)):
             problem = Reason.INVALID, violation
         if problem is not None:
             self._refuse(identity, rid, *problem, awaited=problem[0] != Reason.CANCELLED)

@@ -31,6 +31,26 @@ def limits_violation(limits: StageLimits, params: GenParams) -> str | None:
     return None
 
 
+def oversized_frame(name: str, nbytes: int, limit: int, *, foreseen: bool = False) -> str | None:
+    """Why output ``name`` of ``nbytes`` cannot reach the client, or None: the daemon's worker
+    socket cuts off, unread, a decoder that sends a frame over ``limit``
+    (daemon.worker_max_message_bytes). ``foreseen``: said of a request, before it runs."""
+    if nbytes <= limit:
+        return None
+    return (f"output {name!r} {'would be' if foreseen else 'is'} {nbytes} bytes, more than the daemon takes in one "
+            f"frame (daemon.worker_max_message_bytes = {limit}): ask for fewer or smaller images, or raise the limit")
+
+
+def raw_output_violation(params: GenParams, limit: int) -> str | None:
+    """Why a ``raw`` request's output (one uint8 tensor of N x H x W x 3 bytes, its size
+    known from the request) cannot reach the client, or None. A PNG's size is known only
+    once encoded: the decoder checks it (orchestrator/worker.py)."""
+    if params.output != "raw":
+        return None
+    return oversized_frame("images", params.num_images * params.frames * params.height * params.width * 3, limit,
+                           foreseen=True)
+
+
 class UnsatisfiableLimits(ValueError):
     """Caps ([model.limits]) under which no request at all could be admitted."""
 

@@ -33,6 +33,7 @@ import zmq.asyncio
 
 from orchestrator.config import Config, dial_problem
 from orchestrator.early_signals import STOP_SIGNALS
+from orchestrator.limits import oversized_frame
 from orchestrator.log import Throttled
 from orchestrator.priority_gate import PriorityGate
 from orchestrator.stages import RunControl, Stage, StageError, StageStopped, build_stage
@@ -494,12 +495,9 @@ class WorkerRuntime:
         """The daemon disconnects, unread, a worker that sends it a frame over its
         worker_max_message_bytes (and then takes it for dead): an output that large fails its
         request here instead, saying why."""
-        limit = self._max_message_bytes
         for spec in specs:
-            if spec.nbytes > limit:
-                raise StageError(f"output {spec.name!r} is {spec.nbytes} bytes, more than the daemon takes in one "
-                                 f"frame (daemon.worker_max_message_bytes = {limit}): ask for fewer or smaller "
-                                 "images, or raise the limit", Reason.INVALID)
+            if (problem := oversized_frame(spec.name, spec.nbytes, self._max_message_bytes)) is not None:
+                raise StageError(problem, Reason.INVALID)
 
     async def _run_stage(self, order: Work | Ready, *, control: RunControl) -> None:
         rid = order.request_id

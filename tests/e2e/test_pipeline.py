@@ -317,22 +317,30 @@ def test_a_client_that_never_reads_makes_the_daemon_hold_only_so_much(start_clus
 def test_an_output_larger_than_the_daemon_takes_fails_its_request_only(start_cluster: StartCluster,
                                                                         tmp_path: Path) -> None:
     """A decoder output past daemon.worker_max_message_bytes would get the decoder cut off
-    unread by the daemon's socket (and taken for dead, its other requests with it): the
-    decoder refuses it instead, naming the limit, and serves on. The limit is the daemon's,
-    said at registration: this decoder's own config has the default, 1,024 times larger."""
+    unread by the daemon's socket (and taken for dead, its other requests with it): a raw
+    one, whose size the request says, is refused at the door before any stage runs; a PNG,
+    known only once encoded, the decoder refuses, naming the limit, and serves on. The limit
+    is the daemon's, said at registration: this decoder's own config has the default, 1,024
+    times larger."""
     cluster = start_cluster(layout={"encoder": 1, "denoiser": 1}, daemon={"worker_max_message_bytes": 1 << 20})
     own = config_variant(cluster, tmp_path / "decoder.toml", "daemon", {"worker_max_message_bytes": 1 << 30})
     cluster.start_worker("decoder", 0, config_path=own)
     cluster.wait_registered(3, timeout_s=60)
+    limit = "more than the daemon takes in one frame (daemon.worker_max_message_bytes = 1048576)"
     with Client(endpoint(cluster)) as client:
         with pytest.raises(Rejection) as caught:  # 1024 x 1024 x 3 bytes
             client.submit(GenParams(prompt="p", width=1024, height=1024, output="raw"), timeout_s=20)
         assert caught.value.reason == Reason.INVALID
-        assert "more than the daemon takes in one frame (daemon.worker_max_message_bytes = 1048576)" in (
-            caught.value.rejected.message)
+        assert f"output 'images' would be 3145728 bytes, {limit}" in caught.value.rejected.message
+        assert all(i.served == i.failed == 0 for i in cluster.control.stats().instances)  # nothing computed
+        with pytest.raises(Rejection) as caught:  # PNG of noise: about 1.6 MB
+            client.submit(GenParams(prompt="p", width=2048, height=1024), timeout_s=20)
+        assert caught.value.reason == Reason.INVALID
+        assert limit in caught.value.rejected.message and "decoder" in caught.value.rejected.message
         client.submit(GenParams(prompt="p", width=256, height=256, output="raw"), timeout_s=20)
-    stats = cluster.control.stats()
+    stats = wait_for(cluster, all_free)
     assert stats.retried == 0 and len(stats.instances) == 3 and not any(i.suspect for i in stats.instances)
+    assert stats.refused == {"invalid": 1} and stats.failed_by_reason == {"invalid": 1}
 
 
 def test_a_worker_without_room_to_stage_its_output_fails_the_hand_off_which_is_retried(
