@@ -45,7 +45,7 @@ from orchestrator.worker_memory import RequestMemory
 from transfer import frames
 from transfer.binding import EndpointUnusable, remove_ipc_file
 from transfer.engine import Engine, MooncakeEngine
-from transfer.pool import MemoryPool, PoolError, PoolUnallocatable, physical_memory
+from transfer.pool import MemoryPool, PoolError, PoolTooSmall, PoolUnallocatable, physical_memory
 from transfer.protocol import (
     CLIENT_REPLY,
     DAEMON_TO_WORKER,
@@ -552,6 +552,10 @@ class WorkerRuntime:
         match exc:
             case StageError():
                 reason, error = exc.reason, str(exc)
+            case PoolTooSmall():
+                # Never, on this worker: the setting to raise, for the operator.
+                reason, error = Reason.TRANSFER_FAILED, (f"no room to stage its output: {exc} "
+                                                         f"(workers.{self.role}.pool_bytes)")
             case PoolError():
                 # No room to stage the output for its hand-off: a failed hand-off, as when the
                 # receiver has none, and like it started again on the workers left (daemon.retries).

@@ -178,7 +178,8 @@ async def test_an_output_no_receiver_could_ever_take_is_invalid_and_not_handed_o
             assert await n.tracker.receive() == Failed(
                 request_id="too-big", reason=Reason.INVALID, avoid=frozenset({encoder.instance}),
                 message=f"its {largest + 1}-byte output fits no denoiser's memory pool "
-                        f"(the most one takes is {largest} bytes)")
+                        f"(the most one takes is {largest} bytes: workers.denoiser.pool_bytes past its "
+                        "preallocated slots, or prealloc_slot_bytes)")
             assert n.take("encoder") == [released("too-big", encoder, ok=True), aborted("too-big", encoder)]
             await staged("fits", largest)
             assert await n.admission.receive() == Enqueue(job=msgspec.structs.replace(job("fits", "denoiser"),

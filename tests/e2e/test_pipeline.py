@@ -353,7 +353,9 @@ def test_a_worker_without_room_to_stage_its_output_fails_the_hand_off_which_is_r
     with Client(endpoint(cluster)) as client, pytest.raises(Rejection) as caught:
         client.submit(params(0), timeout_s=20)
     assert caught.value.reason == Reason.TRANSFER_FAILED
-    assert "no room to stage its output" in caught.value.rejected.message
+    assert caught.value.rejected.message.endswith(
+        "no room to stage its output: 19712 bytes can never fit: the allocatable region is 16384 bytes "
+        "(pool 16384, prealloc slots 0) (workers.encoder.pool_bytes)")  # the setting to raise, named
     stats = wait_for(cluster, all_free)
     assert stats.retried == 1 and stats.failed_by_reason == {"transfer_failed": 2}
 
