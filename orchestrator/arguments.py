@@ -12,13 +12,22 @@ from orchestrator.config import dial_problem
 
 def positive_seconds(text: str) -> float:
     """A finite number of seconds above zero (a negative wait never ends)."""
+    return _positive(text, "a positive number of seconds")
+
+
+def positive_rate(text: str) -> float:
+    """A finite number of events a second above zero."""
+    return _positive(text, "a positive number a second")
+
+
+def _positive(text: str, expected: str) -> float:
     try:
-        seconds = float(text)
+        value = float(text)
     except ValueError:
-        seconds = math.nan
-    if not 0 < seconds < math.inf:
-        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
-    return seconds
+        value = math.nan
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+    return value
 
 
 def at_least(least: int) -> Callable[[str], int]:

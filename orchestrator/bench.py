@@ -41,14 +41,12 @@ from functools import partial
 from pathlib import Path
 
 import anyio
-import msgspec
 import zmq
 
 from actors.mailbox import Mailbox, Switchboard
 from orchestrator import bench_perf
 from orchestrator.client import AsyncClient
-from orchestrator.cluster import LocalCluster
-from orchestrator.config import load_config
+from orchestrator.cluster import LocalCluster, ipc_config
 from orchestrator.instant_workers import OUTPUT
 from orchestrator.parent_death import end_with_parent
 from transfer.protocol import CLIENT_REQUEST, ROLES, GenParams, Result, StageTiming, encode
@@ -97,18 +95,6 @@ def rss_mib(pid: int) -> float:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     raise RuntimeError("no VmRSS")
-
-
-def bench_config(tmp: Path, name: str, edit: Callable[[dict], object]) -> Path:
-    """configs/bench.toml with its endpoints on ipc:// paths under ``tmp`` (prefixed ``name``),
-    changed by ``edit`` (given the config as plain dicts), written to ``tmp/<name>.toml``."""
-    raw = msgspec.to_builtins(load_config(ROOT / "configs" / "bench.toml"))
-    raw["daemon"].update(client_endpoint=f"ipc://{tmp}/{name}-client", control_endpoint=f"ipc://{tmp}/{name}-control",
-                         worker_endpoint=f"ipc://{tmp}/{name}-workers")
-    edit(raw)
-    path = tmp / f"{name}.toml"
-    path.write_bytes(msgspec.toml.encode(raw))
-    return path
 
 
 def params(i: int) -> GenParams:
@@ -375,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def report(tmp: Path, args: argparse.Namespace) -> None:
-    path = bench_config(tmp, "bench", lambda raw: raw["log"].update(level=args.log_level))
+    path = ipc_config("bench.toml", tmp, "bench", lambda raw: raw["log"].update(level=args.log_level))
     floor_ms, echo_cpu_1_ms = echo_floor(f"ipc://{tmp}/echo1", 2000, 1)
     _, echo_cpu_16_ms = echo_floor(f"ipc://{tmp}/echo16", 16000, 16)
     client_ms = client_floor(f"ipc://{tmp}/floor", args.requests // 3)

@@ -314,6 +314,8 @@ def _parser() -> argparse.ArgumentParser:
     # Whole programs of their own; everything after the name is passed through.
     sub.add_parser("demo", help="run the local demo cluster (see --help)", add_help=False)
     sub.add_parser("bench", help="run the control-plane benchmark (see --help)", add_help=False)
+    sub.add_parser("soak", help="run the chaos soak: traffic while workers are killed and frozen (see --help)",
+                   add_help=False)
     sub.add_parser("bench-handoff", help="time a large hand-off, Mooncake vs same-host copy (see --help)",
                    add_help=False)
     return parser
@@ -322,10 +324,11 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args, rest = parser.parse_known_args(argv)
-    if args.command in ("demo", "bench", "bench-handoff"):
-        from orchestrator import bench, demo, handoff_bench
+    if args.command in ("demo", "bench", "bench-handoff", "soak"):
+        from orchestrator import bench, demo, handoff_bench, soak
 
-        return {"demo": demo.main, "bench": bench.main, "bench-handoff": handoff_bench.main}[args.command](rest)
+        return {"demo": demo.main, "bench": bench.main, "bench-handoff": handoff_bench.main,
+                "soak": soak.main}[args.command](rest)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     return _run(args)

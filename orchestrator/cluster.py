@@ -17,7 +17,10 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+
+import msgspec
 
 from orchestrator.config import Config, load_config
 from orchestrator.control_client import Control
@@ -25,12 +28,27 @@ from orchestrator.fork_server import ForkedProcess, ForkServer, ForkServerError
 from orchestrator.parent_death import PARENT_ENV
 from transfer.protocol import Role, Stats
 
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 DEFAULT_LAYOUT: dict[Role, int] = {"encoder": 1, "denoiser": 2, "decoder": 1}
 KILL_WAIT_S = 10.0  # for a killed process to be reaped
 
 
 class ClusterError(RuntimeError):
     pass
+
+
+def ipc_config(shipped: str, folder: Path, name: str, edit: Callable[[dict], object]) -> Path:
+    """configs/``shipped`` with its endpoints on ipc:// paths under ``folder`` (prefixed ``name``:
+    nothing else listening can collide with them), changed by ``edit`` (given the config as
+    plain dicts), written to ``folder/<name>.toml``."""
+    raw = msgspec.to_builtins(load_config(CONFIGS / shipped))
+    raw["daemon"].update(client_endpoint=f"ipc://{folder}/{name}-client",
+                         control_endpoint=f"ipc://{folder}/{name}-control",
+                         worker_endpoint=f"ipc://{folder}/{name}-workers")
+    edit(raw)
+    path = folder / f"{name}.toml"
+    path.write_bytes(msgspec.toml.encode(raw))
+    return path
 
 
 def on_accelerator(cfg: Config) -> bool:
@@ -40,6 +58,17 @@ def on_accelerator(cfg: Config) -> bool:
     diffusers, transformers) do (measured on an H200: every forked worker on ``cuda`` stopped
     with "Cannot re-initialize CUDA in forked subprocess")."""
     return cfg.model.kind == "diffusers" and cfg.model.diffusers.device.split(":")[0] != "cpu"
+
+
+def all_free(stats: Stats) -> bool:
+    """Every slot and preallocated slot free, nothing in flight anywhere."""
+    return (
+        all(i.slots_free == i.slots_total and i.prealloc_free == i.prealloc_total for i in stats.instances)
+        and stats.handoffs_in_flight == 0
+        and stats.handoffs_held == 0
+        and not stats.requests_by_state
+        and not any(stats.queue_depths.values())
+    )
 
 
 class LocalCluster:

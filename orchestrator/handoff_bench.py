@@ -17,9 +17,9 @@ from pathlib import Path
 import anyio
 
 from orchestrator.arguments import at_least
-from orchestrator.bench import bench_config, kept_on_failure
+from orchestrator.bench import kept_on_failure
 from orchestrator.client import AsyncClient
-from orchestrator.cluster import LocalCluster
+from orchestrator.cluster import LocalCluster, ipc_config
 from orchestrator.config import MiB
 from transfer.protocol import GenParams, Via
 
@@ -53,7 +53,7 @@ def measure(tmp: Path, mib: int, requests: int, same_host_copy: bool) -> list[fl
             raw["workers"][role]["pool_bytes"] = 4 * mib * MiB  # the staged output and an allocation, with room
         raw["transfer"]["same_host_copy"] = same_host_copy
 
-    path = bench_config(tmp, name, sized)
+    path = ipc_config("bench.toml", tmp, name, sized)
     with LocalCluster(path, layout=LAYOUT, log_dir=tmp / "logs" / name) as cluster:
         times = anyio.run(transfer_times, cluster.config.daemon.client_endpoint, requests, name, mib * MiB,
                           backend="asyncio")

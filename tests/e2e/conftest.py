@@ -121,17 +121,6 @@ def wait_for(cluster: LocalCluster, check: Callable[[Stats], bool], *, timeout_s
         time.sleep(0.05)
 
 
-def all_free(stats: Stats) -> bool:
-    """Every slot and preallocated slot free, nothing in flight anywhere."""
-    return (
-        all(i.slots_free == i.slots_total and i.prealloc_free == i.prealloc_total for i in stats.instances)
-        and stats.handoffs_in_flight == 0
-        and stats.handoffs_held == 0
-        and not stats.requests_by_state
-        and not any(stats.queue_depths.values())
-    )
-
-
 class RawClient(Client):
     """A client that sends what a hand-built one might: any frames at all."""
 

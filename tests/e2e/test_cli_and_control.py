@@ -16,9 +16,10 @@ import pytest
 import torch
 
 from orchestrator.client import AsyncClient, Client
+from orchestrator.cluster import all_free
 from orchestrator.stages.images import decode_png
 from orchestrator.stages.null import expected_outputs
-from tests.e2e.conftest import StartCluster, all_free, assert_torch_free, wait_for
+from tests.e2e.conftest import StartCluster, assert_torch_free, wait_for
 from transfer.protocol import GenParams, Progress
 
 SMALL = {"encoder": 1, "denoiser": 1, "decoder": 1}

@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from orchestrator.client import AsyncClient, Rejection
+from orchestrator.cluster import all_free
 from orchestrator.stages.diffusion.reference import monolithic_images
-from tests.e2e.conftest import StartCluster, all_free, wait_for
+from tests.e2e.conftest import StartCluster, wait_for
 from transfer.protocol import GenParams, Reason
 
 FAIL_MARKER = "please fail"

@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from orchestrator.client import AsyncClient, Generation
-from orchestrator.cluster import ClusterError, LocalCluster
+from orchestrator.cluster import ClusterError, LocalCluster, all_free
 from orchestrator.stages.diffusion.reference import monolithic_images
-from tests.e2e.conftest import StartCluster, all_free, cluster_config, wait_for
+from tests.e2e.conftest import StartCluster, cluster_config, wait_for
 from transfer.protocol import GenParams
 
 GPU = torch.cuda.is_available()

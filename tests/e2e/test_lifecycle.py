@@ -19,9 +19,9 @@ import torch
 import zmq
 
 from orchestrator.client import AsyncClient, Client, Generation, Rejection
-from orchestrator.cluster import LocalCluster
+from orchestrator.cluster import LocalCluster, all_free
 from orchestrator.stages.null import expected_outputs
-from tests.e2e.conftest import StartCluster, all_free, cluster_config, config_variant, wait_for
+from tests.e2e.conftest import StartCluster, cluster_config, config_variant, wait_for
 from transfer.protocol import (
     CLIENT_REPLY,
     DAEMON_TO_WORKER,

@@ -11,10 +11,10 @@ import torch
 import zmq
 
 from orchestrator.client import AsyncClient, Client, Generation, Rejection
-from orchestrator.cluster import LocalCluster
+from orchestrator.cluster import LocalCluster, all_free
 from orchestrator.fork_server import ForkServer
 from orchestrator.stages.null import expected_outputs
-from tests.e2e.conftest import RawClient, StartCluster, all_free, assert_torch_free, config_variant, wait_for
+from tests.e2e.conftest import RawClient, StartCluster, assert_torch_free, config_variant, wait_for
 from transfer.protocol import (
     PROTOCOL_VERSION,
     Cancelled,

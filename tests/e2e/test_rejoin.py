@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from orchestrator.client import AsyncClient, Rejection
-from orchestrator.cluster import LocalCluster
+from orchestrator.cluster import LocalCluster, all_free
 from orchestrator.config import LOCAL_MOONCAKE_ENV
 from orchestrator.stages.null import expected_outputs
-from tests.e2e.conftest import StartCluster, all_free, wait_for
+from tests.e2e.conftest import StartCluster, wait_for
 from transfer.protocol import GenParams, Progress, Reason, Stats
 
 # Receivers wait push_quarantine_s before rejoining, which must outlast a transfer.

@@ -11,9 +11,10 @@ import anyio
 import torch
 
 from orchestrator.client import AsyncClient
+from orchestrator.cluster import all_free
 from orchestrator.stages.null import expected_outputs
 from orchestrator.worker_memory import UNMAP_GONE_S
-from tests.e2e.conftest import StartCluster, all_free, wait_for
+from tests.e2e.conftest import StartCluster, wait_for
 from transfer.protocol import GenParams
 
 

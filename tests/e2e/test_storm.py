@@ -22,9 +22,9 @@ import anyio
 import torch
 
 from orchestrator.client import AsyncClient, Client, Rejection
-from orchestrator.cluster import LocalCluster
+from orchestrator.cluster import LocalCluster, all_free
 from orchestrator.stages.null import expected_outputs
-from tests.e2e.conftest import RawClient, StartCluster, all_free, wait_for
+from tests.e2e.conftest import RawClient, StartCluster, wait_for
 from transfer.protocol import GenParams, Reason, Rejected, Stats
 
 REQUESTS = 160

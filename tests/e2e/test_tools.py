@@ -55,7 +55,8 @@ def test_a_demo_whose_requests_the_model_refuses_says_why_in_one_line(tmp_path: 
 def test_the_tools_refuse_counts_they_cannot_run_with_as_usage_errors() -> None:
     for args, says in ((("orchestrator.handoff_bench", "--requests", "1"), "expected at least 2, got 1"),
                        (("orchestrator.handoff_bench", "--mib", "0"), "expected at least 1, got 0"),
-                       (("orchestrator.demo", "--steps", "x"), "expected a whole number, got 'x'")):
+                       (("orchestrator.demo", "--steps", "x"), "expected a whole number, got 'x'"),
+                       (("orchestrator.soak", "--rate", "0"), "expected a positive number a second, got '0'")):
         done = run_tool(*args)
         assert done.returncode == 2 and says in done.stderr and "Traceback" not in done.stderr, done.stderr
 
@@ -79,3 +80,12 @@ def test_the_handoff_benchmark_compares_both_paths() -> None:
     assert done.returncode == 0, done.stdout + done.stderr
     assert "mooncake" in done.stdout and "memcpy" in done.stdout
     assert "same-host copy is" in done.stdout
+
+
+def test_the_soak_judges_every_answer_through_kills_faults_and_a_daemon_restart() -> None:
+    # Seed 10's first round draws a device fault, then a SIGKILL (then a SIGSTOP, if time is left).
+    done = run_tool("orchestrator.soak", "--rounds", "1", "--round-s", "10", "--seed", "10", "--restart-every", "1")
+    assert done.returncode == 0, done.stdout + done.stderr
+    for said in ("SIGKILL", "daemon restart", "'fault:stage_failed': 1", "'plain:ok'", "problems 0"):
+        assert said in done.stdout, done.stdout
+    assert "PROBLEM" not in done.stdout

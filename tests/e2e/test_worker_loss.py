@@ -15,10 +15,11 @@ import pytest
 import torch
 
 from orchestrator.client import AsyncClient, Client, Rejection
+from orchestrator.cluster import all_free
 from orchestrator.stages.null import expected_outputs
 from orchestrator.tables import stats_table
 from orchestrator.watchdog import EXIT_DEVICE_BROKEN, EXIT_STAGE_HUNG
-from tests.e2e.conftest import StartCluster, all_free, wait_for
+from tests.e2e.conftest import StartCluster, wait_for
 from transfer.protocol import GenParams, Progress, Reason, Stats
 
 
