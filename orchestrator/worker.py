@@ -155,8 +155,12 @@ class WorkerRuntime:
             raise PoolUnallocatable(f"workers.{self.role}.pool_bytes ({self._wcfg.pool_bytes}) is more than this "
                                     f"machine's memory ({memory} bytes)")
         torch.set_num_threads(self._wcfg.torch_threads)
+        # A load cannot be interrupted, and may take minutes (real weights) or never end (a
+        # wedged GPU, and no stage watchdog runs yet): a stop leaves its thread to end with
+        # the process rather than wait for it, as SIGTERM must stop a worker at any time.
         self._stage = await anyio.to_thread.run_sync(
-            lambda: build_stage(self.role, self._cfg.model, torch_threads=self._wcfg.torch_threads)
+            lambda: build_stage(self.role, self._cfg.model, torch_threads=self._wcfg.torch_threads),
+            abandon_on_cancel=True,
         )
         self._watchdog.start()
         receives = self.role != "encoder"
