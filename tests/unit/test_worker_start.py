@@ -9,7 +9,8 @@ import anyio
 import pytest
 
 from orchestrator import worker
-from orchestrator.config import Config, ModelConfig
+from orchestrator.config import Config, EncoderWorkerConfig, ModelConfig, WorkersConfig
+from orchestrator.watchdog import EXIT_STAGE_HUNG
 from orchestrator.worker import WorkerRuntime
 
 CFG = Config(model=ModelConfig(kind="null"))
@@ -47,3 +48,28 @@ async def test_a_worker_stopped_while_its_model_loads_stops_at_once(monkeypatch:
     finally:
         release.set()
     assert took_s < 0.5, f"the stop waited {took_s:.1f}s for the model load"
+
+
+async def test_a_model_load_that_never_ends_exits_the_worker_as_a_hung_stage_does(
+    monkeypatch: pytest.MonkeyPatch, logs: list[dict]
+) -> None:
+    """The stage watchdog started only once the model had loaded: a load that never returned
+    left the worker silent and unregistered for good, its supervisor none the wiser."""
+    release = threading.Event()
+    monkeypatch.setattr(worker, "build_stage", lambda *_, **__: release.wait(LOAD_S))
+    cfg = Config(model=ModelConfig(kind="null"), workers=WorkersConfig(encoder=EncoderWorkerConfig(stage_timeout_s=0.3)))
+    w = WorkerRuntime("encoder", cfg, name="w", engine=Engine())  # type: ignore[arg-type]
+    exits: list[int] = []
+    exited = threading.Event()
+    w._watchdog._exit = lambda status: (exits.append(status), exited.set())
+    try:
+        with anyio.fail_after(2 * LOAD_S):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(w.run)
+                assert await anyio.to_thread.run_sync(exited.wait, 2.0), "the hung load was never noticed"
+                tg.cancel_scope.cancel()
+    finally:
+        release.set()
+    assert exits == [EXIT_STAGE_HUNG]
+    [hung] = [line for line in logs if line["event"] == "worker.stage_hung"]
+    assert hung["request_id"] == "(the model's load)" and hung["limit_s"] == 0.3
