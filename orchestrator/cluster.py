@@ -196,14 +196,15 @@ class LocalCluster:
         for procs in ({"daemon": self.daemon} if self.daemon else {}, self.workers):
             for proc in procs.values():
                 proc.send_signal(signal.SIGTERM)  # a no-op if it has ended
-            for name, proc in procs.items():
-                try:
-                    codes[name], was_killed = self._reap(proc, timeout_s)
-                except ForkServerError as exc:  # it has ended, but how went with its fork server
-                    problems.append(f"{name}: {exc}")
-                    continue
-                if was_killed:
-                    killed.append(name)
+            # One deadline for all of them, as for the kills after: waited for one after
+            # another, each frozen process (SIGSTOP) added timeout_s of its own to the stop.
+            overdue = self._wait_all(procs, time.monotonic() + timeout_s, codes, problems)
+            for proc in overdue.values():
+                proc.kill()
+            stuck = self._wait_all(overdue, time.monotonic() + KILL_WAIT_S, codes, problems)
+            for name in stuck:  # stuck in the kernel: SIGKILL lands when it leaves
+                codes[name] = -signal.SIGKILL
+            killed.extend(name for name in overdue if name in codes)
         if self._own_forks is not None:
             self._own_forks.close()
             self._forks = self._own_forks = None
@@ -212,6 +213,21 @@ class LocalCluster:
         if problems:
             raise ClusterError("; ".join(problems))
         return codes
+
+    @staticmethod
+    def _wait_all(procs: dict[str, subprocess.Popen | ForkedProcess], deadline: float, codes: dict[str, int],
+                  problems: list[str]) -> dict[str, subprocess.Popen | ForkedProcess]:
+        """Wait for ``procs`` until ``deadline`` (monotonic), their exit codes into ``codes``;
+        returns those still running."""
+        running = {}
+        for name, proc in procs.items():
+            try:
+                codes[name] = proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                running[name] = proc
+            except ForkServerError as exc:  # it has ended, but how went with its fork server
+                problems.append(f"{name}: {exc}")
+        return running
 
     @staticmethod
     def _reap(proc: subprocess.Popen | ForkedProcess, timeout_s: float) -> tuple[int, bool]:

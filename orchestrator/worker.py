@@ -156,10 +156,19 @@ class WorkerRuntime:
             raise PoolUnallocatable(f"workers.{self.role}.pool_bytes ({self._wcfg.pool_bytes}) is more than this "
                                     f"machine's memory ({memory} bytes)")
         torch.set_num_threads(self._wcfg.torch_threads)
-        self._stage = await anyio.to_thread.run_sync(
-            lambda: build_stage(self.role, self._cfg.model, torch_threads=self._wcfg.torch_threads)
-        )
+        # A load cannot be interrupted, and may take minutes (real weights) or never end (a
+        # wedged GPU): a stop leaves its thread to end with the process rather than wait for
+        # it, as SIGTERM must stop a worker at any time, and one that outlives
+        # stage_timeout_s ends the process as a hung stage run does (else it sat, silent and
+        # unregistered, for good).
         self._watchdog.start()
+        loading = RunControl()
+        loading.started_at = time.monotonic()
+        with self._watchdog.watching(loading, "(the model's load)"):
+            self._stage = await anyio.to_thread.run_sync(
+                lambda: build_stage(self.role, self._cfg.model, torch_threads=self._wcfg.torch_threads),
+                abandon_on_cancel=True,
+            )
         receives = self.role != "encoder"
         slot_sizes = [self._wcfg.prealloc_slot_bytes] * self._wcfg.prealloc_slots if receives else []
         writers = None

@@ -7,7 +7,19 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 (
 cd "$ROOT"
 
-if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+# nvidia-smi never answers on a machine whose GPU or driver is stuck (fallen off the bus, a
+# reset under way): asked with a deadline, whose end stops the script naming the command.
+gpu=1
+if command -v nvidia-smi >/dev/null 2>&1; then
+  smi_s="${TRIPTYCH_NVIDIA_SMI_S:-30}"
+  timeout -k 5 "$smi_s" nvidia-smi -L >/dev/null 2>&1 || gpu=$?
+  if [ "$gpu" = 124 ] || [ "$gpu" = 137 ]; then
+    echo "triptych: nvidia-smi -L did not answer within ${smi_s}s: the GPU or its driver is stuck (see dmesg);" \
+      "fix it, or take nvidia-smi off the PATH to install the CPU build" >&2
+    exit 1
+  fi
+fi
+if [ "$gpu" = 0 ]; then
   # torch 2.13.0 from PyPI brings the CUDA 13 runtime. Mooncake's plain CUDA wheel links
   # libcudart.so.12, which then is nowhere (measured on an H200 with CUDA 13): the -cuda13
   # build is the same engine for that runtime.

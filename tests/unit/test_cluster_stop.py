@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import functools
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -45,3 +48,26 @@ def test_leaving_the_with_block_on_an_error_stops_everything_and_keeps_that_erro
     with pytest.raises(ClusterError, match="daemon did not exit"):
         cluster.__exit__(None, None, None)  # a clean block: the kill is the news
     cluster.daemon.stdout.close()
+
+
+def stopped(pid: int) -> None:
+    """Return once ``pid`` is stopped: a SIGTERM sent before a SIGSTOP takes effect comes first."""
+    deadline = time.monotonic() + 5
+    while Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "T":
+        assert time.monotonic() < deadline, f"{pid} did not stop"
+        time.sleep(0.01)
+
+
+def test_frozen_workers_share_one_deadline_rather_than_one_each(tmp_path: Path) -> None:
+    """Workers frozen with SIGSTOP never act on SIGTERM: each was waited for timeout_s after
+    the one before, so a stop took timeout_s once per frozen worker (3 of them: 3 x 0.5 s)."""
+    cluster = LocalCluster(CONFIG, log_dir=tmp_path)
+    cluster.workers = {f"denoiser{i}": subprocess.Popen(["sleep", "60"]) for i in range(3)}
+    for proc in cluster.workers.values():
+        os.kill(proc.pid, signal.SIGSTOP)
+        stopped(proc.pid)
+    started = time.monotonic()
+    with pytest.raises(ClusterError, match=r"^denoiser0, denoiser1, denoiser2 did not exit within 0.5s of SIGTERM"):
+        cluster.stop(timeout_s=0.5)
+    assert time.monotonic() - started < 1.0
+    assert [proc.returncode for proc in cluster.workers.values()] == [-signal.SIGKILL] * 3
