@@ -48,7 +48,8 @@ def _worker(args: argparse.Namespace) -> NoReturn:
     from orchestrator.limits import UnsatisfiableLimits
     from orchestrator.log import configure_logging
     from orchestrator.stages.base import ModelUnloadable
-    from orchestrator.worker import DaemonUnreachable, WorkerRefused, run_worker
+    from orchestrator.worker import run_worker
+    from orchestrator.worker_registration import DaemonUnreachable, WorkerRefused
     from transfer.engine import EngineUnusable
     from transfer.pool import PoolUnallocatable
 

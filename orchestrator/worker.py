@@ -42,13 +42,12 @@ from orchestrator.stall_watch import StallWatch
 from orchestrator.watchdog import EXIT_DEVICE_BROKEN, StageWatchdog
 from orchestrator.work_socket import bind_work_socket, close_work_socket
 from orchestrator.worker_memory import RequestMemory
+from orchestrator.worker_registration import register, watch_daemon
 from transfer import frames
 from transfer.binding import EndpointUnusable, remove_ipc_file
 from transfer.engine import Engine, MooncakeEngine
 from transfer.pool import MemoryPool, PoolError, PoolTooSmall, PoolUnallocatable, physical_memory
 from transfer.protocol import (
-    CLIENT_REPLY,
-    DAEMON_TO_WORKER,
     DECODE_ERRORS,
     ORDERS_PER_MESSAGE,
     PROTOCOL_VERSION,
@@ -66,7 +65,6 @@ from transfer.protocol import (
     Register,
     Registered,
     RegisterRefused,
-    Rejected,
     Role,
     Step,
     Stopped,
@@ -82,36 +80,7 @@ from transfer.sockets import PlainPump
 
 log = structlog.get_logger()
 
-REGISTER_RETRY_S = 2.0
 LEAVING_LINGER_MS = 250  # a stopping worker waits at most this long for Leaving to go out (ms)
-
-
-class WorkerRefused(RuntimeError):
-    """The daemon refused this worker for good (bad token or protocol, a name in use, another
-    model, a work address it cannot reach); a refusal that says rejoin is not one."""
-
-
-class DaemonUnreachable(TimeoutError):
-    """No daemon answered the registration within ``connect_timeout_s``."""
-
-
-def _decode_reply(frames: list[bytes], endpoint: str) -> Registered | RegisterRefused | None:
-    """The daemon's answer; None (logged) for one that cannot be read. An answer in a REQ
-    envelope comes from a client or control socket, not the worker socket: ``WorkerRefused``
-    says so at once, rather than the worker retrying it until connect_timeout_s."""
-    if len(frames) == 2 and frames[0] == b"":
-        try:
-            answer = CLIENT_REPLY.decode(frames[1])
-        except DECODE_ERRORS:
-            answer = None
-        said = answer.message if isinstance(answer, Rejected) else "something that is no worker socket's answer"
-        raise WorkerRefused(f"daemon.worker_endpoint ({endpoint}) is not the daemon's worker socket: it answered "
-                            f"{said!r}")
-    try:
-        return DAEMON_TO_WORKER.decode(frames[-1])
-    except DECODE_ERRORS as exc:
-        log.warning("worker.bad_reply", error=str(exc))
-        return None
 
 
 class WorkerRuntime:
@@ -282,7 +251,7 @@ class WorkerRuntime:
             tg.start_soon(self._send_reports, dealer)
             tg.start_soon(self._order_reader(work, tg).run)
             try:
-                forgotten = await self._watch_daemon(dealer)
+                forgotten = await watch_daemon(dealer, self._cfg.daemon.worker_endpoint)
             finally:
                 # Forgotten or shutting down, nobody will read what the running stages
                 # make: they end at their next step.
@@ -313,9 +282,9 @@ class WorkerRuntime:
         await anyio.sleep(wait_s)
 
     async def _register(self, dealer: zmq.asyncio.Socket, work_address: str, *, patient: bool) -> Registered:
-        """Register, retrying until the daemon answers: for ``connect_timeout_s`` at start (a
-        daemon that never comes is a setup mistake), for as long as it takes when rejoining
-        (a worker waits out its daemon's restart, as it does a silent daemon)."""
+        """Register: within ``connect_timeout_s`` at start (a daemon that never comes is a
+        setup mistake), for as long as it takes when rejoining (a worker waits out its
+        daemon's restart, as it does a silent daemon)."""
         assert self._pool is not None and self._stage is not None and self._engine is not None
         hello = Register(
             protocol=PROTOCOL_VERSION, token=self._cfg.daemon.token, role=self.role, name=self.name,
@@ -324,35 +293,8 @@ class WorkerRuntime:
             local=self._region.describe(self._pool.base, self._pool.size) if self._region else None,
             limits=self._stage.limits(), model_digest=self._stage.model_digest(),
         )
-        deadline = math.inf if patient else time.monotonic() + self._wcfg.connect_timeout_s
-        # Retried until the daemon is up; the daemon answers a repeat on a live connection
-        # with nothing, so duplicates are harmless.
-        tries = 0
-        deferred = ""  # the last "not now" the daemon gave
-        while time.monotonic() < deadline:
-            await dealer.send(encode(hello))
-            with anyio.move_on_after(REGISTER_RETRY_S):
-                while True:
-                    reply = _decode_reply(await dealer.recv_multipart(), self._cfg.daemon.worker_endpoint)
-                    if isinstance(reply, Registered):
-                        return reply
-                    if isinstance(reply, RegisterRefused) and not reply.rejoin:
-                        raise WorkerRefused(reply.message)
-                    # Any other refusal says rejoin: "not now" (deferred: a live worker holds
-                    # this one's name or session, said once per reason), or it answers a
-                    # heartbeat sent before the daemon forgot us, or it is a stopping
-                    # daemon's farewell, repeated.
-                    if isinstance(reply, RegisterRefused) and reply.deferred and reply.message != deferred:
-                        deferred = reply.message
-                        self._log.warning("worker.registration_deferred", why=deferred)
-            tries += 1
-            if tries == 1:  # said once: a worker waiting for its daemon is not stuck
-                log.info("worker.waiting_for_daemon", endpoint=self._cfg.daemon.worker_endpoint,
-                         gives_up_in_s=None if patient else round(deadline - time.monotonic()))
-        waited = f"{self._wcfg.connect_timeout_s}s (workers.{self.role}.connect_timeout_s)"
-        if deferred:
-            raise WorkerRefused(f"the daemon did not take this worker within {waited}: {deferred}")
-        raise DaemonUnreachable(f"no answer from the daemon at {self._cfg.daemon.worker_endpoint} within {waited}")
+        patience = None if patient else (self._wcfg.connect_timeout_s, f"workers.{self.role}.connect_timeout_s")
+        return await register(dealer, hello, self._cfg.daemon.worker_endpoint, patience=patience, log=self._log)
 
     async def _heartbeat(self, period_s: float) -> None:
         beat = encode(Heartbeat())
@@ -362,15 +304,6 @@ class WorkerRuntime:
             if not self._outbox:
                 self._outbox.put(beat)
             await anyio.sleep(period_s)
-
-    async def _watch_daemon(self, dealer: zmq.asyncio.Socket) -> RegisterRefused:
-        """Return the refusal that says the daemon forgot this worker; raise on any other."""
-        while True:
-            reply = _decode_reply(await dealer.recv_multipart(), self._cfg.daemon.worker_endpoint)
-            if isinstance(reply, RegisterRefused):
-                if reply.rejoin:
-                    return reply
-                raise WorkerRefused(f"the daemon dropped this worker: {reply.message}")
 
     # ------------------------------------------------------------------ orders
 

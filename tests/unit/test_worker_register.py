@@ -11,7 +11,8 @@ import zmq.asyncio
 
 from orchestrator.config import Config, EncoderWorkerConfig, ModelConfig, WorkersConfig
 from orchestrator.stages import build_stage
-from orchestrator.worker import WorkerRefused, WorkerRuntime
+from orchestrator.worker import WorkerRuntime
+from orchestrator.worker_registration import WorkerRefused
 from transfer.pool import MemoryPool
 from transfer.protocol import WORKER_MESSAGE, Register, RegisterRefused, encode
 
