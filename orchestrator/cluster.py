@@ -177,11 +177,10 @@ class LocalCluster:
     def stop_daemon(self, *, timeout_s: float = 30.0) -> int:
         """SIGTERM the daemon and wait for it to drain and exit; returns its exit code."""
         assert self.daemon is not None
-        self.daemon.send_signal(signal.SIGTERM)  # a no-op if it has ended
-        code, killed = self._reap(self.daemon, timeout_s)
-        if killed:
+        codes: dict[str, int] = {}
+        if self._terminate({"daemon": self.daemon}, timeout_s, codes, []):
             raise ClusterError(f"the daemon did not exit within {timeout_s}s of SIGTERM; killed")
-        return code
+        return codes["daemon"]
 
     def stop(self, *, timeout_s: float = 30.0) -> dict[str, int]:
         """Stop the daemon (it drains), then the workers; exit codes by process name. Every
@@ -194,17 +193,7 @@ class LocalCluster:
         killed: list[str] = []
         # The daemon first, so it drains while its workers still serve; the workers together.
         for procs in ({"daemon": self.daemon} if self.daemon else {}, self.workers):
-            for proc in procs.values():
-                proc.send_signal(signal.SIGTERM)  # a no-op if it has ended
-            # One deadline for all of them, as for the kills after: waited for one after
-            # another, each frozen process (SIGSTOP) added timeout_s of its own to the stop.
-            overdue = self._wait_all(procs, time.monotonic() + timeout_s, codes, problems)
-            for proc in overdue.values():
-                proc.kill()
-            stuck = self._wait_all(overdue, time.monotonic() + KILL_WAIT_S, codes, problems)
-            for name in stuck:  # stuck in the kernel: SIGKILL lands when it leaves
-                codes[name] = -signal.SIGKILL
-            killed.extend(name for name in overdue if name in codes)
+            killed.extend(self._terminate(procs, timeout_s, codes, problems))
         if self._own_forks is not None:
             self._own_forks.close()
             self._forks = self._own_forks = None
@@ -213,6 +202,24 @@ class LocalCluster:
         if problems:
             raise ClusterError("; ".join(problems))
         return codes
+
+    @classmethod
+    def _terminate(cls, procs: dict[str, subprocess.Popen | ForkedProcess], timeout_s: float, codes: dict[str, int],
+                   problems: list[str]) -> list[str]:
+        """SIGTERM ``procs``, wait ``timeout_s`` for them, then kill those left; their exit
+        codes into ``codes``; returns the names of those killed. Never a second SIGTERM: to
+        the daemon that means "stop at once", cutting its drain short."""
+        for proc in procs.values():
+            proc.send_signal(signal.SIGTERM)  # a no-op if it has ended
+        # One deadline for all of them, as for the kills after: waited for one after
+        # another, each frozen process (SIGSTOP) added timeout_s of its own to the stop.
+        overdue = cls._wait_all(procs, time.monotonic() + timeout_s, codes, problems)
+        for proc in overdue.values():
+            proc.kill()
+        stuck = cls._wait_all(overdue, time.monotonic() + KILL_WAIT_S, codes, problems)
+        for name in stuck:  # stuck in the kernel: SIGKILL lands when it leaves
+            codes[name] = -signal.SIGKILL
+        return [name for name in overdue if name in codes]
 
     @staticmethod
     def _wait_all(procs: dict[str, subprocess.Popen | ForkedProcess], deadline: float, codes: dict[str, int],
@@ -228,19 +235,6 @@ class LocalCluster:
             except ForkServerError as exc:  # it has ended, but how went with its fork server
                 problems.append(f"{name}: {exc}")
         return running
-
-    @staticmethod
-    def _reap(proc: subprocess.Popen | ForkedProcess, timeout_s: float) -> tuple[int, bool]:
-        """Wait ``timeout_s`` for ``proc`` (already told to stop), then kill it: (exit code, killed).
-        Never a second SIGTERM: to the daemon that means "stop at once", cutting its drain short."""
-        try:
-            return proc.wait(timeout=timeout_s), False
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        try:
-            return proc.wait(timeout=KILL_WAIT_S), True
-        except subprocess.TimeoutExpired:  # stuck in the kernel: SIGKILL lands when it leaves
-            return -signal.SIGKILL, True
 
     def __enter__(self) -> LocalCluster:
         try:
