@@ -26,6 +26,8 @@ class Link:
     work_address: str
     joined_at: float
     last_seen: float
+    # Its Registered.key, which also names the connection its outputs come on (protocol.md §3.2).
+    key: bytes = b""
     local: LocalMemory | None = None  # its pool as shared memory, for senders on its host
     limits: StageLimits = field(default_factory=StageLimits)  # what its model takes (the door's, and `triptych workers`)
     model_digest: str = ""  # every link's is the same (``model_problem``)

@@ -138,6 +138,7 @@ class TransferNegotiator:
         self._pump: PlainPump | None = None
         self._links: dict[bytes, Link] = {}
         self._by_instance: dict[str, Link] = {}
+        self._by_key: dict[bytes, Link] = {}  # a decoder's output connection's routing id is its key
         self._handoffs = Handoffs(links=self._by_instance, push_quarantine_s=cfg.push_quarantine_s,
                                   write_timeout_s=write_timeout_s, pools=pools,
                                   admission=admission, tracker=tracker, push_failed_into=self._push_failed_into)
@@ -163,6 +164,9 @@ class TransferNegotiator:
         if len(frames) < 2:
             return  # a routing frame with no body
         routing_id = frames[0].bytes
+        if (outputs_of := self._by_key.get(routing_id)) is not None:
+            self._on_output(outputs_of, frames)
+            return
         link = self._links.get(routing_id)
         if link is None and len(frames) == 3 and len(frames[1]) == 0:
             self._answer_a_req_peer(routing_id)
@@ -179,9 +183,7 @@ class TransferNegotiator:
                 self._reply(routing_id, RegisterRefused(
                     message="not registered (the daemon restarted or evicted this worker)", rejoin=True))
             return
-        link.last_seen = time.monotonic()
-        if link.suspect and link.reached and not link.pushing_late:
-            self._trust(link)  # it is alive: no longer quiet, and a failed push was not its death
+        self._heard_from(link)
         if isinstance(first, Register):
             return  # a retried Register on a live connection: the first answer stands
         if isinstance(first, Done) and first.outputs:
@@ -197,6 +199,26 @@ class TransferNegotiator:
             msg = self._decode(frame, sender=link)
             if msg is not None:
                 self._on_report(link, msg, [])
+
+    def _heard_from(self, link: Link) -> None:
+        link.last_seen = time.monotonic()
+        if link.suspect and link.reached and not link.pushing_late:
+            self._trust(link)  # it is alive: no longer quiet, and a failed push was not its death
+
+    def _on_output(self, link: Link, frames: list[zmq.Frame]) -> None:
+        """``[key, Done, *its frames]`` or ``[key, Leaving]`` from ``link``'s output
+        connection, whose routing id is its key: its outputs travel there, so its
+        heartbeats, on the main connection, never wait behind one crossing a slow link, and
+        its last words after them, so they never overtake one."""
+        msg = self._decode(frames[1], sender=link)
+        if msg is None:
+            return
+        if not (isinstance(msg, Leaving) or (isinstance(msg, Done) and msg.outputs)):
+            self._drop_garbled(link, f"a {type(msg).__name__} on its output connection, which carries outputs "
+                                     "and Leaving only")
+            return
+        self._heard_from(link)
+        self._on_report(link, msg, frames[2:])
 
     def _decode(self, frame: zmq.Frame, *, answer: bytes | None = None,
                 sender: Link | None = None) -> WorkerMessage | None:
@@ -265,13 +287,14 @@ class TransferNegotiator:
             self._reply(stale.routing_id, RegisterRefused(message=self._replaced_by(msg, stale)))
         instance = f"{msg.role}-{next(self._ids)}"
         now = time.monotonic()
+        key = secrets.token_bytes(16)
         link = Link(routing_id, instance, msg.role, msg.name, msg.session, msg.pool_base, msg.pool_size,
-                    msg.work_address, joined_at=now, last_seen=now, local=msg.local, limits=msg.limits,
+                    msg.work_address, joined_at=now, last_seen=now, key=key, local=msg.local, limits=msg.limits,
                     model_digest=msg.model_digest)
         self._links[routing_id] = link
         self._by_instance[instance] = link
+        self._by_key[key] = link
         fits = self._handoffs.add_receiver(link, msg.slots) if msg.role != "encoder" else 0
-        key = secrets.token_bytes(16)
         self._pools[msg.role].post(Join(instance=instance, name=msg.name, work_address=msg.work_address,
                                          session=msg.session, key=key, capacity=msg.capacity, fits=fits))
         self._frontend.post(LimitsChanged(role=msg.role, instance=instance, limits=msg.limits))
@@ -481,6 +504,7 @@ class TransferNegotiator:
         session after it fell silent, so it is taken for dead); otherwise it may yet finish one."""
         del self._links[link.routing_id]
         del self._by_instance[link.instance]
+        del self._by_key[link.key]
         self._pools[link.role].post(Leave(instance=link.instance, reason=Reason.WORKER_LOST, message=why))
         self._frontend.post(LimitsChanged(role=link.role, instance=link.instance, limits=None))
         self._handoffs.worker_lost(link, why, gone=gone)

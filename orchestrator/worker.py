@@ -32,6 +32,7 @@ import zmq
 import zmq.asyncio
 
 from orchestrator.config import Config, dial_problem
+from orchestrator.daemon_link import LEAVING_LINGER_MS, DaemonLink
 from orchestrator.early_signals import STOP_SIGNALS
 from orchestrator.limits import oversized_frame
 from orchestrator.log import Throttled
@@ -56,7 +57,6 @@ from transfer.protocol import (
     Alloc,
     Done,
     Heartbeat,
-    Leaving,
     Probe,
     Probed,
     Push,
@@ -80,9 +80,6 @@ from transfer.sockets import PlainPump
 
 log = structlog.get_logger()
 
-LEAVING_LINGER_MS = 250  # a stopping worker waits at most this long for Leaving to go out (ms)
-
-
 class WorkerRuntime:
     """Owns one stage, one registered memory pool, one engine and two sockets."""
 
@@ -99,7 +96,8 @@ class WorkerRuntime:
         # Same-host copies (transfer.same_host_copy): the pool in shared memory, advertised.
         self._region: SharedRegion | None = None
         self._memory: RequestMemory | None = None  # once the pool and the engine exist
-        self._outbox = ReportOutbox()
+        self._outbox = ReportOutbox()  # for the main connection to the daemon
+        self._outputs = ReportOutbox()  # a decoder's, for its output connection (orchestrator/daemon_link.py)
         self._key = b""
         self._compute = PriorityGate(self._wcfg.compute_threads)  # the runs it holds wait by priority
         self._threads = anyio.CapacityLimiter(self._wcfg.compute_threads)  # never behind anyio's shared 40
@@ -110,7 +108,7 @@ class WorkerRuntime:
         self._peer_log = Throttled(self._log)  # what anyone reaching the work socket can make it say
         self._work_address: str | None = None  # once bound
         self._max_message_bytes = cfg.daemon.worker_max_message_bytes  # until the daemon says its own
-        self._daemon_link: tuple[zmq.asyncio.Context, zmq.asyncio.Socket] | None = None  # once created
+        self._daemon_link: DaemonLink | None = None  # once created
         self._watchdog = StageWatchdog(self._wcfg.stage_timeout_s, log=self._log, exit=self._exit_at_once)
 
     # ------------------------------------------------------------------ lifecycle
@@ -152,30 +150,26 @@ class WorkerRuntime:
             self._engine = MooncakeEngine(self._cfg.transfer)
         self._engine.register(pool.base, pool.size)
         self._use_pool(pool, writers)
-        ctx = zmq.asyncio.Context()
-        work = ctx.socket(zmq.PULL, socket_class=zmq.Socket)  # plain: read by a PlainPump
+        link = self._daemon_link = DaemonLink(self._cfg.daemon.worker_endpoint)
+        work = link.ctx.socket(zmq.PULL, socket_class=zmq.Socket)  # plain: read by a PlainPump
         work.setsockopt(zmq.LINGER, 0)
-        dealer = ctx.socket(zmq.DEALER)
-        dealer.setsockopt(zmq.LINGER, 0)
-        self._daemon_link = (ctx, dealer)
         registered: Registered | None = None
         try:
             self._work_address = work_address = bind_work_socket(work, self._wcfg)
-            dealer.connect(self._cfg.daemon.worker_endpoint)
-            registered = await self._register(dealer, work_address, patient=False)
+            link.connect()
+            registered = await self._register(link.main, work_address, patient=False)
             task_status.started(registered.instance)
             while True:
-                forgotten = await self._serve(registered, dealer, work, work_address)
+                forgotten = await self._serve(registered, link, work, work_address)
                 registered = None  # forgotten: a Leaving would go to no one (and wait out its linger)
                 await self._forget_everything(settled=forgotten.settled)
-                registered = await self._register(dealer, work_address, patient=True)
+                registered = await self._register(link.main, work_address, patient=True)
         finally:
             close_work_socket(work, self._work_address)
             # Stage and push threads have all ended here (_serve's task group waited for
             # them), so the daemon may free at once what this worker held or was sent.
-            linger_ms = self._say_leaving(dealer) if registered is not None and self._may_say_leaving() else 0
-            dealer.close(linger=linger_ms)
-            ctx.term()
+            leaving = registered is not None and self._may_say_leaving()
+            link.close(LEAVING_LINGER_MS if leaving and link.send_now([], [], leaving=True) else 0)
             self._engine.close()
 
     def _use_pool(self, pool: MemoryPool, writers: tuple[LocalWriter, LocalWriter] | None = None) -> None:
@@ -200,17 +194,9 @@ class WorkerRuntime:
         has put them on the wire. On the loop only: it takes the daemon link from under the
         tasks that use it, which never run again."""
         if self._daemon_link is not None:
-            ctx, dealer = self._daemon_link
-            messages = self._outbox.take_now()
-            if self._may_say_leaving():
-                messages.append([encode(Leaving())])
-            sender = zmq.Socket.shadow(dealer.underlying)
-            try:
-                for message in messages:
-                    sender.send_multipart(message, zmq.NOBLOCK, copy=False)
-            except zmq.ZMQError:
-                pass  # no room to queue them: the daemon notices the silence instead
-            ctx.destroy(linger=LEAVING_LINGER_MS)  # closes both sockets; returns once all is out, or the linger is over
+            self._daemon_link.send_now(self._outbox.take_now(), self._outputs.take_now(),
+                                       leaving=self._may_say_leaving())
+            self._daemon_link.close(LEAVING_LINGER_MS)
         self._exit_at_once(status)
 
     def _may_say_leaving(self) -> bool:
@@ -220,16 +206,7 @@ class WorkerRuntime:
         memory = self._memory
         return memory is None or (not memory.writing and time.monotonic() >= memory.in_doubt_until)
 
-    def _say_leaving(self, dealer: zmq.asyncio.Socket) -> int:
-        """Send ``Leaving`` without waiting (this may run while cancelled); return how long
-        closing the socket may wait to get it out."""
-        try:
-            zmq.Socket.shadow(dealer.underlying).send(encode(Leaving()), zmq.NOBLOCK)
-        except zmq.ZMQError:
-            return 0  # no room to queue it: the daemon notices the silence instead
-        return LEAVING_LINGER_MS
-
-    async def _serve(self, registered: Registered, dealer: zmq.asyncio.Socket, work: zmq.Socket,
+    async def _serve(self, registered: Registered, link: DaemonLink, work: zmq.Socket,
                      work_address: str) -> RegisterRefused:
         """Serve one registration; return the refusal that says the daemon no longer knows it."""
         assert self._engine is not None
@@ -248,10 +225,12 @@ class WorkerRuntime:
             tg.start_soon(self._heartbeat, registered.heartbeat_s)
             tg.start_soon(self._memory.stalls.run)
             tg.start_soon(self._memory.unmap_gone_receivers)
-            tg.start_soon(self._send_reports, dealer)
+            tg.start_soon(self._send, self._outbox, link.main)
+            if self.role == "decoder":
+                tg.start_soon(self._send, self._outputs, link.open_outputs(registered.key))
             tg.start_soon(self._order_reader(work, tg).run)
             try:
-                forgotten = await watch_daemon(dealer, self._cfg.daemon.worker_endpoint)
+                forgotten = await watch_daemon(link.main, link.endpoint)
             finally:
                 # Forgotten or shutting down, nobody will read what the running stages
                 # make: they end at their next step.
@@ -274,7 +253,7 @@ class WorkerRuntime:
         self._runs.clear()
         self._scopes.clear()
         self._owed.clear()
-        self._outbox = ReportOutbox()  # reports about requests nobody knows any more
+        self._outbox, self._outputs = ReportOutbox(), ReportOutbox()  # about requests nobody knows any more
         # A sender told to push here before the daemon forgot us may still be writing: the
         # daemon must not hand this memory out again before such a write is over.
         wait_s = 0.0 if self.role == "encoder" or settled else self._cfg.daemon.push_quarantine_s
@@ -407,7 +386,9 @@ class WorkerRuntime:
         self._memory.free(rid)
 
     def _report(self, msg: Any, buffers: list[Any] | None = None) -> None:
-        self._outbox.put(encode(msg), buffers or ())
+        """Queue ``msg`` for the daemon; one with tensor frames (a decoder's ``Done``) for the
+        output connection."""
+        (self._outputs if buffers else self._outbox).put(encode(msg), buffers or ())
 
     def _step_reporter(self, rid: str) -> StepFn:
         """For a run whose client asked for progress: called on the stage's thread before
@@ -425,11 +406,12 @@ class WorkerRuntime:
 
         return on_step
 
-    async def _send_reports(self, dealer: zmq.asyncio.Socket) -> None:
-        """The one writer on the daemon link once registered: every report and heartbeat."""
+    @staticmethod
+    async def _send(outbox: ReportOutbox, sock: zmq.asyncio.Socket) -> None:
+        """The one writer on ``sock`` once registered: everything ``outbox`` is given."""
         while True:
-            for message in await self._outbox.take():
-                await dealer.send_multipart(message, copy=False)
+            for message in await outbox.take():
+                await sock.send_multipart(message, copy=False)
 
     # ------------------------------------------------------------------ compute path
 

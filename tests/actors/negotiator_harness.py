@@ -108,6 +108,7 @@ class FakeWorker:
     sock: zmq.asyncio.Socket
     instance: str
     session: str
+    key: bytes = b""  # Registered.key: its orders' prefix, and its output connection's routing id
 
     async def report(self, msg: WorkerMessage) -> None:
         await self.sock.send(encode(msg))
@@ -181,7 +182,7 @@ async def fake_worker(ctx: zmq.asyncio.Context, n: Negotiator, role: Role, *,
         # Its pool sends a Probe now; the fake answers as a worker does, and is offered work.
         await sock.send(encode(Probed(instance=registered.instance)))
         assert await n.pools[role].receive() == Suspect(instance=registered.instance, suspect=False)
-        yield FakeWorker(sock, registered.instance, session)
+        yield FakeWorker(sock, registered.instance, session, registered.key)
     finally:
         sock.close(linger=0)
 

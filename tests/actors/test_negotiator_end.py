@@ -344,7 +344,7 @@ async def reregister(ctx: zmq.asyncio.Context, n: Negotiator, role: Role, *, slo
     # The door forgets the old instance's limits and binds the new one's.
     assert [(m.instance, m.limits is None) for m in n.take("frontend")] == [
         (posted[0].instance, True), (registered.instance, False)]
-    return FakeWorker(sock, registered.instance, f"{role}-session-2"), posted[:-1]
+    return FakeWorker(sock, registered.instance, f"{role}-session-2", registered.key), posted[:-1]
 
 
 async def test_a_silent_sender_whose_name_registers_anew_mid_push_frees_the_receivers_slot_at_once(

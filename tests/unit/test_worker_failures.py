@@ -15,6 +15,7 @@ import torch
 import zmq
 import zmq.asyncio
 
+from orchestrator.daemon_link import DaemonLink
 from orchestrator.stages import RunControl, StageError, StageStopped
 from orchestrator.stages.base import released
 from orchestrator.watchdog import EXIT_DEVICE_BROKEN
@@ -106,16 +107,15 @@ async def test_a_worker_whose_device_broke_gets_its_reports_out_before_it_exits(
     then Leaving, so the daemon starts the worker's other requests again at once; but not
     while a push of its own may still be writing into a receiver's memory."""
     endpoint = f"ipc://{tmp_path}/workers"
-    daemon_ctx, link_ctx = zmq.Context(), zmq.asyncio.Context()
+    daemon_ctx, link = zmq.Context(), DaemonLink(endpoint)
     daemon = daemon_ctx.socket(zmq.ROUTER)
     daemon.bind(endpoint)
-    dealer = link_ctx.socket(zmq.DEALER)
-    dealer.connect(endpoint)
+    link.connect()
     exits: list[int] = []
     try:
         async with worker("encoder") as w:
             w._exit_at_once = exits.append  # type: ignore[method-assign]
-            w._daemon_link = (link_ctx, dealer)
+            w._daemon_link = link
             if writing:
                 w._memory._pushing.add("r0")
             w._stage = Failing(torch.AcceleratorError("CUDA error: an illegal memory access was encountered"))
@@ -125,12 +125,12 @@ async def test_a_worker_whose_device_broke_gets_its_reports_out_before_it_exits(
                 while not exits:
                     await anyio.sleep(0.01)
             w.tg.cancel_scope.cancel()
-        assert exits == [EXIT_DEVICE_BROKEN] and link_ctx.closed  # the linger waited for what was queued
+        assert exits == [EXIT_DEVICE_BROKEN] and link.ctx.closed  # the linger waited for what was queued
         heard = []
         while daemon.poll(1000):
             heard += [WORKER_MESSAGE.decode(body) for body in daemon.recv_multipart()[1:]]
     finally:
-        link_ctx.destroy(linger=0)  # done already, unless the test failed before
+        link.close(0)  # done already, unless the test failed before
         daemon.close(linger=0)
         daemon_ctx.term()
     assert [type(m).__name__ for m in heard] == ["Stopped", "Done", *([] if writing else ["Leaving"])]

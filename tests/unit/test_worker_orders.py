@@ -79,13 +79,17 @@ async def worker(role: str = "denoiser", engine: SlowEngine | None = None, cfg: 
 
 
 async def reports(w: WorkerRuntime, expect: int, *, settle_s: float = 0.05, within_s: float = 5.0) -> list[Any]:
-    """The worker's reports: at least ``expect`` of them (waiting up to ``within_s``: a run on
-    a loaded machine takes what it takes), then whatever more comes within ``settle_s``."""
+    """The worker's reports, a decoder's outputs among them: at least ``expect`` of them
+    (waiting up to ``within_s``: a run on a loaded machine takes what it takes), then
+    whatever more comes within ``settle_s``."""
     out: list[Any] = []
 
     async def collect(until: float) -> None:
         while len(out) < until:
-            for message in await w._outbox.take():
+            messages = w._outbox.take_now() + w._outputs.take_now()
+            if not messages:
+                await anyio.sleep(0.005)
+            for message in messages:
                 out.extend(WORKER_MESSAGE.decode(body) for body in message if isinstance(body, bytes))
 
     with anyio.fail_after(within_s):
@@ -330,7 +334,7 @@ async def test_heartbeats_do_not_pile_up_while_the_daemon_takes_nothing() -> Non
     try:
         async with worker("encoder") as w:
             w.tg.start_soon(w._heartbeat, 0.001)
-            w.tg.start_soon(w._send_reports, dealer)
+            w.tg.start_soon(w._send, w._outbox, dealer)
             await anyio.sleep(0.5)
             assert len(w._outbox) == 1
             w.tg.cancel_scope.cancel()

@@ -1,0 +1,72 @@
+"""A worker's connections to the daemon's worker socket (protocol.md §3.2).
+
+The main connection carries the registration, every report and the heartbeats. A
+decoder's outputs, which may be hundreds of megabytes, travel on a second connection, one
+per registration, whose routing id is the registration's key: ZMQ sends a connection's
+messages in order, so on the main one the heartbeats would wait behind an output crossing
+a slow link, and the daemon would take the decoder for dead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import zmq
+import zmq.asyncio
+
+from transfer.protocol import Leaving, encode
+from transfer.reports import Message
+
+LEAVING_LINGER_MS = 250  # a stopping worker waits at most this long for Leaving to go out (ms)
+
+
+class DaemonLink:
+    """Owns the worker's ZMQ context and its DEALERs to ``endpoint``."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.endpoint = endpoint
+        self.ctx = zmq.asyncio.Context()
+        self.main = self._dealer()
+        self.outputs: zmq.asyncio.Socket | None = None  # a decoder's, once registered
+
+    def _dealer(self, routing_id: bytes | None = None) -> zmq.asyncio.Socket:
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        if routing_id is not None:
+            sock.setsockopt(zmq.ROUTING_ID, routing_id)
+        return sock
+
+    def connect(self) -> None:
+        self.main.connect(self.endpoint)
+
+    def open_outputs(self, key: bytes) -> zmq.asyncio.Socket:
+        """A new output connection for the registration ``key`` names; the last one's
+        unsent outputs, about requests the daemon has forgotten, are dropped."""
+        if self.outputs is not None:
+            self.outputs.close(linger=0)
+        self.outputs = self._dealer(key)
+        self.outputs.connect(self.endpoint)
+        return self.outputs
+
+    def send_now(self, reports: Sequence[Message], outputs: Sequence[Message], *, leaving: bool) -> bool:
+        """Queue ``reports`` on the main connection, ``outputs`` on the output one, then
+        ``Leaving`` if ``leaving``, without waiting (this may run while cancelled, or on
+        the way to an exit). Leaving follows the outputs on their connection: said on the
+        main one, it could overtake an output still crossing, and the daemon, told nothing
+        more comes, would start that request again. Return whether all was queued."""
+        last = self.outputs or self.main
+        sends: list[tuple[zmq.asyncio.Socket, Message]] = [(self.main, m) for m in reports]
+        sends += [(last, m) for m in outputs]
+        if leaving:
+            sends.append((last, [encode(Leaving())]))
+        try:
+            for sock, message in sends:
+                zmq.Socket.shadow(sock.underlying).send_multipart(message, zmq.NOBLOCK, copy=False)
+        except zmq.ZMQError:
+            return False  # no room to queue them: the daemon notices the silence instead
+        return True
+
+    def close(self, linger_ms: int) -> None:
+        """Close every socket of the context, ``linger_ms`` for what is queued to go out,
+        and end the context (returns once all is out or the linger is over)."""
+        self.ctx.destroy(linger=linger_ms)

@@ -1,0 +1,139 @@
+"""TransferNegotiator and a decoder's output connection (protocol.md §3.2): its routing id
+is the decoder's key, and it carries outputs and the decoder's last words, nothing else."""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import anyio
+import zmq
+import zmq.asyncio
+
+from actors.mail import Enqueue, Finished, Leave, Placed
+from tests.actors.negotiator_harness import (
+    MANIFEST,
+    NBYTES,
+    FakeWorker,
+    Negotiator,
+    encoder_and_denoiser,
+    fake_worker,
+    job,
+    push_on_fast_path,
+    released,
+)
+from tests.actors.test_negotiator_bad_reports import next_order
+from transfer.protocol import (
+    DAEMON_TO_WORKER,
+    Done,
+    Leaving,
+    Pushed,
+    Ready,
+    Reason,
+    RegisterRefused,
+    Staged,
+    Step,
+    TensorSpec,
+    encode,
+)
+
+IMAGE = TensorSpec(name="image", dtype="uint8", shape=(2, 2, 3), nbytes=12)
+
+
+def output(rid: str) -> list[bytes]:
+    return [encode(Done(request_id=rid, ok=True, compute_ms=1.0, outputs=[IMAGE])), bytes(range(12))]
+
+
+@asynccontextmanager
+async def connection(ctx: zmq.asyncio.Context, n: Negotiator, routing_id: bytes) -> AsyncIterator[zmq.asyncio.Socket]:
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.ROUTING_ID, routing_id)
+    sock.connect(n.endpoint)
+    try:
+        yield sock
+    finally:
+        sock.close(linger=0)
+
+
+@asynccontextmanager
+async def decoding(ctx: zmq.asyncio.Context, tmp_path: Path, rid: str) -> AsyncIterator[tuple[Negotiator, FakeWorker]]:
+    """A negotiator whose decoder is running ``rid``, its latents received."""
+    async with (
+        encoder_and_denoiser(ctx, tmp_path, slots=2) as (n, encoder, denoiser),
+        fake_worker(ctx, n, "decoder", slots=1) as decoder,
+    ):
+        await push_on_fast_path(n, encoder, denoiser, rid)
+        await encoder.report(Pushed(request_id=rid, ok=True, transfer_ms=1.0))
+        await next_order(n, "denoiser", Ready)
+        await denoiser.report(Staged(request_id=rid, nbytes=NBYTES, manifest=MANIFEST, compute_ms=1.0))
+        assert await n.admission.receive() == Enqueue(job=job(rid, "decoder"))
+        n.inbox.post(Placed(job=job(rid, "decoder"), instance=decoder.instance))
+        await denoiser.report(Pushed(request_id=rid, ok=True, transfer_ms=1.0))
+        await next_order(n, "decoder", Ready)
+        n.take("encoder"), n.take("denoiser"), n.take("tracker"), n.take("decoder")
+        yield n, decoder
+
+
+async def test_an_output_on_the_decoders_output_connection_finishes_its_request(
+    ctx: zmq.asyncio.Context, tmp_path: Path
+) -> None:
+    with anyio.fail_after(5):
+        async with decoding(ctx, tmp_path, "r1") as (n, decoder), connection(ctx, n, decoder.key) as outputs:
+            await outputs.send_multipart(output("r1"))
+            finished = await n.tracker.receive()
+            assert isinstance(finished, Finished) and finished.instance == decoder.instance
+            assert finished.outputs == [IMAGE] and bytes(finished.frames[0].buffer) == bytes(range(12))
+            assert n.take("decoder") == [released("r1", decoder, ok=True)]
+
+
+async def test_an_output_connection_under_any_other_routing_id_is_a_stranger(
+    ctx: zmq.asyncio.Context, tmp_path: Path
+) -> None:
+    """Only the decoder knows its key: an output from anyone else finishes nothing."""
+    with anyio.fail_after(5):
+        async with decoding(ctx, tmp_path, "r1") as (n, decoder), \
+                connection(ctx, n, secrets.token_bytes(16)) as stranger:
+            await stranger.send_multipart(output("r1"))
+            refused = DAEMON_TO_WORKER.decode(await stranger.recv())
+            assert isinstance(refused, RegisterRefused) and refused.message.startswith("not registered")
+            n.assert_silent()
+            await decoder.sock.send_multipart(output("r1"))  # the decoder's own, on its main connection
+            assert isinstance(await n.tracker.receive(), Finished)
+
+
+async def test_leaving_on_the_output_connection_evicts_the_decoder_after_its_outputs(
+    ctx: zmq.asyncio.Context, tmp_path: Path
+) -> None:
+    """Last words follow the outputs on their connection, so they never overtake one."""
+    with anyio.fail_after(5):
+        async with decoding(ctx, tmp_path, "r1") as (n, decoder), connection(ctx, n, decoder.key) as outputs:
+            await outputs.send_multipart(output("r1"))
+            await outputs.send(encode(Leaving()))
+            assert isinstance(await n.tracker.receive(), Finished)
+            leave = [m for m in n.take("decoder") if isinstance(m, Leave)]
+            while not leave:
+                leave = [m for m in [await n.pools["decoder"].receive()] if isinstance(m, Leave)]
+            assert leave[0].instance == decoder.instance
+            assert decoder.instance not in (await n.stats()).prealloc
+
+
+async def test_a_report_on_the_output_connection_gets_the_decoder_dropped(
+    ctx: zmq.asyncio.Context, tmp_path: Path
+) -> None:
+    """It carries outputs and Leaving only: a worker that sends anything else there is
+    broken, and is evicted as one sending garbled reports is, and told why."""
+    with anyio.fail_after(5):
+        async with decoding(ctx, tmp_path, "r1") as (n, decoder), connection(ctx, n, decoder.key) as outputs:
+            await outputs.send(encode(Step(request_id="r1", step=1, steps=2)))
+            refused = DAEMON_TO_WORKER.decode(await decoder.sock.recv())
+            assert isinstance(refused, RegisterRefused) and not refused.rejoin
+            assert refused.message == (f"{decoder.instance} sent a report the daemon cannot read: a Step on its "
+                                       "output connection, which carries outputs and Leaving only")
+            failed = [m for m in n.take("tracker") if m.request_id == "r1"]
+            assert failed and failed[0].reason == Reason.WORKER_LOST
+            await outputs.send_multipart(output("r1"))  # the key died with the link
+            assert isinstance(DAEMON_TO_WORKER.decode(await outputs.recv()), RegisterRefused)
+            assert decoder.instance not in (await n.stats()).prealloc
