@@ -81,7 +81,7 @@ from transfer.sockets import PlainPump
 log = structlog.get_logger()
 
 class WorkerRuntime:
-    """Owns one stage, one registered memory pool, one engine and two sockets."""
+    """Owns one stage, one registered memory pool, one engine, its work socket and its link to the daemon."""
 
     def __init__(self, role: Role, cfg: Config, *, name: str | None = None, engine: Engine | None = None) -> None:
         self.role = role
