@@ -37,6 +37,8 @@ from transfer.protocol import (
     LocalMemory,
     Probed,
     Push,
+    Pushed,
+    Ready,
     Register,
     Registered,
     Role,
@@ -246,6 +248,31 @@ async def encoder_and_denoiser(ctx: zmq.asyncio.Context, tmp_path: Path, *, slot
         fake_worker(ctx, n, "denoiser", slots=slots, pool_size=pool_size) as denoiser,
     ):
         yield n, encoder, denoiser
+
+
+async def next_order(n: Negotiator, role: Role, kind: type) -> None:
+    """Skip ``role``'s pool mail up to the next order of ``kind``."""
+    while not isinstance(mail := await n.pools[role].receive(), Send) or not isinstance(mail.order, kind):
+        pass
+
+
+@asynccontextmanager
+async def decoding(ctx: zmq.asyncio.Context, tmp_path: Path, rid: str) -> AsyncIterator[tuple[Negotiator, FakeWorker]]:
+    """A negotiator whose decoder is running ``rid``, its latents received; the mail so far taken."""
+    async with (
+        encoder_and_denoiser(ctx, tmp_path, slots=2) as (n, encoder, denoiser),
+        fake_worker(ctx, n, "decoder", slots=1) as decoder,
+    ):
+        await push_on_fast_path(n, encoder, denoiser, rid)
+        await encoder.report(Pushed(request_id=rid, ok=True, transfer_ms=1.0))
+        await next_order(n, "denoiser", Ready)
+        await denoiser.report(Staged(request_id=rid, nbytes=NBYTES, manifest=MANIFEST, compute_ms=1.0))
+        assert await n.admission.receive() == Enqueue(job=job(rid, "decoder"))
+        n.inbox.post(Placed(job=job(rid, "decoder"), instance=decoder.instance))
+        await denoiser.report(Pushed(request_id=rid, ok=True, transfer_ms=1.0))
+        await next_order(n, "decoder", Ready)
+        n.take("encoder"), n.take("denoiser"), n.take("tracker"), n.take("decoder")
+        yield n, decoder
 
 
 def released(rid: str, worker: FakeWorker, ok: bool | None = None, *, finishing: bool = False) -> Release:

@@ -19,11 +19,12 @@ from tests.actors.negotiator_harness import (
     POOL_BASE,
     POOL_SIZE,
     SLOT_SIZE,
-    Negotiator,
     aborted,
+    decoding,
     encoder_and_denoiser,
     fake_worker,
     job,
+    next_order,
     push_on_fast_path,
     registration,
     released,
@@ -38,12 +39,10 @@ from transfer.protocol import (
     Done,
     Heartbeat,
     Leaving,
-    Push,
     Pushed,
     Ready,
     Reason,
     RegisterRefused,
-    Role,
     Staged,
     Step,
     TensorSpec,
@@ -136,20 +135,7 @@ async def test_a_decoder_output_unlike_its_header_fails_the_request(
 ) -> None:
     """The frames go to the client as they are: one that would not decode there fails here."""
     with anyio.fail_after(5):
-        async with (
-            encoder_and_denoiser(ctx, tmp_path, slots=2) as (n, encoder, denoiser),
-            fake_worker(ctx, n, "decoder", slots=1) as decoder,
-        ):
-            await push_on_fast_path(n, encoder, denoiser, "r1")
-            await encoder.report(Pushed(request_id="r1", ok=True, transfer_ms=1.0))
-            await next_order(n, "denoiser", Ready)
-            await denoiser.report(Staged(request_id="r1", nbytes=NBYTES, manifest=MANIFEST, compute_ms=1.0))
-            assert await n.admission.receive() == Enqueue(job=job("r1", "decoder"))
-            n.inbox.post(Placed(job=job("r1", "decoder"), instance=decoder.instance))
-            await next_order(n, "denoiser", Push)
-            await denoiser.report(Pushed(request_id="r1", ok=True, transfer_ms=1.0))
-            await next_order(n, "decoder", Ready)
-            n.take("encoder"), n.take("denoiser"), n.take("tracker")
+        async with decoding(ctx, tmp_path, "r1") as (n, decoder):
             image = TensorSpec(name="image", dtype="uint8", shape=(2, 2, 3), nbytes=12)
             await decoder.sock.send_multipart([encode(Done(request_id="r1", ok=True, compute_ms=1.0,
                                                            outputs=[image])), b"x" * 11])
@@ -186,12 +172,6 @@ async def test_an_output_no_receiver_could_ever_take_is_invalid_and_not_handed_o
                                                                                   nbytes=largest))
             n.assert_silent()
             assert (await n.stats()).prealloc[denoiser.instance] == PreallocCounts(2, 2)
-
-
-async def next_order(n: Negotiator, role: Role, kind: type) -> None:
-    """Skip ``role``'s pool mail up to the next order of ``kind``."""
-    while not isinstance(mail := await n.pools[role].receive(), Send) or not isinstance(mail.order, kind):
-        pass
 
 
 async def test_a_stuck_worker_is_evicted_once_and_may_still_be_finishing_a_write(

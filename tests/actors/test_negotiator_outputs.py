@@ -12,28 +12,14 @@ import anyio
 import zmq
 import zmq.asyncio
 
-from actors.mail import Enqueue, Finished, Leave, Placed
-from tests.actors.negotiator_harness import (
-    MANIFEST,
-    NBYTES,
-    FakeWorker,
-    Negotiator,
-    encoder_and_denoiser,
-    fake_worker,
-    job,
-    push_on_fast_path,
-    released,
-)
-from tests.actors.test_negotiator_bad_reports import next_order
+from actors.mail import Finished, Leave
+from tests.actors.negotiator_harness import Negotiator, decoding, released
 from transfer.protocol import (
     DAEMON_TO_WORKER,
     Done,
     Leaving,
-    Pushed,
-    Ready,
     Reason,
     RegisterRefused,
-    Staged,
     Step,
     TensorSpec,
     encode,
@@ -56,25 +42,6 @@ async def connection(ctx: zmq.asyncio.Context, n: Negotiator, routing_id: bytes)
         yield sock
     finally:
         sock.close(linger=0)
-
-
-@asynccontextmanager
-async def decoding(ctx: zmq.asyncio.Context, tmp_path: Path, rid: str) -> AsyncIterator[tuple[Negotiator, FakeWorker]]:
-    """A negotiator whose decoder is running ``rid``, its latents received."""
-    async with (
-        encoder_and_denoiser(ctx, tmp_path, slots=2) as (n, encoder, denoiser),
-        fake_worker(ctx, n, "decoder", slots=1) as decoder,
-    ):
-        await push_on_fast_path(n, encoder, denoiser, rid)
-        await encoder.report(Pushed(request_id=rid, ok=True, transfer_ms=1.0))
-        await next_order(n, "denoiser", Ready)
-        await denoiser.report(Staged(request_id=rid, nbytes=NBYTES, manifest=MANIFEST, compute_ms=1.0))
-        assert await n.admission.receive() == Enqueue(job=job(rid, "decoder"))
-        n.inbox.post(Placed(job=job(rid, "decoder"), instance=decoder.instance))
-        await denoiser.report(Pushed(request_id=rid, ok=True, transfer_ms=1.0))
-        await next_order(n, "decoder", Ready)
-        n.take("encoder"), n.take("denoiser"), n.take("tracker"), n.take("decoder")
-        yield n, decoder
 
 
 async def test_an_output_on_the_decoders_output_connection_finishes_its_request(
