@@ -6,7 +6,8 @@ the receive slots, the fast and slow paths.
 
 The tensors never come here: workers write into each other's memory with Mooncake and
 only sizes, addresses and manifests cross this actor. The decoder's output frames pass
-through untouched on their way to the frontend.
+through untouched on their way to the frontend; they arrive on a connection of their own,
+whose routing id is the decoder's key, so its heartbeats never wait behind them.
 
 A worker whose ``Probe`` has not yet come back, one silent for two heartbeats, or a
 receiver a push just failed to reach, is a suspect: it gets no new work until it is
