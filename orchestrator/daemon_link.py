@@ -40,13 +40,19 @@ class DaemonLink:
         self.main.connect(self.endpoint)
 
     def open_outputs(self, key: bytes) -> zmq.asyncio.Socket:
-        """A new output connection for the registration ``key`` names; the last one's
-        unsent outputs, about requests the daemon has forgotten, are dropped."""
-        if self.outputs is not None:
-            self.outputs.close(linger=0)
+        """The output connection of the registration ``key`` names."""
+        assert self.outputs is None, "the last registration's output connection is still open"
         self.outputs = self._dealer(key)
         self.outputs.connect(self.endpoint)
         return self.outputs
+
+    def close_outputs(self) -> None:
+        """End the output connection of a registration the daemon forgot, dropping the
+        outputs still queued there: they are about requests it no longer knows. Until the
+        next one opens, Leaving goes on the main connection (no output can precede it)."""
+        if self.outputs is not None:
+            self.outputs.close(linger=0)
+            self.outputs = None
 
     def send_now(self, reports: Sequence[Message], outputs: Sequence[Message], *, leaving: bool) -> bool:
         """Queue ``reports`` on the main connection, ``outputs`` on the output one, then

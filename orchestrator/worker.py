@@ -162,6 +162,7 @@ class WorkerRuntime:
             while True:
                 forgotten = await self._serve(registered, link, work, work_address)
                 registered = None  # forgotten: a Leaving would go to no one (and wait out its linger)
+                link.close_outputs()
                 await self._forget_everything(settled=forgotten.settled)
                 registered = await self._register(link.main, work_address, patient=True)
         finally:

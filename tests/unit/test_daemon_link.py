@@ -42,7 +42,8 @@ def heard(daemon: zmq.Socket) -> list[tuple[bytes, str]]:
 def test_a_decoders_outputs_and_its_leaving_go_on_the_connection_its_key_names(tmp_path: Path) -> None:
     with linked(tmp_path) as (daemon, link):
         link.open_outputs(b"old key" * 2)
-        link.open_outputs(KEY)  # a new registration: the old connection is closed
+        link.close_outputs()  # forgotten: a new registration opens another
+        link.open_outputs(KEY)
         output = [encode(Done(request_id="r1", ok=True, compute_ms=1.0, outputs=[IMAGE])), b"abc"]
         assert link.send_now([[encode(Stopped(request_id="r0", ack=1))]], [output], leaving=True)
         link.close(1000)
