@@ -2,7 +2,7 @@
 
 They speak the real worker protocol over real sockets (register with the token, heartbeat,
 answer Probe with Probed, Work/Ready with Staged or Done, Alloc with Allocated, Push with Pushed, an
-Abort's ack with Stopped), so the
+Abort's ack with Stopped; a decoder's outputs on its output connection), so the
 daemon cannot tell them from real workers; they skip the compute and the Mooncake write.
 What remains is the daemon's own cost per request, the figure the reference head was
 measured by (zero-work fake workers; docs/benchmarks.md). All of them share one
@@ -61,6 +61,7 @@ class InstantWorker:
     work: zmq.Socket
     key: bytes
     pool_base: int
+    outputs: zmq.Socket | None  # a decoder's output connection (its routing id: the key)
 
     def answer(self, order: object) -> tuple[bytes, list[bytes]] | None:
         """The report for ``order`` with its frames, as a real worker with a zero-time stage sends it."""
@@ -89,8 +90,11 @@ class InstantWorker:
             if key != self.key:
                 raise RuntimeError(f"an order for {self.role} without its key")
             reports.extend(filter(None, map(self.answer, map(WORK_ORDER.decode, orders))))
-        for message in group_reports(reports):
+        for message in group_reports(report for report in reports if not report[1]):
             self.dealer.send_multipart(message)
+        for body, frames in (report for report in reports if report[1]):
+            assert self.outputs is not None  # only a decoder's Done has frames
+            self.outputs.send_multipart([body, *frames])
 
 
 def register(ctx: zmq.Context, cfg: Config, role: Role, index: int, pool_base: int, work: zmq.Socket,
@@ -113,7 +117,12 @@ def register(ctx: zmq.Context, cfg: Config, role: Role, index: int, pool_base: i
     if isinstance(reply, RegisterRefused):
         raise RuntimeError(f"registration refused: {reply.message}")
     assert isinstance(reply, Registered)
-    return InstantWorker(role, dealer, work, reply.key, pool_base)
+    outputs = None
+    if role == "decoder":
+        outputs = ctx.socket(zmq.DEALER)
+        outputs.setsockopt(zmq.ROUTING_ID, reply.key)
+        outputs.connect(cfg.daemon.worker_endpoint)
+    return InstantWorker(role, dealer, work, reply.key, pool_base, outputs)
 
 
 def serve(cfg: Config, layout: dict[Role, int]) -> None:
