@@ -80,6 +80,7 @@ from transfer.sockets import PlainPump
 
 log = structlog.get_logger()
 
+
 class WorkerRuntime:
     """Owns one stage, one registered memory pool, one engine, its work socket and its link to the daemon."""
 
