@@ -54,8 +54,11 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 def _bytes_view(t: torch.Tensor) -> torch.Tensor:
-    """A flat uint8 view of ``t``, on its device (bf16 has no numpy twin, uint8 does)."""
-    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+    """A flat uint8 view of a contiguous CPU tensor (bf16 has no numpy twin, uint8 does)."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    return t.contiguous().reshape(-1).view(torch.uint8)
 
 
 # --------------------------------------------------------------------------- staged blocks
@@ -78,9 +81,8 @@ def layout(tensors: Mapping[str, torch.Tensor]) -> tuple[list[TensorSpec], int]:
 def pack(block: torch.Tensor, tensors: Mapping[str, torch.Tensor], specs: Sequence[TensorSpec]) -> None:
     """Copy ``tensors`` into the uint8 region ``block`` at the offsets ``layout`` chose."""
     for spec in specs:
-        # Straight from the device into the pool: one copy, not a device-to-host one into
-        # fresh memory and then another into the pool.
-        block[spec.offset : spec.offset + spec.nbytes].copy_(_bytes_view(tensors[spec.name]))
+        src = _bytes_view(tensors[spec.name])
+        block[spec.offset : spec.offset + spec.nbytes].copy_(src)
 
 
 def unpack(block: torch.Tensor, specs: Sequence[TensorSpec]) -> dict[str, torch.Tensor]:
@@ -116,7 +118,7 @@ def to_frames(tensors: Mapping[str, torch.Tensor]) -> tuple[list[TensorSpec], li
     specs: list[TensorSpec] = []
     buffers: list[memoryview] = []
     for name, t in tensors.items():
-        raw = _bytes_view(t).cpu()
+        raw = _bytes_view(t)
         specs.append(TensorSpec(name=name, dtype=dtype_name(t.dtype), shape=tuple(t.shape), nbytes=raw.numel()))
         buffers.append(memoryview(raw.numpy()))
     check_headers(specs)
