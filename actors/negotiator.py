@@ -166,7 +166,7 @@ class TransferNegotiator:
             return  # a routing frame with no body
         routing_id = frames[0].bytes
         if (outputs_of := self._by_key.get(routing_id)) is not None:
-            self._on_output(outputs_of, frames)
+            self._on_output(outputs_of, routing_id, frames)
             return
         link = self._links.get(routing_id)
         if link is None and len(frames) == 3 and len(frames[1]) == 0:
@@ -206,11 +206,13 @@ class TransferNegotiator:
         if link.suspect and link.reached and not link.pushing_late:
             self._trust(link)  # it is alive: no longer quiet, and a failed push was not its death
 
-    def _on_output(self, link: Link, frames: list[zmq.Frame]) -> None:
+    def _on_output(self, link: Link, key: bytes, frames: list[zmq.Frame]) -> None:
         """``[key, Done, *its frames]`` or ``[key, Leaving]`` from ``link``'s output
         connection, whose routing id is its key: its outputs travel there, so its
         heartbeats, on the main connection, never wait behind one crossing a slow link, and
-        its last words after them, so they never overtake one."""
+        its last words after them, so they never overtake one. Leaving is answered there:
+        the stopping decoder waits for that answer, which says every output before it
+        arrived."""
         msg = self._decode(frames[1], sender=link)
         if msg is None:
             return
@@ -220,6 +222,8 @@ class TransferNegotiator:
             return
         self._heard_from(link)
         self._on_report(link, msg, frames[2:])
+        if isinstance(msg, Leaving):
+            self._reply(key, RegisterRefused(message=f"{link.instance} left"))
 
     def _decode(self, frame: zmq.Frame, *, answer: bytes | None = None,
                 sender: Link | None = None) -> WorkerMessage | None:

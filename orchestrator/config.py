@@ -190,6 +190,10 @@ class WorkerConfig(Section):
     # What the daemon dials: a real address, never a wildcard like 0.0.0.0.
     advertise_host: Annotated[str, msgspec.Meta(pattern=r"^\S+$")] = "127.0.0.1"
     connect_timeout_s: PositiveFloat = 60.0  # retrying the daemon until it is up
+    # A decoder told to stop waits at most this long (heartbeating meanwhile) for the daemon
+    # to take the outputs it has made: one still crossing a slow link when it exits would be
+    # lost, and its request computed again elsewhere.
+    stop_flush_s: PositiveFloat = 10.0
     # A stage run longer than this is hung (a wedged GPU, a deadlocked kernel): no thread can
     # be stopped from outside, so the worker logs worker.stage_hung and exits with status 70
     # for its supervisor to start a fresh process; the daemon sees it go silent, and its

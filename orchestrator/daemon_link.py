@@ -11,10 +11,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import anyio
 import zmq
 import zmq.asyncio
 
-from transfer.protocol import Leaving, encode
+from transfer.protocol import Heartbeat, Leaving, encode
 from transfer.reports import Message
 
 LEAVING_LINGER_MS = 250  # a stopping worker waits at most this long for Leaving to go out (ms)
@@ -71,6 +72,27 @@ class DaemonLink:
         except zmq.ZMQError:
             return False  # no room to queue them: the daemon notices the silence instead
         return True
+
+    async def hand_over(self, outputs: Sequence[Message], *, heartbeat_s: float, within_s: float) -> bool:
+        """Queue ``outputs`` and ``Leaving`` on the output connection, then wait until the
+        daemon answers the Leaving there: it has then read every output before it. The
+        main connection heartbeats meanwhile, as the outputs may take a while to cross and
+        silence would get this worker evicted first (and its outputs dropped). False when
+        no answer came ``within_s``."""
+        assert self.outputs is not None
+        if not self.send_now([], outputs, leaving=True):
+            return False
+        beat = encode(Heartbeat())
+        main = zmq.Socket.shadow(self.main.underlying)
+        with anyio.move_on_after(within_s):
+            while True:
+                try:
+                    main.send(beat, zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    pass  # no room: the beats before it still wait to leave
+                if await self.outputs.poll(int(heartbeat_s * 1000)):
+                    return True
+        return False
 
     def close(self, linger_ms: int) -> None:
         """Close every socket of the context, ``linger_ms`` for what is queued to go out,

@@ -171,7 +171,16 @@ class WorkerRuntime:
             # Stage and push threads have all ended here (_serve's task group waited for
             # them), so the daemon may free at once what this worker held or was sent.
             leaving = registered is not None and self._may_say_leaving()
-            link.close(LEAVING_LINGER_MS if leaving and link.send_now([], [], leaving=True) else 0)
+            if leaving and link.outputs is not None:
+                assert registered is not None
+                with anyio.CancelScope(shield=True):  # this runs as the stop cancels everything
+                    handed = await link.hand_over(self._outputs.take_now(), heartbeat_s=registered.heartbeat_s,
+                                                  within_s=self._wcfg.stop_flush_s)
+                if not handed:
+                    self._log.warning("worker.outputs_not_handed_over", within_s=self._wcfg.stop_flush_s)
+                link.close(0)
+            else:
+                link.close(LEAVING_LINGER_MS if leaving and link.send_now([], [], leaving=True) else 0)
             self._engine.close()
 
     def _use_pool(self, pool: MemoryPool, writers: tuple[LocalWriter, LocalWriter] | None = None) -> None:

@@ -74,11 +74,14 @@ async def test_an_output_connection_under_any_other_routing_id_is_a_stranger(
 async def test_leaving_on_the_output_connection_evicts_the_decoder_after_its_outputs(
     ctx: zmq.asyncio.Context, tmp_path: Path
 ) -> None:
-    """Last words follow the outputs on their connection, so they never overtake one."""
+    """Last words follow the outputs on their connection, so they never overtake one, and
+    are answered there: the decoder waits for that answer before it exits."""
     with anyio.fail_after(5):
         async with decoding(ctx, tmp_path, "r1") as (n, decoder), connection(ctx, n, decoder.key) as outputs:
             await outputs.send_multipart(output("r1"))
             await outputs.send(encode(Leaving()))
+            answer = DAEMON_TO_WORKER.decode(await outputs.recv())
+            assert answer == RegisterRefused(message=f"{decoder.instance} left")
             assert isinstance(await n.tracker.receive(), Finished)
             leave = [m for m in n.take("decoder") if isinstance(m, Leave)]
             while not leave:

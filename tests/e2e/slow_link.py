@@ -28,6 +28,8 @@ class SlowLink:
         self._listener = socket.create_server(("127.0.0.1", self.port))
         self._sockets: list[socket.socket] = []
         self._closed = threading.Event()
+        self.forwarded = 0  # bytes moved towards the target, all connections together
+        self._count = threading.Lock()
         self._threads = [threading.Thread(target=self._accept, daemon=True)]
 
     def __enter__(self) -> SlowLink:
@@ -64,6 +66,8 @@ class SlowLink:
             while data := source.recv(CHUNK):
                 sink.sendall(data)
                 if rate is not None:
+                    with self._count:
+                        self.forwarded += len(data)
                     time.sleep(len(data) / rate)
         except OSError:
             pass  # either end closed: the other is shut below
