@@ -37,6 +37,7 @@ class Link:
     suspect: bool = True
     push_failed_at: float | None = None  # a push into it failed then, and it has been silent since
     pushing_late: bool = False  # a push of its is unreported past its due time: its push path is stuck
+    stopping: bool = False  # it said Stopping: no new work ever again, whatever it says next
     # Runs of ended requests it is finishing, by the ack of their Abort: each holds a slot
     # of its pool until its Stopped comes back (or the link goes, and its slots with it).
     finishing: dict[int, str] = field(default_factory=dict)

@@ -77,6 +77,7 @@ from transfer.protocol import (
     StageLimits,
     Step,
     Stopped,
+    Stopping,
     WorkerMessage,
     brief,
     encode,
@@ -373,6 +374,10 @@ class TransferNegotiator:
                 if instance == link.instance and not link.reached:
                     link.reached = True
                     self._trust(link)  # the pool offers it work from now on
+            case Stopping():
+                link.stopping = True
+                self._suspect(link)
+                self._log.info("worker.stopping", instance=link.instance)
             case Leaving():
                 # Sent after its threads ended: no write of its is in flight (gone=True).
                 self._evict(link, f"{link.instance} left: its process is stopping")
@@ -449,6 +454,8 @@ class TransferNegotiator:
             self._suspect(link)
 
     def _trust(self, link: Link) -> None:
+        if link.stopping:
+            return  # alive, but it asked for no new work
         link.suspect, link.push_failed_at = False, None
         self._pools[link.role].post(Suspect(instance=link.instance, suspect=False))
 

@@ -68,6 +68,7 @@ from transfer.protocol import (
     Role,
     Step,
     Stopped,
+    Stopping,
     TensorSpec,
     Work,
     WorkOrder,
@@ -209,6 +210,13 @@ class WorkerRuntime:
                                        leaving=self._may_say_leaving())
             self._daemon_link.close(LEAVING_LINGER_MS)
         self._exit_at_once(status)
+
+    def say_stopping(self) -> None:
+        """Tell the daemon at once to send no new work: ending the runs under way and
+        handing over their outputs may take a while, and work sent meanwhile would wait
+        unread until the Leaving that follows."""
+        if self._daemon_link is not None:
+            self._daemon_link.send_now([[encode(Stopping())]], [], leaving=False)
 
     def _may_say_leaving(self) -> bool:
         """Leaving tells the daemon no write of ours can still land: false while a push
@@ -541,8 +549,10 @@ async def run_worker(role: Role, cfg: Config, name: str | None = None, *,
                     tg.cancel_scope.cancel()
                 async for signum in signals:
                     log.info("worker.signal", signal=signal.Signals(signum).name)
+                    runtime.say_stopping()
                     tg.cancel_scope.cancel()
 
+        runtime = WorkerRuntime(role, cfg, name=name)
         tg.start_soon(stop_on_signal)
-        await WorkerRuntime(role, cfg, name=name).run()
+        await runtime.run()
         tg.cancel_scope.cancel()

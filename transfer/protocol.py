@@ -428,6 +428,11 @@ class Heartbeat(Wire):
     """Worker -> daemon, every ``heartbeat_s``; silence past the timeout evicts the worker."""
 
 
+class Stopping(Wire):
+    """Worker -> daemon, as a worker is told to stop: send me no new work. Its requests go on
+    until its Leaving, which follows once its runs have ended and its outputs are out."""
+
+
 class Leaving(Wire):
     """Worker -> daemon, last words of a worker that stops (SIGTERM), sent once its stage and
     push threads have ended: forget me now, my requests can start again elsewhere."""
@@ -571,7 +576,8 @@ class Step(Wire):
 
 
 WorkerMessage = (
-    Register | Probed | Heartbeat | Leaving | Staged | Allocated | AllocRejected | Pushed | Done | Step | Stopped
+    Register | Probed | Heartbeat | Stopping | Leaving | Staged | Allocated | AllocRejected | Pushed | Done | Step
+    | Stopped
 )
 DaemonToWorker = Registered | RegisterRefused
 WorkOrder = Work | Alloc | Push | Ready | Abort | Probe

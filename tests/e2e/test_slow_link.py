@@ -60,9 +60,10 @@ def test_a_decoder_sending_an_output_slower_than_its_heartbeat_timeout_is_not_ev
 async def test_a_decoder_told_to_stop_while_its_output_crosses_hands_it_over_first(
     start_cluster: StartCluster, tmp_path: Path,
 ) -> None:
-    """SIGTERM once the output has begun to cross: the decoder heartbeats on until the
-    daemon answers its Leaving, which follows the output, so the request ends there, not
-    computed again elsewhere (with no other decoder it would have timed out)."""
+    """SIGTERM once the output has begun to cross: the decoder says Stopping (no new work),
+    then heartbeats on until the daemon answers its Leaving, which follows the output, so
+    the request ends there, not computed again elsewhere (with no other decoder it would
+    have timed out)."""
     port = free_port()
     with SlowLink(port, bytes_per_s=RATE) as link:
         cluster = start_far_decoder(start_cluster, tmp_path, link.port, port)
@@ -75,6 +76,9 @@ async def test_a_decoder_told_to_stop_while_its_output_crosses_hands_it_over_fir
                 await anyio.sleep(0.01)
             decoder.send_signal(signal.SIGTERM)
             stopped = time.monotonic()
+            # It said Stopping: no new work while it hands over (its heartbeats go on).
+            await anyio.to_thread.run_sync(lambda: wait_for(
+                cluster, lambda s: any(i.role == "decoder" and i.suspect for i in s.instances)))
             code = await anyio.to_thread.run_sync(decoder.wait)
             exits.append((code, time.monotonic() - stopped))
 
