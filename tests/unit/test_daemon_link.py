@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import anyio
 import zmq
 
 from orchestrator.daemon_link import DaemonLink
-from transfer.protocol import WORKER_MESSAGE, Done, Heartbeat, Stopped, TensorSpec, encode
+from transfer.protocol import WORKER_MESSAGE, Done, Heartbeat, Leaving, RegisterRefused, Stopped, TensorSpec, encode
 
 KEY = b"k" * 16
 IMAGE = TensorSpec(name="image", dtype="uint8", shape=(3,), nbytes=3)
@@ -67,3 +69,40 @@ def test_leaving_is_not_said_unless_asked(tmp_path: Path) -> None:
         assert link.send_now([], [], leaving=False)
         link.close(1000)
         assert not daemon.poll(200)
+
+
+async def test_a_hand_over_nobody_answers_ends_at_its_deadline_and_heartbeats_until_then(tmp_path: Path) -> None:
+    """A daemon that reads but never answers the Leaving (dead ones read nothing at all):
+    the stopping decoder gives up at ``within_s``, having kept its main connection alive."""
+    with linked(tmp_path) as (daemon, link):
+        link.open_outputs(KEY)
+        output = [encode(Done(request_id="r1", ok=True, compute_ms=1.0, outputs=[IMAGE])), b"abc"]
+        started = time.monotonic()
+        assert not await link.hand_over([output], heartbeat_s=0.05, within_s=0.5)
+        took_s = time.monotonic() - started
+        link.close(0)
+        got = heard(daemon)
+    assert 0.5 <= took_s < 1.5
+    assert [kind for routing_id, kind in got if routing_id == KEY] == ["Done", "Leaving"]
+    assert 5 <= sum(kind == "Heartbeat" for routing_id, kind in got if routing_id != KEY) <= 12
+
+
+async def test_a_hand_over_ends_when_the_daemon_answers_the_leaving(tmp_path: Path) -> None:
+    with linked(tmp_path) as (daemon, link):
+        outputs = link.open_outputs(KEY)
+        assert outputs is link.outputs
+        answered = anyio.Event()
+
+        async def answer_the_leaving() -> None:
+            while True:
+                routing_id, body = await anyio.to_thread.run_sync(daemon.recv_multipart)
+                if routing_id == KEY and isinstance(WORKER_MESSAGE.decode(body), Leaving):
+                    daemon.send_multipart([KEY, encode(RegisterRefused(message="decoder-1 left"))])
+                    answered.set()
+                    return
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(answer_the_leaving)
+            with anyio.fail_after(5):
+                assert await link.hand_over([], heartbeat_s=10.0, within_s=30.0)
+            assert answered.is_set()
