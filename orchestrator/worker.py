@@ -171,18 +171,23 @@ class WorkerRuntime:
             close_work_socket(work, self._work_address)
             # Stage and push threads have all ended here (_serve's task group waited for
             # them), so the daemon may free at once what this worker held or was sent.
-            leaving = registered is not None and self._may_say_leaving()
-            if leaving and link.outputs is not None:
-                assert registered is not None
-                with anyio.CancelScope(shield=True):  # this runs as the stop cancels everything
-                    handed = await link.hand_over(self._outputs.take_now(), heartbeat_s=registered.heartbeat_s,
-                                                  within_s=self._wcfg.stop_flush_s)
-                if not handed:
-                    self._log.warning("worker.outputs_not_handed_over", within_s=self._wcfg.stop_flush_s)
-                link.close(0)
-            else:
-                link.close(LEAVING_LINGER_MS if leaving and link.send_now([], [], leaving=True) else 0)
+            with anyio.CancelScope(shield=True):  # this runs as the stop cancels everything
+                await self._leave(link, registered)
             self._engine.close()
+
+    async def _leave(self, link: DaemonLink, registered: Registered | None) -> None:
+        """Say Leaving if this worker is registered and may, then close the link. A decoder
+        first hands over the outputs it made, which may take a while to cross (at most
+        stop_flush_s); the others give Leaving LEAVING_LINGER_MS to go out."""
+        leaving = registered is not None and self._may_say_leaving()
+        if leaving and link.outputs is not None:
+            assert registered is not None
+            if not await link.hand_over(self._outputs.take_now(), heartbeat_s=registered.heartbeat_s,
+                                        within_s=self._wcfg.stop_flush_s):
+                self._log.warning("worker.outputs_not_handed_over", within_s=self._wcfg.stop_flush_s)
+            link.close(0)
+        else:
+            link.close(LEAVING_LINGER_MS if leaving and link.send_now([], [], leaving=True) else 0)
 
     def _use_pool(self, pool: MemoryPool, writers: tuple[LocalWriter, LocalWriter] | None = None) -> None:
         """Hold requests' memory in ``pool``, registered with the engine."""
