@@ -2,6 +2,8 @@
 breaks, at random times within a round, and what brings it back.
 
 * ``kill``: SIGKILL a live worker (a crash, an OOM kill);
+* ``term``: SIGTERM a live worker (a rolling update, a scale-down): it says Stopping, ends
+  its runs, hands over its outputs, says Leaving and exits 0;
 * ``stop``: SIGSTOP a live worker for 0.2-1.5 s (a long GC pause, a stalled disk) or 3.5-6 s
   (past the daemon's eviction: a frozen host), then SIGCONT;
 * ``fault``: a request whose prompt makes the denoiser's device break (a CUDA error): the
@@ -25,8 +27,8 @@ import anyio.abc
 from orchestrator.cluster import LocalCluster
 from orchestrator.watchdog import EXIT_DEVICE_BROKEN
 
-WORKER_FAULTS = ("kill", "stop", "fault", "fault", "kill", "stop")  # drawn from, so faults and kills twice as likely
-EXPECTED_EXITS = {-signal.SIGKILL, EXIT_DEVICE_BROKEN}  # any other exit code is a problem
+WORKER_FAULTS = ("kill", "stop", "fault", "term", "fault", "kill")  # drawn from, so faults and kills twice as likely
+EXPECTED_EXITS = {0, -signal.SIGKILL, EXIT_DEVICE_BROKEN}  # any other exit code is a problem
 
 
 def worker_key(name: str) -> tuple[str, int]:
@@ -95,9 +97,10 @@ class Chaos:
             self.counts[event] -= 1
             return
         name, proc = self._rng.choice(live)
-        if event == "kill":
-            self._note(f"SIGKILL {name}")
-            proc.send_signal(signal.SIGKILL)
+        if event in ("kill", "term"):
+            signum = signal.SIGKILL if event == "kill" else signal.SIGTERM
+            self._note(f"{signum.name} {name}")
+            proc.send_signal(signum)
             return
         pause_s = self._rng.choice([self._rng.uniform(0.2, 1.5), self._rng.uniform(3.5, 6)])
         self._note(f"SIGSTOP {name} for {pause_s:.1f}s")
