@@ -83,9 +83,11 @@ def test_the_handoff_benchmark_compares_both_paths() -> None:
 
 
 def test_the_soak_judges_every_answer_through_kills_faults_and_a_daemon_restart() -> None:
-    # Seed 40's first round draws a SIGTERM, then a device fault, then a SIGKILL.
+    # Seed 40's first round draws a SIGTERM, then a device fault, then a SIGKILL. The faulty
+    # request's answer depends on timing (stage_failed, or worker_lost if the SIGKILL hits
+    # the denoiser holding it): the soak's own verdict judges it.
     done = run_tool("orchestrator.soak", "--rounds", "1", "--round-s", "10", "--seed", "40", "--restart-every", "1")
     assert done.returncode == 0, done.stdout + done.stderr
-    for said in ("SIGTERM", "SIGKILL", "daemon restart", "'fault:stage_failed': 1", "'plain:ok'", "problems 0"):
+    for said in ("SIGTERM", "SIGKILL", "daemon restart", "'fault:", "'plain:ok'", "problems 0"):
         assert said in done.stdout, done.stdout
     assert "PROBLEM" not in done.stdout
