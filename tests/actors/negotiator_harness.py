@@ -33,6 +33,7 @@ from transfer.protocol import (
     Abort,
     Alloc,
     Allocated,
+    Done,
     GenParams,
     LocalMemory,
     Probed,
@@ -273,6 +274,28 @@ async def decoding(ctx: zmq.asyncio.Context, tmp_path: Path, rid: str) -> AsyncI
         await next_order(n, "decoder", Ready)
         n.take("encoder"), n.take("denoiser"), n.take("tracker"), n.take("decoder")
         yield n, decoder
+
+
+IMAGE = TensorSpec(name="image", dtype="uint8", shape=(2, 2, 3), nbytes=12)
+
+
+def output(rid: str) -> list[bytes]:
+    """A decoder's result for ``rid``: its Done, then IMAGE's frame."""
+    return [encode(Done(request_id=rid, ok=True, compute_ms=1.0, outputs=[IMAGE])), bytes(range(12))]
+
+
+@asynccontextmanager
+async def connection(ctx: zmq.asyncio.Context, n: Negotiator, routing_id: bytes) -> AsyncIterator[zmq.asyncio.Socket]:
+    """A DEALER on the worker socket under ``routing_id``: a decoder's output connection
+    when that is its key."""
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.ROUTING_ID, routing_id)
+    sock.connect(n.endpoint)
+    try:
+        yield sock
+    finally:
+        sock.close(linger=0)
 
 
 def released(rid: str, worker: FakeWorker, ok: bool | None = None, *, finishing: bool = False) -> Release:

@@ -4,8 +4,6 @@ is the decoder's key, and it carries outputs and the decoder's last words, nothi
 from __future__ import annotations
 
 import secrets
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
 
 import anyio
@@ -13,35 +11,15 @@ import zmq
 import zmq.asyncio
 
 from actors.mail import Finished, Leave
-from tests.actors.negotiator_harness import Negotiator, decoding, released
+from tests.actors.negotiator_harness import IMAGE, connection, decoding, output, released
 from transfer.protocol import (
     DAEMON_TO_WORKER,
-    Done,
     Leaving,
     Reason,
     RegisterRefused,
     Step,
-    TensorSpec,
     encode,
 )
-
-IMAGE = TensorSpec(name="image", dtype="uint8", shape=(2, 2, 3), nbytes=12)
-
-
-def output(rid: str) -> list[bytes]:
-    return [encode(Done(request_id=rid, ok=True, compute_ms=1.0, outputs=[IMAGE])), bytes(range(12))]
-
-
-@asynccontextmanager
-async def connection(ctx: zmq.asyncio.Context, n: Negotiator, routing_id: bytes) -> AsyncIterator[zmq.asyncio.Socket]:
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.ROUTING_ID, routing_id)
-    sock.connect(n.endpoint)
-    try:
-        yield sock
-    finally:
-        sock.close(linger=0)
 
 
 async def test_an_output_on_the_decoders_output_connection_finishes_its_request(

@@ -10,8 +10,7 @@ import zmq
 import zmq.asyncio
 
 from actors.mail import Finished, Leave, Suspect
-from tests.actors.negotiator_harness import decoding, speak
-from tests.actors.test_negotiator_outputs import connection, output
+from tests.actors.negotiator_harness import connection, decoding, output, speak
 from transfer.protocol import DAEMON_TO_WORKER, Heartbeat, Leaving, RegisterRefused, Stopping, encode
 
 
