@@ -6,6 +6,7 @@ import argparse
 import hashlib
 import json
 import os
+import signal
 import sys
 import uuid
 from functools import partial
@@ -120,6 +121,16 @@ def _generate(endpoint: str, params: GenParams, args: argparse.Namespace, rid: s
     return anyio.run(watched)
 
 
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM during ``triptych submit``, raised as Ctrl-C is so that both clients cancel the
+    request: it is what ``timeout(1)``, systemd and Kubernetes send, and by default it would
+    end the process with the request left running at the daemon for nobody."""
+
+
+def _terminate(_signum: int, _frame: object) -> NoReturn:
+    raise _Terminated
+
+
 def _submit(args: argparse.Namespace) -> int:
     from orchestrator.rejection import Rejection
 
@@ -131,11 +142,15 @@ def _submit(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     endpoint = _daemon_at(args.endpoint or cfg.daemon.client_endpoint)
     rid = args.request_id or uuid.uuid4().hex  # chosen here, to name it if Ctrl-C cancels it
+    signal.signal(signal.SIGTERM, _terminate)
     try:
         generation = _generate(endpoint, params, args, rid)
     except Rejection as exc:
         print(f"rejected ({exc.reason}): {exc.rejected.message}", file=sys.stderr)
         return 2
+    except _Terminated:
+        print(f"terminated: request {rid} cancelled", file=sys.stderr)
+        return 143
     except KeyboardInterrupt:  # both clients cancel a request whose wait is interrupted
         print(f"interrupted: request {rid} cancelled", file=sys.stderr)
         return 130
@@ -282,7 +297,8 @@ def _parser() -> argparse.ArgumentParser:
     p = command("submit", _submit, "generate and write the outputs",
                 epilog="Exit status: 0 written; 2 the daemon refused or failed the request, or the command "
                        "line is wrong (either way the reason is printed); 1 another error (no daemon, a "
-                       "timeout, a bad config); 130 interrupted, the request cancelled.")
+                       "timeout, a bad config); 130 interrupted (SIGINT), 143 terminated (SIGTERM), the request "
+                       "cancelled either way.")
     endpoint(p, "client_endpoint")
     p.add_argument("--prompt", required=True)
     p.add_argument("--negative-prompt", default="")

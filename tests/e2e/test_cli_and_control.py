@@ -127,18 +127,23 @@ def test_submit_reports_a_rejection_and_exits_nonzero(start_cluster: StartCluste
     assert "refused at the door=3 {'invalid': 3}" in table.stdout, table.stdout
 
 
+@pytest.mark.parametrize(("signum", "status", "said"), [(signal.SIGINT, 130, "interrupted"),
+                                                         (signal.SIGTERM, 143, "terminated")], ids=["int", "term"])
 @pytest.mark.parametrize("progress", [False, True], ids=["req", "dealer"])
-def test_ctrl_c_on_submit_cancels_the_request(start_cluster: StartCluster, tmp_path, progress: bool) -> None:
+def test_a_stop_signal_on_submit_cancels_the_request(start_cluster: StartCluster, tmp_path, progress: bool,
+                                                     signum: signal.Signals, status: int, said: str) -> None:
+    """Ctrl-C, or the SIGTERM of `timeout`, systemd or Kubernetes, cancels the request at the
+    daemon, which would otherwise run it to the end for nobody."""
     cluster = start_cluster(layout=SMALL, **{"model.null": {"denoiser_ms": 20000.0}})
     submit = subprocess.Popen(
         [sys.executable, "-m", "orchestrator", "submit", "--prompt", "x", "--out", str(tmp_path),
          "--config", str(cluster.config_path), *(["--progress"] if progress else [])],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     wait_for(cluster, lambda s: s.requests_by_state.get("denoising") == 1, timeout_s=20)
-    submit.send_signal(signal.SIGINT)
+    submit.send_signal(signum)
     _, stderr = submit.communicate(timeout=20)
-    assert submit.returncode == 130, stderr
-    assert "Traceback" not in stderr and "interrupted: request" in stderr and stderr.strip().endswith("cancelled")
+    assert submit.returncode == status, stderr
+    assert "Traceback" not in stderr and f"{said}: request" in stderr and stderr.strip().endswith("cancelled")
     stats = wait_for(cluster, all_free)
     assert stats.failed_by_reason == {"cancelled": 1}
     # Its Rejected(cancelled) found the process gone: a reply nobody waited for, not one lost.
