@@ -16,7 +16,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from transfer.protocol import MAX_SLOTS, Role
+from transfer.protocol import MAX_SLOTS, MAX_SUBMIT_BYTES, Role
 from transfer.specs import align_up
 
 PositiveInt = Annotated[int, msgspec.Meta(gt=0)]
@@ -103,7 +103,10 @@ class DaemonConfig(Section):
     max_workers: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 256
     request_timeout_s: PositiveFloat = 600.0  # when Submit names none
     max_request_timeout_s: PositiveFloat = 3600.0
-    heartbeat_s: PositiveFloat = 1.0
+    # At least 0.1 s: the negotiator ticks every half heartbeat and takes a gap between ticks
+    # longer than heartbeat_s for a stall of the daemon (a line each); below a loaded loop's
+    # own jitter every tick would be one.
+    heartbeat_s: Annotated[float, msgspec.Meta(ge=0.1, le=1e9)] = 1.0
     # Silence of misses * heartbeat_s evicts a worker. At least 3: silence of 2 beats only
     # makes it a suspect (actors/negotiator.py), and a live worker may be a beat late.
     heartbeat_misses: Annotated[int, msgspec.Meta(ge=3)] = 5
@@ -122,8 +125,10 @@ class DaemonConfig(Section):
     # Each actor's mailbox holds the mail max_in_flight requests can post at once plus this
     # many more (orchestrator/daemon.py sizes them); a full one makes its senders wait.
     mailbox_headroom: PositiveInt = 1024
-    # Messages queued to one worker before it counts as stuck (ZMQ SNDHWM).
-    worker_send_hwm: PositiveInt = 1000
+    # Messages queued to one worker before it counts as stuck (ZMQ SNDHWM). At least 64: ZMQ
+    # gives send credit back in batches of half of it, so with a few a worker reading its
+    # orders can look full for a moment, and be evicted as stuck.
+    worker_send_hwm: Annotated[int, msgspec.Meta(ge=64)] = 1000
     # Replies ZMQ queues for one client connection (ZMQ_SNDHWM); what it cannot take yet is
     # held (client_held_bytes). Together they bound what a client connection that never
     # reads makes the daemon hold: this many of its replies, client_held_bytes, one more.
@@ -137,10 +142,11 @@ class DaemonConfig(Section):
     # any reply that would wait is dropped, so many connections that never read cannot pin memory without
     # bound (clients are trusted, but a buggy one may open connections in a loop).
     client_held_total_bytes: PositiveInt = 1024 * MiB
-    # A peer sending a larger frame is disconnected unread (ZMQ_MAXMSGSIZE). A Submit is at
-    # most about 130 KiB (two prompts of 16,384 characters); a worker's frames carry the
-    # decoder's output (a video can be hundreds of MiB).
-    client_max_message_bytes: PositiveInt = 256 * 1024
+    # A peer sending a larger frame is disconnected unread (ZMQ_MAXMSGSIZE). At least what
+    # the largest valid Submit takes (MAX_SUBMIT_BYTES: two prompts of 16,384 characters):
+    # below it a valid request is cut off and its client learns only that the connection
+    # closed. A worker's frames carry the decoder's output (a video can be hundreds of MiB).
+    client_max_message_bytes: Annotated[int, msgspec.Meta(ge=MAX_SUBMIT_BYTES)] = 256 * 1024
     # At least what a Register takes (its slots and limits): below it every worker is cut off.
     worker_max_message_bytes: Annotated[int, msgspec.Meta(ge=MiB)] = 1024 * MiB
 

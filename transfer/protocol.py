@@ -117,6 +117,12 @@ class GenParams(Plain):
     output: Literal["png", "raw"] = "png"
 
 
+# What the largest valid Submit encodes to, and a little more: its prompts at their longest in
+# 4-byte UTF-8 characters (tests/unit/test_protocol.py builds it). The client socket's frame
+# limit (daemon.client_max_message_bytes) may not go below it.
+MAX_SUBMIT_BYTES = 136 * 1024
+
+
 class Submit(Wire):
     """Ask for one generation. An empty ``request_id`` lets the daemon assign one."""
 

@@ -88,6 +88,10 @@ def test_unknown_key_names_its_path(tmp_path: Path, text: str, where: str) -> No
         ("[model.null]\nembed_shape = [-1, 77]\n", "$.model.null.embed_shape[0]"),
         ("[model.null]\nembed_shape = []\n", "$.model.null.embed_shape"),
         ("[daemon]\nworker_max_message_bytes = 64\n", "$.daemon.worker_max_message_bytes"),  # no Register fits
+        ("[daemon]\nclient_max_message_bytes = 1024\n", "$.daemon.client_max_message_bytes"),  # a long prompt: cut off
+        # Send credit comes back in batches: a worker reading its orders would look stuck.
+        ("[daemon]\nworker_send_hwm = 1\n", "$.daemon.worker_send_hwm"),
+        ("[daemon]\nheartbeat_s = 0.001\n", "$.daemon.heartbeat_s"),  # every tick would read as a stall
         # Past TOML's 64-bit integers (which Python's TOML reader still takes) torch cannot seed.
         ("[model.diffusers]\nseed = 18446744073709551616\n", "$.model.diffusers.seed"),
     ],

@@ -161,6 +161,18 @@ def test_a_submits_id_and_priority_are_bounded() -> None:
             p.CLIENT_REQUEST.decode(p.encode(bad))
 
 
+def test_the_largest_valid_submit_fits_the_client_sockets_smallest_frame_limit() -> None:
+    """daemon.client_max_message_bytes may not go below MAX_SUBMIT_BYTES: a Submit past the
+    socket's limit is cut off with its connection, its client told nothing but that."""
+    largest = p.Submit(protocol=p.PROTOCOL_VERSION, request_id=WIDE * 128, priority=-100, timeout_s=86400.0,
+                       progress=True, cancel_token=WIDE * 64,
+                       params=p.GenParams(prompt=WIDE * 16384, negative_prompt=WIDE * 16384, width=16384,
+                                          height=16384, frames=4096, steps=1000, guidance=100.0,
+                                          seed=2**63 - 1, num_images=16, output="raw"))
+    assert p.CLIENT_REQUEST.decode(p.encode(largest)) == largest
+    assert len(p.encode(largest)) <= p.MAX_SUBMIT_BYTES
+
+
 def test_unknown_fields_are_skipped() -> None:
     """An older peer decodes a newer peer's message that carries an extra field."""
     raw = msgspec.msgpack.encode({"kind": "Abort", "request_id": "r1", "added_later": [1, 2]})
