@@ -242,7 +242,8 @@ class NullStageConfig(Section):
     denoiser_ms: Annotated[float, msgspec.Meta(ge=0)] = 20.0
     decoder_ms: Annotated[float, msgspec.Meta(ge=0)] = 5.0
     embed_shape: Annotated[tuple[PositiveInt, ...], msgspec.Meta(min_length=1)] = (1, 77, 64)
-    latent_channels: PositiveInt = 4
+    # The null decoder shows three of the latent channels as an image's red, green and blue.
+    latent_channels: Annotated[int, msgspec.Meta(ge=3)] = 4
 
 
 class FaultsConfig(Section):

@@ -87,6 +87,7 @@ def test_unknown_key_names_its_path(tmp_path: Path, text: str, where: str) -> No
         ("[workers.denoiser]\nalloc_timeout_s = inf\n", "$.workers.denoiser.alloc_timeout_s"),
         ("[model.null]\nembed_shape = [-1, 77]\n", "$.model.null.embed_shape[0]"),
         ("[model.null]\nembed_shape = []\n", "$.model.null.embed_shape"),
+        ("[model.null]\nlatent_channels = 2\n", "$.model.null.latent_channels"),  # the decoder shows three
         ("[daemon]\nworker_max_message_bytes = 64\n", "$.daemon.worker_max_message_bytes"),  # no Register fits
         ("[daemon]\nclient_max_message_bytes = 1024\n", "$.daemon.client_max_message_bytes"),  # a long prompt: cut off
         # Send credit comes back in batches: a worker reading its orders would look stuck.
