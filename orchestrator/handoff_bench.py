@@ -4,7 +4,10 @@ on this host, through Mooncake (loopback TCP) and as a copy into shared memory.
 1 encoder / 1 denoiser / 1 decoder with null stages whose encoder output is ``--mib`` MiB;
 requests one at a time, so each hand-off has the link to itself. Prints the median and p90
 of the encoder -> denoiser transfer time (``StageTiming.transfer_ms``: the sender's push,
-from its start to the write's completion) for each path, and their ratio.
+from its start to the write's completion) for each path, and their ratio. Then what each
+hand-off's digest (transfer/frames.py) adds to staging it: the sender's pack against a bare
+copy of the same bytes, the receiver's checked copy-out against an unchecked one (best of
+``--requests`` each).
 """
 
 from __future__ import annotations
@@ -12,15 +15,20 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import anyio
+import msgspec
+import torch
 
 from orchestrator.arguments import at_least
 from orchestrator.bench import kept_on_failure
 from orchestrator.client import AsyncClient
 from orchestrator.cluster import LocalCluster, ipc_config
 from orchestrator.config import MiB
+from transfer import frames
 from transfer.protocol import GenParams, Via
 
 LAYOUT = {"encoder": 1, "denoiser": 1, "decoder": 1}
@@ -63,6 +71,30 @@ def measure(tmp: Path, mib: int, requests: int, same_host_copy: bool) -> list[fl
     return times
 
 
+def staging_ms(mib: int, repeats: int) -> dict[str, float]:
+    """Best-of-``repeats`` ms to stage and to take a ``mib`` MiB hand-off, with its digest and
+    without: pack against a bare copy, copy-out checked against unchecked."""
+    tensors = {"embeds": torch.randn(mib * MiB // FLOAT32)}
+    specs, nbytes = frames.layout(tensors)
+    block = torch.empty(nbytes, dtype=torch.uint8)
+    digested = frames.pack(block, tensors, specs)
+    unchecked = [msgspec.structs.replace(spec, xxh3=None) for spec in digested]
+    raw = tensors["embeds"].view(torch.uint8)
+
+    def best(run: Callable[[], object]) -> float:
+        times = []
+        for _ in range(repeats):
+            began = time.perf_counter()
+            run()
+            times.append((time.perf_counter() - began) * 1e3)
+        return min(times)
+
+    return {"pack": best(lambda: frames.pack(block, tensors, specs)),
+            "bare copy in": best(lambda: block[: raw.numel()].copy_(raw)),
+            "copy-out, checked": best(lambda: frames.unpack(block, digested)),
+            "copy-out, unchecked": best(lambda: frames.unpack(block, unchecked))}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="triptych bench-handoff", description=__doc__)
     parser.add_argument("--mib", type=at_least(1), default=16, help="size of the handed-off tensor")
@@ -77,6 +109,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:<10} {p50:>8.2f} {p90:>8.2f} {args.mib * MiB / p50 / 1e6:>12.2f}")
     ratio = statistics.median(results["mooncake"]) / statistics.median(results["memcpy"])
     print(f"\nsame-host copy is {ratio:.1f}x faster than Mooncake's loopback transfer at the median")
+    staging = staging_ms(args.mib, args.requests)
+    print(f"\nstaging one {args.mib} MiB hand-off, best of {args.requests} (ms): "
+          + ", ".join(f"{name} {ms:.2f}" for name, ms in staging.items()))
+    print(f"its digest costs the sender {staging['pack'] / staging['bare copy in']:.2f}x a bare copy and the "
+          f"receiver {staging['copy-out, checked'] / staging['copy-out, unchecked']:.2f}x an unchecked copy-out")
     return 0
 
 

@@ -508,6 +508,11 @@ class WorkerRuntime:
                 # No room to stage the output for its hand-off: a failed hand-off, as when the
                 # receiver has none, and like it started again on the workers left (daemon.retries).
                 reason, error = Reason.TRANSFER_FAILED, f"no room to stage its output: {exc}"
+            case frames.ChecksumMismatch():
+                # Its input was written over after it landed (transfer/frames.py): a failed
+                # hand-off, started again on the workers left (daemon.retries).
+                self._log.warning("worker.input_corrupted", request_id=rid, error=str(exc))
+                reason, error = Reason.TRANSFER_FAILED, str(exc)
             case ValueError():
                 error = str(exc)
             case _:

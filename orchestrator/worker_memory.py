@@ -134,9 +134,9 @@ class RequestMemory:
         block = await self._pool.alloc(nbytes, timeout_s=self._alloc_timeout_s)
         try:
             if nbytes <= INLINE_COPY_BYTES:
-                frames.pack(self._pool.view(block), outputs, specs)
+                specs = frames.pack(self._pool.view(block), outputs, specs)
             else:
-                await anyio.to_thread.run_sync(frames.pack, self._pool.view(block), outputs, specs)
+                specs = await anyio.to_thread.run_sync(frames.pack, self._pool.view(block), outputs, specs)
                 await anyio.lowlevel.checkpoint_if_cancelled()  # aborted while it copied: nothing staged
         except BaseException:
             self._pool.free(block)

@@ -87,6 +87,7 @@ class TensorSpec(Plain):
 
     ``offset`` is relative to the start of the staged block (hand-offs); for frames it is 0.
     ``dtype`` is a torch dtype name without the ``torch.`` prefix (``float32``, ``uint8``).
+    ``xxh3``: XXH3-64 of the tensor's bytes, set on staged blocks; the receiver checks its copy.
     """
 
     name: Annotated[str, msgspec.Meta(max_length=MAX_TENSOR_NAME)]
@@ -94,6 +95,7 @@ class TensorSpec(Plain):
     shape: Annotated[tuple[int, ...], msgspec.Meta(max_length=MAX_DIMS)]
     offset: NonNegative = 0
     nbytes: NonNegative = 0
+    xxh3: Annotated[int, msgspec.Meta(ge=0)] | None = None  # msgpack carries at most 2**64 - 1
 
 
 Manifest = Annotated[list[TensorSpec], msgspec.Meta(max_length=MAX_TENSORS)]

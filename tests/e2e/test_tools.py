@@ -80,6 +80,7 @@ def test_the_handoff_benchmark_compares_both_paths() -> None:
     assert done.returncode == 0, done.stdout + done.stderr
     assert "mooncake" in done.stdout and "memcpy" in done.stdout
     assert "same-host copy is" in done.stdout
+    assert "its digest costs the sender" in done.stdout
 
 
 def test_the_soak_judges_every_answer_through_kills_faults_and_a_daemon_restart() -> None:

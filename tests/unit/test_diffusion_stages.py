@@ -57,8 +57,7 @@ def round_trip(tensors: Tensors) -> Tensors:
     """Through raw bytes, as a Mooncake write into a registered pool would carry them."""
     specs, nbytes = layout(tensors)
     block = torch.zeros(nbytes, dtype=torch.uint8)
-    pack(block, tensors, specs)
-    return unpack(block, specs)
+    return unpack(block, pack(block, tensors, specs))
 
 
 def run_split(cfg: DiffusersConfig, params: GenParams) -> tuple[Tensors, Tensors, Tensors]:

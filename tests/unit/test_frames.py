@@ -5,6 +5,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 import torch
+import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -45,8 +46,7 @@ def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> 
 def packed(tensors: dict[str, torch.Tensor]) -> tuple[torch.Tensor, list[TensorSpec]]:
     specs, total = layout(tensors)
     block = torch.zeros(total, dtype=torch.uint8)
-    pack(block, tensors, specs)
-    return block, specs
+    return block, pack(block, tensors, specs)
 
 
 # --------------------------------------------------------------------------- staged blocks
@@ -85,6 +85,30 @@ def test_unpack_copies_out_of_the_block() -> None:
     out = unpack(block, specs)
     block.fill_(0)
     assert torch.equal(out["x"], torch.arange(4, dtype=torch.float32))
+
+
+def test_pack_vouches_for_each_tensor_with_a_digest_of_its_bytes() -> None:
+    tensors = {"a": torch.arange(5, dtype=torch.float32), "b": torch.zeros(0, dtype=torch.uint8)}
+    _, specs = packed(tensors)
+    assert [s.xxh3 for s in specs] == [xxhash.xxh3_64_intdigest(t.numpy().tobytes()) for t in tensors.values()]
+
+
+@pytest.mark.parametrize("where", ["first", "last"])
+def test_bytes_written_over_a_staged_tensor_are_caught_by_name(where: str) -> None:
+    """A late write landing in the block after its hand-off: the copy taken differs."""
+    block, specs = packed({"embeds": torch.ones(64), "latents": torch.ones(64)})
+    spec = specs[-1]
+    block[spec.offset + (0 if where == "first" else spec.nbytes - 1)] ^= 1
+    with pytest.raises(frames.ChecksumMismatch, match="tensor 'latents': its bytes are not those its sender staged"):
+        unpack(block, specs)
+
+
+def test_a_spec_without_a_digest_is_taken_unchecked() -> None:
+    """An older sender's hand-off (the field is optional on the wire)."""
+    block, specs = packed({"x": torch.arange(4, dtype=torch.float32)})
+    block[0] ^= 1
+    unchecked = [msgspec.structs.replace(spec, xxh3=None) for spec in specs]
+    assert not torch.equal(unpack(block, unchecked)["x"], torch.arange(4, dtype=torch.float32))
 
 
 def test_non_contiguous_tensor_packs_by_value() -> None:

@@ -109,6 +109,14 @@ def test_submit_with_defaults_round_trips(msg: p.Submit) -> None:
     assert p.CLIENT_REQUEST.decode(p.encode(msg)) == msg
 
 
+@pytest.mark.parametrize("digest", [0, 2**63, 2**64 - 1])
+def test_a_digest_past_int64_crosses_the_wire(digest: int) -> None:
+    """XXH3-64 digests fill 64 unsigned bits (msgpack's uint64)."""
+    spec = p.TensorSpec(name="latents", dtype="float32", shape=(4,), nbytes=16, xxh3=digest)
+    staged = p.WORKER_MESSAGE.decode(p.encode(p.Staged(request_id="r", nbytes=16, manifest=[spec], compute_ms=1.0)))
+    assert staged.manifest[0].xxh3 == digest
+
+
 def test_tag_is_the_class_name() -> None:
     assert msgspec.msgpack.decode(p.encode(p.Heartbeat())) == {"kind": "Heartbeat"}
 

@@ -36,6 +36,7 @@ from transfer.protocol import (
     Push,
     Pushed,
     Ready,
+    Reason,
     Staged,
     Step,
     Stopped,
@@ -191,6 +192,24 @@ async def test_a_ready_that_points_past_its_own_input_fails_and_reads_nothing_el
         w.send(ready)
         (done,) = await reports(w, 1)
     assert isinstance(done, Done) and not done.ok and why in done.error
+
+
+async def test_an_input_written_over_after_it_landed_fails_as_a_hand_off_and_is_freed(logs: list[dict]) -> None:
+    """A late write (a sender that woke from a freeze) landed in the slot after this
+    request's own: the copy taken fails its digest, and the run fails ``transfer_failed``,
+    which the daemon retries, rather than computing on wrong bytes."""
+    latents = {"latents": torch.ones(1, 4, 1, 1)}
+    async with worker("decoder") as w:
+        specs, _ = frames.layout(latents)
+        slot = w._pool.view_at(w._pool.slots[0].address, w._pool.slots[0].size)
+        specs = frames.pack(slot, latents, specs)
+        slot[3] ^= 0x40  # the late write
+        w.send(ready_for(w, specs))
+        (done,) = await reports(w, 1)
+    assert isinstance(done, Done) and not done.ok and done.reason == Reason.TRANSFER_FAILED
+    assert "tensor 'latents': its bytes are not those its sender staged" in done.error
+    assert [line["request_id"] for line in logs if line["event"] == "worker.input_corrupted"] == ["r1"]
+    assert not w._memory.holds_input("r1")
 
 
 async def test_a_push_in_doubt_keeps_the_worker_from_saying_leaving_until_the_quarantine_ends() -> None:

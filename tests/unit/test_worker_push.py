@@ -19,7 +19,7 @@ from orchestrator.worker_memory import INLINE_COPY_BYTES, RequestMemory
 from transfer import frames
 from transfer.engine import TransferError, TransferInDoubt
 from transfer.pool import MemoryPool
-from transfer.protocol import WORKER_MESSAGE, LocalMemory, Push, Pushed
+from transfer.protocol import WORKER_MESSAGE, LocalMemory, Push, Pushed, Staged, TensorSpec
 from transfer.shm import LocalWriter, SharedRegion, host_id
 
 
@@ -108,21 +108,28 @@ async def test_a_large_output_is_staged_off_the_loop_and_a_small_one_on_it(nbyte
     """A copy of many MiB on the loop would hold up the allocs and pushes it answers."""
     copied_on: list[threading.Thread] = []
     pack = frames.pack
-    monkeypatch.setattr(frames, "pack", lambda *args: (copied_on.append(threading.current_thread()), pack(*args)))
+
+    def recorded(*args: object) -> list[TensorSpec]:
+        copied_on.append(threading.current_thread())
+        return pack(*args)
+
+    monkeypatch.setattr(frames, "pack", recorded)
     worker = WorkerRuntime("encoder", Config(), name="stage-test", engine=object())  # type: ignore[arg-type]
     worker._use_pool(pool := MemoryPool(4 * INLINE_COPY_BYTES))
     assert worker._memory is not None
     output = {"embeds": torch.arange(nbytes // 4, dtype=torch.float32)}
     await worker._memory.stage_output("r1", output, compute_ms=1.0)
     assert (copied_on == [threading.main_thread()]) == (nbytes <= INLINE_COPY_BYTES)
-    specs, _ = frames.layout(output)
-    assert torch.equal(frames.unpack(pool.view(worker._memory._staged["r1"]), specs)["embeds"], output["embeds"])
-    assert len(worker._outbox) == 1  # its Staged
+    (message,) = worker._outbox.take_now()
+    staged = WORKER_MESSAGE.decode(message[0])
+    assert isinstance(staged, Staged) and all(spec.xxh3 is not None for spec in staged.manifest)
+    taken = frames.unpack(pool.view(worker._memory._staged["r1"]), staged.manifest)  # its digest checked
+    assert torch.equal(taken["embeds"], output["embeds"])
 
 
 async def test_a_request_aborted_while_its_output_is_copied_stages_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     pack = frames.pack
-    monkeypatch.setattr(frames, "pack", lambda *args: (time.sleep(0.2), pack(*args)))
+    monkeypatch.setattr(frames, "pack", lambda *args: time.sleep(0.2) or pack(*args))
     worker = WorkerRuntime("encoder", Config(), name="stage-test", engine=object())  # type: ignore[arg-type]
     worker._use_pool(pool := MemoryPool(4 * INLINE_COPY_BYTES))
     assert worker._memory is not None
