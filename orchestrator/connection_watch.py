@@ -92,7 +92,10 @@ class ConnectionWatch:
         if self.accepted:
             return (f"no daemon answers at {endpoint}: something there took the connection but did not complete "
                     f"ZMQ's handshake within {waited_s:g}s (a stopped or stuck daemon, or not a ZMQ socket)")
-        return f"no daemon at {endpoint}: nothing there took a connection within {waited_s:g}s"
+        # ZMQ resolves and connects in the background and says neither that a host name is
+        # unknown nor that a route is missing: to a TCP endpoint all look alike.
+        causes = " (nothing listens there, or its host is unreachable or unknown)" if endpoint.startswith("tcp://") else ""
+        return f"no daemon at {endpoint}: nothing there took a connection within {waited_s:g}s{causes}"
 
     def close(self) -> None:
         """Stop watching (again: nothing)."""
