@@ -9,12 +9,13 @@ Two layouts share the same specs:
 Every decode checks the header against the bytes, so a lying or corrupted header becomes
 a ``ValueError`` naming the tensor, never a crash or a silent misread.
 
-A staged tensor also carries a digest of its bytes (XXH3-64), taken from the stage's own tensor as it
-is packed and checked on the private copy the receiver takes. Memory a write may still land
-in is reused only after ``push_quarantine_s``, but nothing bounds how long a sender frozen
-mid-write (SIGSTOP, a paused container) stays frozen, and its write goes on when it wakes:
-the bytes it lands late in memory that meanwhile took another request's hand-off are caught
-here, whichever memory they hit, instead of reaching that request's client.
+A staged tensor also carries a digest of its bytes (XXH3-64), taken from the stage's own
+tensor as it is packed and checked on the private copy the receiver takes. Memory a write
+may still land in is reused only after ``push_quarantine_s``, but nothing bounds how long a
+sender frozen mid-write (SIGSTOP, a paused container) stays frozen, and its write goes on
+when it wakes: the bytes it lands late in memory that meanwhile took another request's
+hand-off are caught here, whichever memory they hit, instead of reaching that request's
+client.
 """
 
 from __future__ import annotations
@@ -71,8 +72,8 @@ def _bytes_view(t: torch.Tensor) -> torch.Tensor:
 
 
 def _digest(raw: torch.Tensor) -> int:
-    """XXH3-64 of a flat uint8 CPU tensor: ~30 GB/s here, a small part of the copy it checks
-    (zlib's CRC-32 ran at 4 GB/s, slower than the copy itself)."""
+    """XXH3-64 of a flat uint8 CPU tensor: ~30 GB/s here, a fraction of the copy it checks
+    (zlib's CRC-32, at 4 GB/s, was slower than the copy: docs/benchmarks.md)."""
     return xxhash.xxh3_64_intdigest(raw.numpy())
 
 
