@@ -114,9 +114,10 @@ class FamilyAdapter:
         """The fewest and most steps a request may ask for, as the scheduler itself sets
         timesteps for them: an LCM scheduler takes at most its ``original_inference_steps``,
         PNDM with its Runge-Kutta warm-up at least 4. Past them ``set_timesteps`` raises
-        mid-request, which must be refused up front instead (``invalid``). Not all
-        num_train_timesteps: with steps_offset (SD 1.x) the first timestep then falls past
-        the schedule, and multistep solvers return NaN there."""
+        mid-request, which must be refused up front instead (``invalid``). Nor a count whose
+        timesteps reach past the trained ones: with SD 1.x's steps_offset and "leading"
+        spacing, DPM-Solver++, UniPC and DEIS start 999 steps at timestep 1000 and return
+        NaN there (and all num_train_timesteps overrun every scheduler's schedule)."""
         fewest, most = self.min_steps(), self.config("scheduler").get("num_train_timesteps", 1000) - 1
         cls = self.scheduler_class()
         if cls is None:
@@ -133,7 +134,8 @@ class FamilyAdapter:
                     scheduler.set_timesteps(steps)
                 except Exception:  # whatever it raises, the count is one it cannot run
                     return False
-            return True
+            trained = getattr(scheduler, "alphas_cumprod", None)  # flow matching has none
+            return trained is None or int(scheduler.timesteps.max()) < len(trained)
 
         # The counts a scheduler takes are one run: the shortest is found by walking up (a few
         # steps at most), the longest by halving.
