@@ -506,7 +506,8 @@ class TransferNegotiator:
         """Drop a worker whose work socket the daemon cannot reach, and tell it why: it was
         never offered work, and registering again would change nothing."""
         why = (f"the daemon's orders to work_address {link.work_address} did not arrive within {limit_s:.1f}s: "
-               f"the worker's advertise_host (or its firewall) does not let the daemon reach it")
+               f"the worker's advertise_host, its bind_host or work_socket, or a firewall, does not let the "
+               f"daemon reach it")
         self._evict(link, f"{link.instance}: {why}")
         self._reply(link.routing_id, RegisterRefused(message=why))
 

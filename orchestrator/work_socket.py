@@ -2,29 +2,23 @@
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import re
-import socket
 import tempfile
 import uuid
-from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import TimeoutError as LookupTimedOut
 from pathlib import Path
 
 import zmq
 
 from orchestrator.config import WorkerConfig
-from transfer.binding import EndpointUnusable, bind, remove_ipc_file, unix_listener_at
+from orchestrator.own_addresses import dialable
+from transfer.binding import bind, remove_ipc_file, unix_listener_at
 
 # An order frame stays under about 210 KB (two prompts of 16,384 characters, 64 tensor
 # headers: the wire bounds all it relays, and tests/unit/test_protocol.py builds the largest).
 # Anyone who can reach the port can send, and the key is only checked once a message is
 # read: a frame over this limit disconnects its sender unread.
 ORDER_MAX_MESSAGE_BYTES = 1 << 20
-
-# How long a worker's start waits for its advertise_host's name to resolve.
-LOOKUP_TIMEOUT_S = 10.0
 
 # An ipc work socket's file: triptych-work-<pid of its worker>-<uuid>.
 IPC_FILE = re.compile(r"^triptych-work-(\d{1,10})-[0-9a-f]{32}$")
@@ -45,29 +39,6 @@ def bind_work_socket(sock: zmq.Socket, wcfg: WorkerConfig) -> str:
     port = sock.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1]
     ip = dialable(wcfg.advertise_host)
     return f"tcp://[{ip}]:{port}" if ":" in ip else f"tcp://{ip}:{port}"
-
-
-def dialable(host: str, timeout_s: float = LOOKUP_TIMEOUT_S) -> str:
-    """``host`` as an IP address, looked up here (once, as the worker starts) if it is a name.
-
-    The daemon dials only IP addresses: ZMQ would look a name up on the daemon's I/O thread,
-    with a blocking call, and again at every reconnect, so one slow DNS server would stall
-    every socket of the daemon.
-    """
-    try:
-        return str(ipaddress.ip_address(host))
-    except ValueError:
-        pass
-    lookup = ThreadPoolExecutor(max_workers=1, thread_name_prefix="advertise-host-lookup")
-    try:
-        infos = lookup.submit(socket.getaddrinfo, host, None, type=socket.SOCK_STREAM).result(timeout=timeout_s)
-    except LookupTimedOut:
-        raise EndpointUnusable(f"advertise_host {host!r} did not resolve within {timeout_s:g} s") from None
-    except OSError as exc:
-        raise EndpointUnusable(f"advertise_host {host!r} does not resolve: {exc}") from exc
-    finally:
-        lookup.shutdown(wait=False)  # a lookup that timed out ends on its own
-    return str(infos[0][4][0])
 
 
 def close_work_socket(sock: zmq.Socket, address: str | None) -> None:

@@ -36,6 +36,7 @@ from orchestrator.daemon_link import LEAVING_LINGER_MS, DaemonLink
 from orchestrator.early_signals import STOP_SIGNALS
 from orchestrator.limits import oversized_frame
 from orchestrator.log import Throttled
+from orchestrator.own_addresses import check_own_addresses
 from orchestrator.priority_gate import PriorityGate
 from orchestrator.stages import RunControl, Stage, StageError, StageStopped, build_stage
 from orchestrator.stages.base import StepFn, released
@@ -119,6 +120,7 @@ class WorkerRuntime:
         if (problem := dial_problem(endpoint := self._cfg.daemon.worker_endpoint)) is not None:
             # Said before the model loads: the daemon may bind `*`, which no peer can connect to.
             raise EndpointUnusable(f"daemon.worker_endpoint ({endpoint}) is {problem}")
+        check_own_addresses(self.role, self._wcfg, self._cfg.transfer)
         if self._wcfg.pool_bytes > (memory := physical_memory()):
             # Said before the model loads; a pool only near the machine's size fails to
             # allocate (PoolUnallocatable), or the kernel ends the worker as it is touched.
