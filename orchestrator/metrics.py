@@ -170,7 +170,8 @@ def _instance_metrics(stats: Stats) -> Iterator[Metric]:
 def serve_metrics(read_stats: Callable[[], Stats], port: int, host: str = "127.0.0.1", *,
                   listening: Callable[[str], None] = lambda url: None) -> None:
     """Serve ``/metrics`` on ``host:port`` until SIGTERM or SIGINT. ``listening`` gets the
-    page's URL once the socket is bound; an address that cannot be bound raises ``OSError``."""
+    page's URL once the socket is bound; an address that cannot be bound raises ``OSError``
+    naming it."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(StatsCollector(read_stats))
     stop = {signal.SIGTERM, signal.SIGINT}
@@ -178,7 +179,10 @@ def serve_metrics(read_stats: Callable[[], Stats], port: int, host: str = "127.0
     # signal waits for sigwait here instead of interrupting a scrape.
     caller_mask = signal.pthread_sigmask(signal.SIG_BLOCK, stop)
     try:
-        server, thread = start_http_server(port, addr=host, registry=registry)
+        try:
+            server, thread = start_http_server(port, addr=host, registry=registry)
+        except OSError as exc:  # the socket's own words name no address ("Address already in use")
+            raise OSError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
         try:
             listening(f"http://{host}:{server.server_port}/metrics")  # the bound port, should it be 0
             signal.sigwait(stop)

@@ -125,15 +125,17 @@ def test_metrics_checks_its_endpoint_before_it_serves(capsys: pytest.CaptureFixt
 
 
 @pytest.mark.parametrize(("argv", "says"), [
-    (["--port", "BUSY"], "Address already in use"),
-    (["--host", "192.0.2.1", "--port", "0"], "Cannot assign requested address"),  # a documentation-only address
+    (["--port", "BUSY"], "cannot listen on 127.0.0.1:BUSY: Address already in use"),
+    (["--host", "192.0.2.1", "--port", "0"], "cannot listen on 192.0.2.1:0: Cannot assign requested address"),
+    (["--host", "no-such-host.invalid", "--port", "0"], "triptych metrics: cannot listen on no-such-host.invalid:0: "),
 ])
 def test_metrics_that_cannot_listen_is_one_line_and_never_says_it_serves(argv: list[str], says: str,
                                                                          capsys: pytest.CaptureFixture[str]) -> None:
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
-        argv = [str(busy.getsockname()[1]) if a == "BUSY" else a for a in argv]
+        port = str(busy.getsockname()[1])
+        argv, says = [port if a == "BUSY" else a for a in argv], says.replace("BUSY", port)
         assert cli.main(["metrics", *argv]) == 1
     out, err = capsys.readouterr()
     assert out == "" and err.startswith("triptych metrics: ") and says in err and err.count("\n") == 1
