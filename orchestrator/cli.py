@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import sys
+import tempfile
 import uuid
 from functools import partial
 from pathlib import Path
@@ -138,8 +139,7 @@ def _submit(args: argparse.Namespace) -> int:
     params = GenParams(prompt=args.prompt, negative_prompt=args.negative_prompt, width=args.width,
                        height=args.height, steps=args.steps, guidance=args.guidance, seed=args.seed,
                        num_images=args.num_images, output=args.output)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = _writable_directory(Path(args.out))
     endpoint = _daemon_at(args.endpoint or cfg.daemon.client_endpoint)
     rid = args.request_id or uuid.uuid4().hex  # chosen here, to name it if Ctrl-C cancels it
     signal.signal(signal.SIGTERM, _terminate)
@@ -157,7 +157,10 @@ def _submit(args: argparse.Namespace) -> int:
     for spec, data in zip(generation.result.outputs, generation.frames, strict=True):
         suffix = "" if spec.name.endswith(".png") else ".bin"
         path = out / f"{_file_stem(rid)}-{spec.name}{suffix}"
-        path.write_bytes(data)
+        try:
+            path.write_bytes(data)
+        except OSError as exc:
+            raise OSError(f"request {rid} completed, but {path} could not be written: {exc.strerror or exc}") from None
         print(path if suffix == "" else f"{path}  {spec.dtype} {tuple(spec.shape)}")
     for stage in generation.result.stages:
         print(f"  {stage.role:<9} {stage.instance:<12} queued {stage.queued_ms:8.2f} ms  compute "
@@ -166,14 +169,26 @@ def _submit(args: argparse.Namespace) -> int:
     return 0
 
 
+def _writable_directory(out: Path) -> Path:
+    """``out``, made if missing and found writable before the request is sent: a result
+    that cannot be written would be computed (GPU time) and then lost."""
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as exc:
+        raise OSError(f"cannot write into --out {out}: {exc.strerror or exc}") from None
+    return out
+
+
 def _file_stem(rid: str) -> str:
     """The request id as the start of its output files' names, so another submit into the
     same --out overwrites nothing: no slash (it would lead out of --out), and short enough
-    for any file system (an id may be 128 characters of 4 UTF-8 bytes each)."""
-    stem = rid.replace("/", "_")
-    if len(stem.encode()) <= 100:
-        return stem
-    return f"{stem[:24]}~{hashlib.blake2b(rid.encode(), digest_size=6).hexdigest()}"
+    for any file system (an id may be 128 characters of 4 UTF-8 bytes each). An id that
+    had to change takes a hash of itself, so "x/y" and "x_y" stay apart."""
+    if "/" not in rid and len(rid.encode()) <= 100:
+        return rid
+    return f"{rid.replace('/', '_')[:24]}~{hashlib.blake2b(rid.encode(), digest_size=6).hexdigest()}"
 
 
 def _control_endpoint(args: argparse.Namespace) -> str:

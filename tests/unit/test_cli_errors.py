@@ -116,6 +116,23 @@ def test_submit_refuses_a_timeout_of_zero_as_it_parses(capsys: pytest.CaptureFix
 
 
 @pytest.mark.usefixtures("never_serve")
+def test_submit_into_a_directory_it_cannot_write_says_so_before_sending(capsys: pytest.CaptureFixture[str]) -> None:
+    """Was found only as the result was written: the request computed, then lost. /proc
+    refuses even root, and nothing listens at the endpoint: the refusal comes first."""
+    assert cli.main(["submit", "--prompt", "p", "--out", "/proc", "--endpoint", "ipc:///nonexistent/client"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("triptych submit: cannot write into --out /proc: ") and err.count("\n") == 1
+
+
+def test_ids_that_name_files_alike_write_different_files() -> None:
+    """An id with a slash (or too long for a file name) is changed, and takes a hash of
+    itself: "x/y" became "x_y", and overwrote the outputs of a request named that."""
+    assert cli._file_stem("x_y") == "x_y"
+    assert cli._file_stem("x/y").startswith("x_y~")
+    assert cli._file_stem("🦊" * 128) != cli._file_stem("🦊" * 127 + "🐺")
+    assert all(len(cli._file_stem(rid).encode()) <= 200 for rid in ("🦊" * 128, "/" * 128))
+
+
 def test_metrics_checks_its_endpoint_before_it_serves(capsys: pytest.CaptureFixture[str]) -> None:
     """Not left to each scrape, where it would be an HTTP 500."""
     with pytest.raises(SystemExit) as exited:
