@@ -25,6 +25,13 @@ NO_DAEMON_S = 3.0
 _EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
 
 
+def silence_causes(endpoint: str) -> str:
+    """What silence at ``endpoint`` may mean, said after it. ZMQ resolves and connects in
+    the background and says neither that a host name is unknown nor that a route is
+    missing: to a TCP endpoint all look alike."""
+    return " (nothing listens there, or its host is unreachable or unknown)" if endpoint.startswith("tcp://") else ""
+
+
 def closed_why(endpoint: str) -> str:
     return (f"the connection to the daemon at {endpoint} closed while the request waited: the daemon answers on "
             "the connection a request came by")
@@ -92,10 +99,7 @@ class ConnectionWatch:
         if self.accepted:
             return (f"no daemon answers at {endpoint}: something there took the connection but did not complete "
                     f"ZMQ's handshake within {waited_s:g}s (a stopped or stuck daemon, or not a ZMQ socket)")
-        # ZMQ resolves and connects in the background and says neither that a host name is
-        # unknown nor that a route is missing: to a TCP endpoint all look alike.
-        causes = " (nothing listens there, or its host is unreachable or unknown)" if endpoint.startswith("tcp://") else ""
-        return f"no daemon at {endpoint}: nothing there took a connection within {waited_s:g}s{causes}"
+        return f"no daemon at {endpoint}: nothing there took a connection within {waited_s:g}s{silence_causes(endpoint)}"
 
     def close(self) -> None:
         """Stop watching (again: nothing)."""

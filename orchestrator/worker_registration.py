@@ -9,6 +9,7 @@ import anyio
 import structlog
 import zmq.asyncio
 
+from orchestrator.connection_watch import silence_causes
 from transfer.protocol import (
     CLIENT_REPLY,
     DAEMON_TO_WORKER,
@@ -79,14 +80,14 @@ async def register(dealer: zmq.asyncio.Socket, hello: Register, endpoint: str, *
                     deferred = reply.message
                     log.warning("worker.registration_deferred", why=deferred)
         tries += 1
-        if tries == 1:  # said once: a worker waiting for its daemon is not stuck
+        if tries == 1 and not deferred:  # said once: a worker waiting for its daemon is not stuck
             log.info("worker.waiting_for_daemon", endpoint=endpoint,
                      gives_up_in_s=None if patience is None else round(deadline - time.monotonic()))
     assert patience is not None  # only a deadline ends the loop
     waited = f"{patience[0]}s ({patience[1]})"
     if deferred:
         raise WorkerRefused(f"the daemon did not take this worker within {waited}: {deferred}")
-    raise DaemonUnreachable(f"no answer from the daemon at {endpoint} within {waited}")
+    raise DaemonUnreachable(f"no answer from the daemon at {endpoint} within {waited}{silence_causes(endpoint)}")
 
 
 async def watch_daemon(dealer: zmq.asyncio.Socket, endpoint: str) -> RegisterRefused:

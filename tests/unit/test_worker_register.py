@@ -12,7 +12,7 @@ import zmq.asyncio
 from orchestrator.config import Config, EncoderWorkerConfig, ModelConfig, WorkersConfig
 from orchestrator.stages import build_stage
 from orchestrator.worker import WorkerRuntime
-from orchestrator.worker_registration import WorkerRefused
+from orchestrator.worker_registration import DaemonUnreachable, WorkerRefused
 from transfer.pool import MemoryPool
 from transfer.protocol import WORKER_MESSAGE, Register, RegisterRefused, encode
 
@@ -53,5 +53,24 @@ async def test_only_a_deferral_is_logged_and_named_when_the_worker_gives_up(
         assert "held by decoder-3" in str(refused.value) and "connect_timeout_s" in str(refused.value)
         deferrals = [line["why"] for line in logs if line["event"] == "worker.registration_deferred"]
         assert deferrals == ["the name 'w' is held by decoder-3, a live decoder worker"]
+        # The daemon answered: it is not waited for (that line sent operators looking for it).
+        assert not [line for line in logs if line["event"] == "worker.waiting_for_daemon"]
+    finally:
+        ctx.destroy(linger=0)
+
+
+async def test_a_worker_that_hears_nothing_at_a_tcp_endpoint_names_what_it_may_be(logs: list[dict]) -> None:
+    """ZMQ never says a host name is unknown: the worker gave up saying only "no answer"."""
+    w = WorkerRuntime("encoder", CFG, name="w", engine=Engine())  # type: ignore[arg-type]
+    w._use_pool(MemoryPool(1 << 16))
+    w._stage = build_stage("encoder", CFG.model, torch_threads=1)
+    ctx = zmq.asyncio.Context()
+    try:
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.connect("tcp://no-such-host.invalid:5557")
+        with anyio.fail_after(5), pytest.raises(DaemonUnreachable) as unreached:
+            await w._register(dealer, "ipc://unused", patient=False)
+        assert str(unreached.value).endswith("(nothing listens there, or its host is unreachable or unknown)")
+        assert [line["event"] for line in logs].count("worker.waiting_for_daemon") == 1
     finally:
         ctx.destroy(linger=0)
