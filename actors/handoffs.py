@@ -106,7 +106,6 @@ class Handoffs:
         *,
         links: dict[str, Link],
         push_quarantine_s: float,
-        write_timeout_s: float,
         pools: dict[Role, Mailbox[PoolMail]],
         admission: Mailbox[AdmissionMail],
         tracker: Mailbox[TrackerMail],
@@ -114,7 +113,6 @@ class Handoffs:
     ) -> None:
         self._links = links  # the negotiator's registered workers, by instance (read here)
         self._push_quarantine_s = push_quarantine_s
-        self._write_timeout_s = write_timeout_s
         self._pools = pools
         self._admission = admission
         self._tracker = tracker
@@ -529,10 +527,10 @@ class Handoffs:
     # ------------------------------------------------------------------ orders
 
     def _push(self, flight: Flight, *, after_stall: bool = False) -> None:
-        flight.push_due = time.monotonic() + self._write_timeout_s + flight.nbytes * 1e-9 + PUSH_REPORT_GRACE_S
+        receiver, sender = self._links[flight.receiver], self._links[flight.instance]
+        flight.push_due = time.monotonic() + sender.write_timeout_s + flight.nbytes * 1e-9 + PUSH_REPORT_GRACE_S
         self._pushing.pop(flight.request_id, None)  # a retry's earlier push: this one goes last
         self._pushing[flight.request_id] = flight
-        receiver, sender = self._links[flight.receiver], self._links[flight.instance]
         # Two workers of one kernel: the sender may copy into the receiver's shared pool.
         same_host = receiver.local is not None and sender.local is not None and receiver.local.host == sender.local.host
         self._order(flight.role, flight.instance, Push(request_id=flight.request_id, session=receiver.session,

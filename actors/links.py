@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import zmq
 
+from orchestrator.config import MOONCAKE_DEFAULT_TIMEOUT_S
 from transfer.protocol import PROTOCOL_VERSION, LocalMemory, Register, Role, StageLimits
 
 
@@ -31,6 +32,9 @@ class Link:
     local: LocalMemory | None = None  # its pool as shared memory, for senders on its host
     limits: StageLimits = field(default_factory=StageLimits)  # what its model takes (the door's, and `triptych workers`)
     model_digest: str = ""  # every link's is the same (``model_problem``)
+    # Its Register.write_timeout_s: a push of its unreported this long after (plus the
+    # bytes' time) is stuck. Mooncake's own default until it says.
+    write_timeout_s: float = MOONCAKE_DEFAULT_TIMEOUT_S
     reached: bool = False  # its Probed came back: orders sent to its work_address arrive
     # It gets no new work until heard from (a push into it failed, or it went quiet), and
     # none before it is reached.
@@ -53,12 +57,17 @@ class Link:
             theirs.host, theirs.device, theirs.inode)
 
 
-def registration_problem(msg: Register, token: str) -> str | None:
+def registration_problem(msg: Register, token: str, push_quarantine_s: float) -> str | None:
     """Why ``msg`` must be refused (the ``RegisterRefused`` message), or None to accept it."""
     if not hmac.compare_digest(msg.token.encode(), token.encode()):
         return "bad token"
     if msg.protocol != PROTOCOL_VERSION:
         return f"protocol {msg.protocol}, daemon speaks {PROTOCOL_VERSION}"
+    if msg.write_timeout_s >= push_quarantine_s:
+        # Each host's copy of the config says its own; one file is checked as it loads.
+        return (f"this worker's Mooncake write timeout ({msg.write_timeout_s:g} s, transfer.env.MC_TRANSFER_TIMEOUT) "
+                f"is not below the daemon's push_quarantine_s ({push_quarantine_s:g} s): a write it gave up on "
+                "could land in memory already given to another request; lower the one or raise the other")
     outside = [s.slot_id for s in msg.slots
                if not msg.pool_base <= s.address <= msg.pool_base + msg.pool_size - s.size]
     if outside:

@@ -125,7 +125,6 @@ class TransferNegotiator:
         *,
         ctx: zmq.asyncio.Context,
         cfg: DaemonConfig,
-        write_timeout_s: float,
         pools: dict[Role, Mailbox[PoolMail]],
         admission: Mailbox[AdmissionMail],
         tracker: Mailbox[TrackerMail],
@@ -141,8 +140,7 @@ class TransferNegotiator:
         self._links: dict[bytes, Link] = {}
         self._by_instance: dict[str, Link] = {}
         self._by_key: dict[bytes, Link] = {}  # a decoder's output connection's routing id is its key
-        self._handoffs = Handoffs(links=self._by_instance, push_quarantine_s=cfg.push_quarantine_s,
-                                  write_timeout_s=write_timeout_s, pools=pools,
+        self._handoffs = Handoffs(links=self._by_instance, push_quarantine_s=cfg.push_quarantine_s, pools=pools,
                                   admission=admission, tracker=tracker, push_failed_into=self._push_failed_into)
         self._ids = itertools.count(1)
         self._stopping = False  # farewells sent: registrations get no answer
@@ -271,7 +269,7 @@ class TransferNegotiator:
 
     def _register(self, routing_id: bytes, msg: Register) -> None:
         live = [link for link in self._links.values() if not self._silent(link)]
-        problem = (registration_problem(msg, self._cfg.token) or model_problem(msg, live)
+        problem = (registration_problem(msg, self._cfg.token, self._cfg.push_quarantine_s) or model_problem(msg, live)
                    or work_address_problem(self._ctx, msg.work_address))
         refusal = RegisterRefused(message=problem) if problem is not None else (
             self._claimed_by_another(msg) or self._full(msg) or self._model_of_the_silent(msg))
@@ -296,7 +294,7 @@ class TransferNegotiator:
         key = secrets.token_bytes(16)
         link = Link(routing_id, instance, msg.role, msg.name, msg.session, msg.pool_base, msg.pool_size,
                     msg.work_address, joined_at=now, last_seen=now, key=key, local=msg.local, limits=msg.limits,
-                    model_digest=msg.model_digest)
+                    model_digest=msg.model_digest, write_timeout_s=msg.write_timeout_s)
         self._links[routing_id] = link
         self._by_instance[instance] = link
         self._by_key[key] = link
@@ -305,6 +303,7 @@ class TransferNegotiator:
                                          session=msg.session, key=key, capacity=msg.capacity, fits=fits))
         self._frontend.post(LimitsChanged(role=msg.role, instance=instance, limits=msg.limits))
         self._reply(routing_id, Registered(instance=instance, key=key, heartbeat_s=self._cfg.heartbeat_s,
+                                           push_quarantine_s=self._cfg.push_quarantine_s,
                                            max_message_bytes=self._cfg.worker_max_message_bytes))
         self._log.info("worker.registered", instance=instance, name=msg.name, role=msg.role,
                        session=msg.session, slots=[s.size for s in msg.slots], capacity=msg.capacity,

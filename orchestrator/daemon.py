@@ -30,7 +30,7 @@ from actors.mailbox import Mailbox, Switchboard
 from actors.negotiator import TransferNegotiator
 from actors.pools import PoolActor
 from actors.tracker import TrackerActor
-from orchestrator.config import Config, transfer_timeout_s
+from orchestrator.config import Config
 from orchestrator.early_signals import STOP_SIGNALS
 from transfer.protocol import ROLES
 from transfer.reports import REPORTS_PER_MESSAGE
@@ -92,8 +92,7 @@ async def _serve(cfg: Config, drain_requested: anyio.Event, drain_wait: anyio.Ca
     pools = {role: board.mailbox(f"pool.{role}", size) for role in ROLES}
     try:
         async with anyio.create_task_group() as tg:
-            negotiator = TransferNegotiator(ng, ctx=ctx, cfg=d, pools=pools, admission=ad, tracker=tr, frontend=fe,
-                                            write_timeout_s=transfer_timeout_s(cfg.transfer.env.get("MC_TRANSFER_TIMEOUT")))
+            negotiator = TransferNegotiator(ng, ctx=ctx, cfg=d, pools=pools, admission=ad, tracker=tr, frontend=fe)
             endpoints = {"worker": await tg.start(negotiator.run)}
             for role, inbox in pools.items():
                 pool = PoolActor(role, inbox, ctx=ctx, policy=d.dispatch, send_hwm=d.worker_send_hwm,

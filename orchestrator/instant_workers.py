@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import zmq
 
-from orchestrator.config import Config
+from orchestrator.config import Config, transfer_timeout_s
 from orchestrator.work_socket import bind_work_socket, close_work_socket
 from transfer.protocol import (
     DAEMON_TO_WORKER,
@@ -110,6 +110,7 @@ def register(ctx: zmq.Context, cfg: Config, role: Role, index: int, pool_base: i
         protocol=PROTOCOL_VERSION, token=cfg.daemon.token, role=role, name=f"instant-{role}{index}",
         work_address=work_address, session=f"instant:{role}{index}", pool_base=pool_base,
         pool_size=wcfg.pool_bytes, slots=slots, capacity=wcfg.capacity,
+        write_timeout_s=transfer_timeout_s(cfg.transfer.env.get("MC_TRANSFER_TIMEOUT")),
     )))
     if not dealer.poll(int(REGISTER_TIMEOUT_S * 1000)):
         raise TimeoutError(f"no answer from the daemon at {cfg.daemon.worker_endpoint} in {REGISTER_TIMEOUT_S}s")

@@ -177,6 +177,22 @@ class WorkerRuntime:
                 await self._leave(link, registered)
             self._engine.close()
 
+    def _adopt(self, registered: Registered) -> None:
+        """Take on what the daemon's answer says. Its settings, not this worker's config's:
+        each host's copy may differ."""
+        assert self._memory is not None
+        self._key = registered.key
+        # Its socket cuts off a larger frame.
+        self._max_message_bytes = registered.max_message_bytes or self._cfg.daemon.worker_max_message_bytes
+        self._log = log.bind(role=self.role, worker=self.name, instance=registered.instance)
+        self._peer_log = Throttled(self._log)
+        self._memory.log = self._log
+        # Half a heartbeat: the daemon takes a worker silent for two for dead (and what its
+        # pushes were writing into for free), and its beats keep coming over shorter stalls.
+        self._memory.stalls = StallWatch(registered.heartbeat_s / 2)
+        # How long it holds memory a lost sender may still write into: as long as a rejoin waits.
+        self._memory.push_quarantine_s = registered.push_quarantine_s
+
     async def _leave(self, link: DaemonLink, registered: Registered | None) -> None:
         """Say Leaving if this worker is registered and may, then close the link. A decoder
         first hands over the outputs it made, which may take a while to cross (at most
@@ -236,16 +252,7 @@ class WorkerRuntime:
                      work_address: str) -> RegisterRefused:
         """Serve one registration; return the refusal that says the daemon no longer knows it."""
         assert self._engine is not None
-        self._key = registered.key
-        # The daemon's, not this worker's config's (a copy that may differ): its socket cuts off a larger frame.
-        self._max_message_bytes = registered.max_message_bytes or self._cfg.daemon.worker_max_message_bytes
-        self._log = log.bind(role=self.role, worker=self.name, instance=registered.instance)
-        self._peer_log = Throttled(self._log)
-        assert self._memory is not None
-        self._memory.log = self._log
-        # Half a heartbeat: the daemon takes a worker silent for two for dead (and what its
-        # pushes were writing into for free), and its beats keep coming over shorter stalls.
-        self._memory.stalls = StallWatch(registered.heartbeat_s / 2)
+        self._adopt(registered)
         self._log.info("worker.registered", work_address=work_address, session=self._engine.session)
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._heartbeat, registered.heartbeat_s)
@@ -282,7 +289,7 @@ class WorkerRuntime:
         self._outbox, self._outputs = ReportOutbox(), ReportOutbox()  # about requests nobody knows any more
         # A sender told to push here before the daemon forgot us may still be writing: the
         # daemon must not hand this memory out again before such a write is over.
-        wait_s = 0.0 if self.role == "encoder" or settled else self._cfg.daemon.push_quarantine_s
+        wait_s = 0.0 if self.role == "encoder" or settled else self._memory.push_quarantine_s
         self._log.warning("worker.rejoining", wait_s=wait_s, blocks_held=self._pool.allocated_blocks)
         await anyio.sleep(wait_s)
 
@@ -295,6 +302,7 @@ class WorkerRuntime:
             protocol=PROTOCOL_VERSION, token=self._cfg.daemon.token, role=self.role, name=self.name,
             work_address=work_address, session=self._engine.session, pool_base=self._pool.base,
             pool_size=self._pool.size, slots=self._pool.slots, capacity=self._wcfg.capacity,
+            write_timeout_s=self._engine.write_timeout_s,
             local=self._region.describe(self._pool.base, self._pool.size) if self._region else None,
             limits=self._stage.limits(), model_digest=self._stage.model_digest(),
         )

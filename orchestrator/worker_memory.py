@@ -40,7 +40,7 @@ class RequestMemory:
         self._engine = engine
         self._writers = writers  # same-host copies: the loop's writer, the push thread's
         self._alloc_timeout_s = alloc_timeout_s
-        self._push_quarantine_s = push_quarantine_s
+        self.push_quarantine_s = push_quarantine_s  # the daemon's, once registered
         self._report = report
         # Mooncake writes run one at a time on a push thread of their own: a write blocks,
         # sleeping, until the peer acks, and one writer per engine is what it handles best.
@@ -195,7 +195,7 @@ class RequestMemory:
         except TransferError as exc:
             error, in_doubt = str(exc), isinstance(exc, TransferInDoubt)
             if in_doubt:
-                self.in_doubt_until = time.monotonic() + self._push_quarantine_s
+                self.in_doubt_until = time.monotonic() + self.push_quarantine_s
         except Exception as exc:  # the daemon must hear Pushed, whatever happened
             self.log.exception("worker.push_crashed", request_id=rid)
             error = f"{type(exc).__name__}: {exc}"

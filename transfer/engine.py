@@ -91,6 +91,7 @@ class Engine(Protocol):
     """What the worker runtime needs from a data plane."""
 
     session: str  # the segment name peers use to write to us
+    write_timeout_s: float  # how long a write is waited for before it is in doubt
 
     def register(self, base: int, size: int) -> None: ...
 
@@ -138,7 +139,7 @@ class MooncakeEngine:
             # With a metadata server the hostname string itself is the (unique) segment name.
             self.session = cfg.local_hostname
         # Mooncake has just read MC_TRANSFER_TIMEOUT from the environment; our deadline follows it.
-        self._timeout_s = transfer_timeout_s(os.environ.get("MC_TRANSFER_TIMEOUT"))
+        self.write_timeout_s = transfer_timeout_s(os.environ.get("MC_TRANSFER_TIMEOUT"))
         # Replaced, never mutated, so a writer thread always sees a consistent tuple.
         self._ranges: tuple[tuple[int, int], ...] = ()
         self._opened: set[str] = set()  # sessions shaken hands with (``_open``)
@@ -175,7 +176,7 @@ class MooncakeEngine:
                 f"(RDMA would reject it; registered: {[(hex(b), s) for b, s in self._ranges]})"
             )
         te = self._te  # held for the whole write, so a concurrent close() cannot pull it away
-        limit_s = self._timeout_s + nbytes * 1e-9 + _GRACE_S
+        limit_s = self.write_timeout_s + nbytes * 1e-9 + _GRACE_S
         deadline = time.monotonic() + limit_s
         if session not in self._opened:
             self._open(te, session, local_addr, remote_addr, nbytes, limit_s)

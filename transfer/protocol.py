@@ -24,7 +24,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 Role = Literal["encoder", "denoiser", "decoder"]
 ROLES: tuple[Role, ...] = ("encoder", "denoiser", "decoder")
@@ -382,6 +382,10 @@ class Register(Wire):
     pool_size: NonNegative
     slots: Annotated[list[SlotInfo], msgspec.Meta(max_length=MAX_SLOTS)]
     capacity: Annotated[int, msgspec.Meta(ge=1, le=1024)]
+    # How long its Mooncake waits for a write before giving up on it (its own copy's
+    # MC_TRANSFER_TIMEOUT): the daemon times its pushes by it, and refuses a worker whose
+    # writes could outlast push_quarantine_s, the memory's hold after a sender is lost.
+    write_timeout_s: Annotated[float, msgspec.Meta(gt=0, le=86400)]
     limits: StageLimits = StageLimits()
     local: LocalMemory | None = None  # the pool is shared memory peers on this host may write
     # What every worker of one daemon must share (``Stage.model_digest``): workers of two
@@ -395,6 +399,9 @@ class Registered(Wire):
     instance: str
     key: bytes
     heartbeat_s: float
+    # The daemon's (each host's config copy may say its own): how long a receiver that
+    # rejoins waits for writes it was sent before it was lost, and holds memory in doubt.
+    push_quarantine_s: float
     # The largest frame the daemon's socket takes (daemon.worker_max_message_bytes, which a
     # worker's own config may not share): a decoder refuses a larger output. 0: no limit said.
     max_message_bytes: NonNegative = 0

@@ -118,8 +118,7 @@ class FakeWorker:
 
 
 @asynccontextmanager
-async def running_negotiator(ctx: zmq.asyncio.Context, tmp_path: Path, *, write_timeout_s: float = 5.0,
-                             **settings: Any) -> AsyncIterator[Negotiator]:
+async def running_negotiator(ctx: zmq.asyncio.Context, tmp_path: Path, **settings: Any) -> AsyncIterator[Negotiator]:
     cfg = DaemonConfig(worker_endpoint=f"ipc://{tmp_path}/workers", token=TOKEN, **settings)
     async with AsyncExitStack() as stack:
 
@@ -128,7 +127,7 @@ async def running_negotiator(ctx: zmq.asyncio.Context, tmp_path: Path, *, write_
         inbox = board.mailbox("negotiator", 32)
         (ad_box, ad_rx), (tr_box, tr_rx), (fe_box, fe_rx) = stream("admission"), stream("tracker"), stream("frontend")
         pools = {role: stream(f"pool.{role}") for role in ROLES}
-        actor = TransferNegotiator(inbox, ctx=ctx, cfg=cfg, write_timeout_s=write_timeout_s,
+        actor = TransferNegotiator(inbox, ctx=ctx, cfg=cfg,
                                    pools={r: box for r, (box, _) in pools.items()},
                                    admission=ad_box, tracker=tr_box, frontend=fe_box)
         async with anyio.create_task_group() as tg:
@@ -143,8 +142,14 @@ def shared_pool(host: str, role: Role) -> LocalMemory:
                        base=POOL_BASE, size=POOL_SIZE)
 
 
+# The fake workers' Mooncake write timeout: below the shortest push_quarantine_s a test sets,
+# which the daemon refuses a worker's for (a push is still due only PUSH_REPORT_GRACE_S on).
+WRITE_TIMEOUT_S = 0.01
+
+
 def registration(role: Role, session: str, slots: int | list[int], local: LocalMemory | None = None,
-                 token: str = TOKEN, work_address: str = "ipc://unused", pool_size: int = POOL_SIZE) -> Register:
+                 token: str = TOKEN, work_address: str = "ipc://unused", pool_size: int = POOL_SIZE,
+                 write_timeout_s: float = WRITE_TIMEOUT_S) -> Register:
     """``role``'s Register, with ``slots`` preallocated slots of SLOT_SIZE bytes (or of these
     sizes), carved from the pool's start."""
     sizes = [SLOT_SIZE] * slots if isinstance(slots, int) else slots
@@ -152,14 +157,16 @@ def registration(role: Role, session: str, slots: int | list[int], local: LocalM
         protocol=PROTOCOL_VERSION, token=token, role=role, name=f"{role}-worker", work_address=work_address,
         session=session, pool_base=POOL_BASE, pool_size=pool_size,
         slots=[SlotInfo(slot_id=i, address=POOL_BASE + sum(sizes[:i]), size=size) for i, size in enumerate(sizes)],
-        capacity=2, local=local,
+        capacity=2, write_timeout_s=write_timeout_s, local=local,
     )
 
 
 async def register(sock: zmq.asyncio.Socket, role: Role, session: str, slots: int | list[int],
-                   local: LocalMemory | None = None, pool_size: int = POOL_SIZE) -> Registered:
+                   local: LocalMemory | None = None, pool_size: int = POOL_SIZE,
+                   write_timeout_s: float = WRITE_TIMEOUT_S) -> Registered:
     """Send ``role``'s Register on ``sock`` and await the Registered."""
-    await sock.send(encode(registration(role, session, slots, local, pool_size=pool_size)))
+    await sock.send(encode(registration(role, session, slots, local, pool_size=pool_size,
+                                        write_timeout_s=write_timeout_s)))
     registered = DAEMON_TO_WORKER.decode(await sock.recv())
     assert isinstance(registered, Registered), registered
     return registered
@@ -168,16 +175,17 @@ async def register(sock: zmq.asyncio.Socket, role: Role, session: str, slots: in
 @asynccontextmanager
 async def fake_worker(ctx: zmq.asyncio.Context, n: Negotiator, role: Role, *,
                       slots: int | list[int] = 0, host: str | None = None,
-                      pool_size: int = POOL_SIZE) -> AsyncIterator[FakeWorker]:
+                      pool_size: int = POOL_SIZE, write_timeout_s: float = WRITE_TIMEOUT_S) -> AsyncIterator[FakeWorker]:
     """Register a ``role`` worker whose memory pool of ``pool_size`` bytes carries ``slots``
-    preallocated slots (and, with ``host``, is shared memory on that host)."""
+    preallocated slots (and, with ``host``, is shared memory on that host), and whose
+    writes time out after ``write_timeout_s``."""
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(n.endpoint)
     try:
         session = f"{role}-session"
         registered = await register(sock, role, session, slots, shared_pool(host, role) if host else None,
-                                    pool_size)
+                                    pool_size, write_timeout_s)
         # Posted before the reply went out, so both are there already.
         join = n.pools[role].receive_nowait()
         assert isinstance(join, Join) and join.instance == registered.instance and join.session == session
@@ -239,13 +247,13 @@ async def allocate_on_slow_path(n: Negotiator, encoder: FakeWorker, denoiser: Fa
 
 @asynccontextmanager
 async def encoder_and_denoiser(ctx: zmq.asyncio.Context, tmp_path: Path, *, slots: int | list[int],
-                               pool_size: int = POOL_SIZE,
+                               pool_size: int = POOL_SIZE, write_timeout_s: float = WRITE_TIMEOUT_S,
                                **settings: Any) -> AsyncIterator[tuple[Negotiator, FakeWorker, FakeWorker]]:
-    """A running negotiator with a registered encoder and a denoiser carrying ``slots`` slots
-    in a pool of ``pool_size`` bytes."""
+    """A running negotiator with a registered encoder (its writes timing out after
+    ``write_timeout_s``) and a denoiser carrying ``slots`` slots in a pool of ``pool_size`` bytes."""
     async with (
         running_negotiator(ctx, tmp_path, **settings) as n,
-        fake_worker(ctx, n, "encoder") as encoder,
+        fake_worker(ctx, n, "encoder", write_timeout_s=write_timeout_s) as encoder,
         fake_worker(ctx, n, "denoiser", slots=slots, pool_size=pool_size) as denoiser,
     ):
         yield n, encoder, denoiser

@@ -54,7 +54,7 @@ async def test_a_flood_of_late_reports_fits_the_mailboxes(ctx: zmq.asyncio.Conte
                 await worker.send(encode(Register(
                     protocol=PROTOCOL_VERSION, token=daemon.token, role="encoder", name="flooder",
                     work_address=f"ipc://{tmp_path}/work", session="s", pool_base=0, pool_size=0, slots=[],
-                    capacity=1)))
+                    capacity=1, write_timeout_s=5.0)))
                 registered = DAEMON_TO_WORKER.decode(await worker.recv())
                 assert isinstance(registered, Registered)
                 assert await work.recv_multipart() == [registered.key, encode(Probe(instance=registered.instance))]
@@ -123,7 +123,7 @@ async def test_registrations_past_max_workers_are_refused_and_the_daemon_serves_
                     await worker.send(encode(Register(
                         protocol=PROTOCOL_VERSION, token=daemon.token, role="encoder", name=f"w{i}",
                         work_address=f"ipc://{tmp_path}/nowhere{i}", session=f"s{i}", pool_base=0, pool_size=0,
-                        slots=[], capacity=1)))
+                        slots=[], capacity=1, write_timeout_s=5.0)))
                     answer = type(DAEMON_TO_WORKER.decode(await worker.recv())).__name__
                     answers[answer] = answers.get(answer, 0) + 1
             stats = await anyio.to_thread.run_sync(Control(endpoints["control"]).stats)

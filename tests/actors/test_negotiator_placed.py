@@ -40,7 +40,6 @@ async def test_placed_for_an_ended_request_frees_the_reserved_slot(tmp_path: Pat
                 inbox,
                 ctx=ctx,
                 cfg=DaemonConfig(worker_endpoint=f"ipc://{tmp_path}/workers"),
-                write_timeout_s=5.0,
                 pools={role: streams[role][0] for role in ROLES},
                 admission=streams["admission"][0],
                 tracker=streams["tracker"][0],

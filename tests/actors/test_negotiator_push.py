@@ -592,7 +592,7 @@ async def test_forget_mid_push_keeps_the_slot_until_the_push_reports(ctx: zmq.as
 async def refused(ctx: zmq.asyncio.Context, n: Negotiator, **register: Any) -> RegisterRefused:
     """Register with ``register`` overriding a valid denoiser's fields; expect a refusal."""
     fields = dict(protocol=PROTOCOL_VERSION, token=TOKEN, role="denoiser", name="w", work_address="ipc://unused",
-                  session="s", pool_base=0, pool_size=4096, slots=[], capacity=1)
+                  session="s", pool_base=0, pool_size=4096, slots=[], capacity=1, write_timeout_s=5.0)
     before = (await n.stats()).prealloc
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -657,7 +657,8 @@ async def test_a_worker_of_another_model_waits_for_the_eviction_of_silent_ones(
                 newcomer.connect(n.endpoint)
                 await newcomer.send(encode(Register(
                     protocol=PROTOCOL_VERSION, token=TOKEN, role="denoiser", name="w", work_address="ipc://unused",
-                    session="s", pool_base=0, pool_size=4096, slots=[], capacity=1, model_digest="0123456789abcdef")))
+                    session="s", pool_base=0, pool_size=4096, slots=[], capacity=1, write_timeout_s=5.0,
+                    model_digest="0123456789abcdef")))
                 assert isinstance(DAEMON_TO_WORKER.decode(await newcomer.recv()), Registered)
 
 

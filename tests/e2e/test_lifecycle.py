@@ -439,7 +439,7 @@ def test_forged_registration_and_reports_are_refused(start_cluster: StartCluster
     try:
         forged = Register(protocol=PROTOCOL_VERSION, token="guess", role="decoder", name="intruder",
                           work_address="tcp://127.0.0.1:1", session="127.0.0.1:1", pool_base=0, pool_size=0,
-                          slots=[], capacity=1)
+                          slots=[], capacity=1, write_timeout_s=5.0)
         sock.send(encode(forged))
         assert sock.poll(5000)
         reply = DAEMON_TO_WORKER.decode(sock.recv())
@@ -760,6 +760,26 @@ def test_a_worker_sent_to_another_daemon_socket_says_so_at_once(start_cluster: S
         f"WorkerRefused: daemon.worker_endpoint ({endpoint}) is not the daemon's worker socket: it answered "
         f"\"this is the daemon's {socket} socket; this message goes to its worker socket (daemon.worker_endpoint)\"")
     assert time.monotonic() - started < 30  # a model load, then one answer
+
+
+def test_a_worker_whose_writes_could_outlast_the_daemons_quarantine_is_refused(start_cluster: StartCluster,
+                                                                              tmp_path: Path) -> None:
+    """Its host's copy of the config loads on its own (its MC_TRANSFER_TIMEOUT below its
+    own push_quarantine_s), but the daemon holds a lost sender's memory for less: a write
+    it gave up on could land in memory given to another request. Was never checked."""
+    cluster = start_cluster(layout={"encoder": 1, "denoiser": 1, "decoder": 1})
+    quarantine_s = cluster.config.daemon.push_quarantine_s
+    raw = msgspec.toml.decode(cluster.config_path.read_bytes())
+    raw["daemon"]["push_quarantine_s"] = quarantine_s + 20
+    raw["transfer"]["env"] = {**raw["transfer"]["env"], "MC_TRANSFER_TIMEOUT": str(quarantine_s + 10)}
+    (copy := tmp_path / "another-hosts.toml").write_bytes(msgspec.toml.encode(raw))
+    done = subprocess.run([sys.executable, "-m", "orchestrator", "worker", "--role", "decoder", "--config", str(copy)],
+                          capture_output=True, text=True, timeout=120)
+    events = [json.loads(line) for line in done.stderr.splitlines() if line.startswith("{")]
+    assert done.returncode == 1 and events[-1]["event"] == "process.failed", done.stderr[-2000:]
+    assert (f"Mooncake write timeout ({quarantine_s + 10:g} s, transfer.env.MC_TRANSFER_TIMEOUT) is not below the "
+            f"daemon's push_quarantine_s ({quarantine_s:g} s)") in events[-1]["error"]
+    assert [i.role for i in cluster.control.stats().instances].count("decoder") == 1
 
 
 @pytest.mark.parametrize(("setting", "says"), [

@@ -267,7 +267,7 @@ def test_hung_peer_times_out_at_our_deadline_without_burning_cpu(
     our own deadline, sleeping (not spinning) while we wait."""
     pair.sender.write(peer.session, pair.out.base, peer.address, 100)  # connected and warm
     stop(peer.process)
-    monkeypatch.setattr(pair.sender, "_timeout_s", 0.0)
+    monkeypatch.setattr(pair.sender, "write_timeout_s", 0.0)
     monkeypatch.setattr(transfer.engine, "_GRACE_S", 0.5)
     started, cpu = time.monotonic(), time.thread_time()
     with pytest.raises(TransferInDoubt, match=rf"write of 100 bytes .* to {peer.session} .*timed out"):
@@ -336,7 +336,7 @@ def test_a_write_whose_deadline_passed_in_its_handshake_never_starts(pair: Pair,
     fake = ScriptedMooncake([1], open_s=0.1)
     monkeypatch.setattr(pair.sender, "_te", fake)
     monkeypatch.setattr(pair.sender, "_opened", set())  # the shared sender has met peer:1 before
-    monkeypatch.setattr(pair.sender, "_timeout_s", 0.0)
+    monkeypatch.setattr(pair.sender, "write_timeout_s", 0.0)
     monkeypatch.setattr(transfer.engine, "_GRACE_S", 0.05)
     with pytest.raises(TransferError, match=r"write of 64 bytes to peer:1: the handshake with it took 0\.1 s, past the "
                                             r"write's 0\.1 s: not started") as failed:
@@ -351,7 +351,7 @@ def test_a_retry_is_not_submitted_past_the_writes_deadline(pair: Pair, monkeypat
     handed its target to another request. Nothing more is submitted: a clean failure."""
     fake = ScriptedMooncake([-1], [1], submit_s=0.1)
     monkeypatch.setattr(pair.sender, "_te", fake)
-    monkeypatch.setattr(pair.sender, "_timeout_s", 0.0)
+    monkeypatch.setattr(pair.sender, "write_timeout_s", 0.0)
     monkeypatch.setattr(transfer.engine, "_GRACE_S", 0.05)
     with pytest.raises(TransferError, match="write of 64 bytes to peer:1: its deadline passed before it was "
                                             "submitted") as failed:
@@ -411,7 +411,7 @@ def test_mooncake_timeout_status_raises_without_retry(pair: Pair, monkeypatch: p
 def test_deadline_raises_without_retry(pair: Pair, monkeypatch: pytest.MonkeyPatch) -> None:
     fake = ScriptedMooncake([0], [1])  # the first write never finishes
     monkeypatch.setattr(pair.sender, "_te", fake)
-    monkeypatch.setattr(pair.sender, "_timeout_s", 0.0)
+    monkeypatch.setattr(pair.sender, "write_timeout_s", 0.0)
     monkeypatch.setattr(transfer.engine, "_GRACE_S", 0.05)
     started = time.monotonic()
     with pytest.raises(TransferInDoubt, match="write of 4096 bytes .* to peer:1 .*not done after"):
@@ -423,7 +423,7 @@ def test_deadline_raises_without_retry(pair: Pair, monkeypatch: pytest.MonkeyPat
 
 
 def test_deadline_follows_mc_transfer_timeout(pair: Pair) -> None:
-    assert pair.sender._timeout_s == float(CFG.env["MC_TRANSFER_TIMEOUT"])
+    assert pair.sender.write_timeout_s == float(CFG.env["MC_TRANSFER_TIMEOUT"])
     assert transfer_timeout_s(None) == 30.0  # Mooncake's default
     assert transfer_timeout_s("soon") == 30.0
     assert transfer_timeout_s("2.5") == 2.5

@@ -9,15 +9,16 @@ from actors.links import Link, model_problem, registration_problem
 from transfer.protocol import PROTOCOL_VERSION, LocalMemory, Register, SlotInfo, StageLimits
 
 BASE, SIZE = 1 << 20, 4096
+QUARANTINE_S = 6.0
 GOOD = Register(protocol=PROTOCOL_VERSION, token="secret", role="denoiser", name="d0", work_address="ipc://w",
-                session="127.0.0.1:1", pool_base=BASE, pool_size=SIZE, capacity=2,
+                session="127.0.0.1:1", pool_base=BASE, pool_size=SIZE, capacity=2, write_timeout_s=5.0,
                 slots=[SlotInfo(slot_id=0, address=BASE, size=1024), SlotInfo(slot_id=1, address=BASE + 3072, size=1024)])
 
 
 def test_a_good_registration_has_no_problem() -> None:
-    assert registration_problem(GOOD, "secret") is None
+    assert registration_problem(GOOD, "secret", QUARANTINE_S) is None
     shared = LocalMemory(host="h", path="/proc/1/fd/3", device=1, inode=2, base=BASE, size=SIZE)
-    assert registration_problem(msgspec.structs.replace(GOOD, local=shared), "secret") is None
+    assert registration_problem(msgspec.structs.replace(GOOD, local=shared), "secret", QUARANTINE_S) is None
 
 
 @pytest.mark.parametrize(("change", "problem"), [
@@ -31,9 +32,14 @@ def test_a_good_registration_has_no_problem() -> None:
      "slot ids repeat or slots overlap"),
     ({"local": LocalMemory(host="h", path="/proc/1/fd/3", device=1, inode=2, base=BASE, size=SIZE * 2)},
      "the shared memory it advertises is not its registered pool"),
+    # Its host's copy of the config said its own Mooncake timeout; the daemon's file never saw it.
+    ({"write_timeout_s": QUARANTINE_S}, f"this worker's Mooncake write timeout ({QUARANTINE_S:g} s, transfer.env."
+                                        f"MC_TRANSFER_TIMEOUT) is not below the daemon's push_quarantine_s "
+                                        f"({QUARANTINE_S:g} s): a write it gave up on could land in memory already "
+                                        "given to another request; lower the one or raise the other"),
 ])
 def test_each_broken_rule_is_named(change: dict, problem: str) -> None:
-    assert registration_problem(msgspec.structs.replace(GOOD, **change), "secret") == problem
+    assert registration_problem(msgspec.structs.replace(GOOD, **change), "secret", QUARANTINE_S) == problem
 
 
 def test_a_link_holds_only_ranges_inside_its_pool() -> None:

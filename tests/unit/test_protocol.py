@@ -236,6 +236,7 @@ def test_no_order_can_outgrow_a_work_socket_frame() -> None:
     # Every relayed piece is as large as the decoders that take it from workers and clients allow.
     registered = p.Register(protocol=p.PROTOCOL_VERSION, token=label, role="denoiser", name=label,
                             work_address=label, session=label, pool_base=0, pool_size=1, slots=[], capacity=1,
+                            write_timeout_s=5.0,
                             local=p.LocalMemory(host=label, path=label, device=LARGEST, inode=LARGEST,
                                                 base=LARGEST, size=LARGEST))
     staged = p.Staged(request_id="r", nbytes=LARGEST, manifest=manifest, compute_ms=1e9)
@@ -255,18 +256,19 @@ def test_no_order_can_outgrow_a_work_socket_frame() -> None:
 
 @pytest.mark.parametrize("report", [
     p.Register(protocol=p.PROTOCOL_VERSION, token="t", role="encoder", name="e", work_address="ipc://w",
-               session="x" * 513, pool_base=0, pool_size=1, slots=[], capacity=1),
+               session="x" * 513, pool_base=0, pool_size=1, slots=[], capacity=1, write_timeout_s=5.0),
     p.Staged(request_id="r", nbytes=1, manifest=[_largest_spec()] * (p.MAX_TENSORS + 1), compute_ms=1.0),
     p.Done(request_id="r", ok=True, compute_ms=1.0,
            outputs=[p.TensorSpec(name="image", dtype="uint8", shape=(1,) * (p.MAX_DIMS + 1))]),
     p.Register(protocol=p.PROTOCOL_VERSION, token="t", role="decoder", name="d", work_address="ipc://w",
                session="s", pool_base=0, pool_size=1 << 30,
-               slots=[p.SlotInfo(slot_id=i, address=i * 256, size=256) for i in range(p.MAX_SLOTS + 1)], capacity=1),
+               slots=[p.SlotInfo(slot_id=i, address=i * 256, size=256) for i in range(p.MAX_SLOTS + 1)], capacity=1,
+               write_timeout_s=5.0),
     p.Register(protocol=p.PROTOCOL_VERSION, token="t", role="decoder", name="d", work_address="ipc://w",
                session="s", pool_base=0, pool_size=1024, slots=[p.SlotInfo(slot_id=0, address=0, size=0)],
-               capacity=1),
+               capacity=1, write_timeout_s=5.0),
     p.Register(protocol=p.PROTOCOL_VERSION, token="t", role="decoder", name="d", work_address="ipc://w",
-               session="s", pool_base=0, pool_size=1024, slots=[], capacity=0),
+               session="s", pool_base=0, pool_size=1024, slots=[], capacity=0, write_timeout_s=5.0),
 ], ids=["session", "manifest", "dimensions", "slots", "empty slot", "no capacity"])
 def test_what_a_worker_registers_and_reports_is_bounded(report: p.Wire) -> None:
     with pytest.raises(msgspec.ValidationError):

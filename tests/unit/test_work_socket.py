@@ -7,7 +7,6 @@ import os
 import socket
 import subprocess
 import tempfile
-import time
 import uuid
 from pathlib import Path
 

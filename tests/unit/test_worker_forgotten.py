@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import time
 
+import anyio
 import pytest
 
 from orchestrator.config import LOCAL_MOONCAKE_ENV, Config, DaemonConfig, TransferConfig
 from orchestrator.worker import WorkerRuntime
 from transfer.pool import MemoryPool
-from transfer.protocol import Role
+from transfer.protocol import Registered, Role
 
 QUARANTINE_S = 0.3
 CFG = Config(daemon=DaemonConfig(push_quarantine_s=QUARANTINE_S),
@@ -44,3 +45,16 @@ async def test_it_frees_everything_and_only_an_unsettled_receiver_waits_out_the_
     assert not any(worker._memory.holds_output(rid) or worker._memory.holds_input(rid) for rid in ("r1", "r2", "r3"))
     assert worker._outbox is not stale_outbox  # the unsent report is dropped with it
     assert (waited >= QUARANTINE_S) == waits
+
+
+async def test_a_receiver_waits_its_daemons_quarantine_not_its_own_copys() -> None:
+    """Each host's copy of the config may say its own push_quarantine_s: a receiver whose
+    copy said 60 s (the default) waited that long to rejoin a daemon that holds memory 0.3 s,
+    and one whose copy said less than the daemon's rejoined while writes could still land."""
+    worker = WorkerRuntime("decoder", Config(), name="forgotten-test", engine=object())  # type: ignore[arg-type]
+    worker._use_pool(MemoryPool(1 << 16))
+    worker._adopt(Registered(instance="decoder-1", key=b"k" * 16, heartbeat_s=1.0, push_quarantine_s=QUARANTINE_S))
+    started = time.monotonic()
+    with anyio.fail_after(5):
+        await worker._forget_everything(settled=False)
+    assert QUARANTINE_S <= time.monotonic() - started < 5

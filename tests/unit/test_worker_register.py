@@ -21,6 +21,7 @@ CFG = Config(model=ModelConfig(kind="null"), workers=WorkersConfig(encoder=Encod
 
 class Engine:
     session = "127.0.0.1:1"
+    write_timeout_s = 5.0
 
 
 async def test_only_a_deferral_is_logged_and_named_when_the_worker_gives_up(

@@ -19,6 +19,7 @@ LOAD_S = 3.0  # how long the stand-in load takes: far past the stop's bound, so 
 
 class Engine:
     session = "127.0.0.1:1"
+    write_timeout_s = 5.0
 
 
 async def test_a_worker_stopped_while_its_model_loads_stops_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
