@@ -12,7 +12,6 @@ import uuid
 from collections.abc import Awaitable, Callable
 
 import anyio
-import msgspec
 import structlog
 import zmq
 import zmq.asyncio
@@ -23,9 +22,10 @@ from orchestrator.client_wire import (
     CancelTokens,
     Generation,
     Lost,
+    Reply,
+    Unreadable,
     cancel_found,
     daemon_endpoint,
-    decode_reply,
     read_reply,
     submit_body,
     wait_s,
@@ -33,7 +33,7 @@ from orchestrator.client_wire import (
 from orchestrator.connection_watch import ConnectionWatch, closed_why
 from orchestrator.deadlines import checked_s
 from orchestrator.rejection import answer_as
-from transfer.protocol import DECODE_ERRORS, Cancelled, GenParams, Progress, Rejected
+from transfer.protocol import Cancelled, GenParams, Progress, Rejected
 
 log = structlog.get_logger()
 
@@ -66,6 +66,22 @@ async def _cancel_at_daemon(sock: zmq.asyncio.Socket, request_ids: list[str], to
     return sent
 
 
+def _dealer_reply(parts: list[bytes], endpoint: str) -> Reply:
+    """The reply a DEALER received: the empty delimiter, then what ``read_reply`` reads;
+    ``ValueError`` as it raises."""
+    if parts[:1] != [b""]:
+        raise ValueError(f"{endpoint} is not a Triptych client socket: its answer is unreadable (a reply without "
+                         "the empty delimiter frame first)")
+    return read_reply(parts[1:], endpoint)
+
+
+def _drop(future: asyncio.Future[list[bytes]]) -> None:
+    """Stop waiting on ``future``; an error it already holds is taken, not logged as lost."""
+    if future.done() and not future.cancelled():
+        future.exception()
+    future.cancel()
+
+
 class AsyncClient:
     """DEALER client: any number of requests in flight, answered in any order. A request whose
     ``submit`` is cancelled (the caller gave up), or still waits when the client is closed,
@@ -90,7 +106,7 @@ class AsyncClient:
         self._sock: zmq.asyncio.Socket | None = None
         self._watch: ConnectionWatch | None = None
         self._waiting: dict[str, anyio.abc.ObjectSendStream[Progress]] = {}  # requests waiting, their progress
-        self._answers: dict[str, Generation | Rejected | Lost] = {}  # taken ahead of any progress queued
+        self._answers: dict[str, Generation | Rejected | Lost | Unreadable] = {}  # taken ahead of any progress queued
         # Waiting requests: when sent, and on which socket (``_generation``).
         self._sent: dict[str, tuple[float, int]] = {}
         # The socket's number: a new one replaces it when its connection closes (_replace_socket).
@@ -173,7 +189,7 @@ class AsyncClient:
 
     async def _read(self) -> None:
         while True:
-            sock = self._sock
+            sock, generation = self._sock, self._generation
             assert sock is not None
             try:
                 parts = await sock.recv_multipart()
@@ -182,12 +198,14 @@ class AsyncClient:
                     continue  # replaced (its close cancels this receive): read the new one
                 raise
             try:
-                if not parts or parts[0]:
-                    raise msgspec.DecodeError("a reply without the empty delimiter frame first")
-                reply = decode_reply(parts[1:])
-            except DECODE_ERRORS as exc:
-                # No request can be told of it; the others in flight carry on.
-                log.warning("client.unreadable_reply", endpoint=self.endpoint, error=str(exc))
+                reply = _dealer_reply(parts, self.endpoint)
+            except ValueError as exc:
+                if not self._fail_connection(generation, Unreadable(str(exc))):
+                    # Nobody waits to be told: a trace of it for whoever reads the logs.
+                    log.warning("client.unreadable_reply", endpoint=self.endpoint, error=str(exc))
+                continue
+            if isinstance(reply, Rejected) and not reply.request_id:
+                self._fail_connection(generation, reply)
                 continue
             if isinstance(reply, Progress):
                 waiter = self._waiting.get(reply.request_id)
@@ -208,7 +226,18 @@ class AsyncClient:
             if self._abandoned.pop(rid, None) is None:  # else the end of a request given up on
                 self._answer(rid, reply)
 
-    def _answer(self, rid: str, answer: Generation | Rejected | Lost) -> None:
+    def _fail_connection(self, generation: int, answer: Rejected | Unreadable) -> int:
+        """End the wait of every request sent on socket ``generation`` with ``answer``. An
+        answer that names no request (unreadable, or a Rejected with no id: the daemon's
+        control or worker socket answers every request so) says the peer is no client
+        socket, or one that cannot read what this client sends: none of them can get an
+        answer, and each would otherwise wait out its deadline in silence. How many there were."""
+        waiting = [rid for rid, (_, sent_on) in self._sent.items() if sent_on == generation]
+        for rid in waiting:
+            self._answer(rid, answer)
+        return len(waiting)
+
+    def _answer(self, rid: str, answer: Generation | Rejected | Lost | Unreadable) -> None:
         """End ``rid``'s wait with ``answer``, if it waits."""
         waiter = self._waiting.pop(rid, None)
         if waiter is not None:
@@ -274,7 +303,7 @@ class AsyncClient:
                     return
 
     async def _request(self, rid: str, body: bytes, wait_s: float,
-                       on_progress: OnProgress | None = None) -> Generation | Rejected:
+                       on_progress: OnProgress | None = None) -> Generation | Rejected | Unreadable:
         sock = self._open()
         assert self._watch is not None
         if rid in self._active or self._abandoned.get(rid, (-math.inf, 0.0))[0] > time.monotonic():
@@ -365,7 +394,7 @@ class AsyncClient:
                 self._abandoned[rid] = now + hold_s, hold_s
 
     async def _answer_to(self, rid: str, rx: anyio.abc.ObjectReceiveStream[Progress],
-                         on_progress: OnProgress | None) -> Generation | Rejected | Lost:
+                         on_progress: OnProgress | None) -> Generation | Rejected | Lost | Unreadable:
         """Hand ``rid``'s progress to ``on_progress``, in order, until its answer is in; the
         answer does not wait for progress still queued. ``EndOfStream``: the client closed."""
         while (answer := self._answers.pop(rid, None)) is None:
@@ -394,13 +423,18 @@ class AsyncClient:
         # The client picks the id so it can match the answer among many in flight.
         rid = request_id or uuid.uuid4().hex
         body = submit_body(params, rid, timeout_s, priority, self._tokens, progress=on_progress is not None)
-        return answer_as(Generation, await self._request(rid, body, wait_s(timeout_s), on_progress), self.endpoint)
+        answer = await self._request(rid, body, wait_s(timeout_s), on_progress)
+        if isinstance(answer, Unreadable):
+            # Returned, not raised in _request: nothing runs there, so no Cancel goes after it.
+            raise ValueError(answer.why)
+        return answer_as(Generation, answer, self.endpoint)
 
     async def cancel(self, request_id: str, *, timeout_s: float = 10.0) -> bool:
         """Cancel ``request_id`` at the daemon, submitted by this client (or by one that set no
         cancel token); whether it was still there to cancel. Raises ``PermissionError`` for a
         request another client submitted, ``TimeoutError`` if the daemon does not answer
-        within ``timeout_s``, or ``ConnectionError`` if the client is closed meanwhile."""
+        within ``timeout_s``, or ``ConnectionError`` if no answer can come (no daemon took a
+        connection within 3 s, or it closed) or the client is closed meanwhile."""
         # The Cancelled ack and the request's own Rejected share the id; acks go by a
         # separate DEALER so the two answers cannot be confused.
         checked_s(timeout_s)
@@ -408,12 +442,14 @@ class AsyncClient:
         assert self._ctx is not None
         sock = self._ctx.socket(zmq.DEALER)
         self._cancelling.add(sock)
+        watch: ConnectionWatch | None = None
         try:
             sock.setsockopt(zmq.LINGER, 0)
+            watch = ConnectionWatch(sock)
             sock.connect(self.endpoint)
+            sent_at = time.monotonic()
             await sock.send_multipart([b"", self._tokens.cancel_frame(request_id)])
-            with anyio.fail_after(timeout_s):
-                parts = await sock.recv_multipart()
+            parts = await self._ack(sock, watch, request_id, sent_at, timeout_s)
         except asyncio.CancelledError:
             # Closing the client closes this socket, which cancels the wait on it: that is
             # no cancellation of the caller's task, and must not read as one.
@@ -424,6 +460,33 @@ class AsyncClient:
             raise
         finally:
             self._cancelling.discard(sock)
+            if watch is not None:
+                watch.close()
             sock.close(linger=0)
-        frames = parts[1:] if parts[:1] == [b""] else []  # a DEALER's: the empty delimiter first
-        return cancel_found(answer_as(Cancelled, read_reply(frames, self.endpoint), self.endpoint))
+        return cancel_found(answer_as(Cancelled, _dealer_reply(parts, self.endpoint), self.endpoint))
+
+    async def _ack(self, sock: zmq.asyncio.Socket, watch: ConnectionWatch, request_id: str, sent_at: float,
+                   timeout_s: float) -> list[bytes]:
+        """The answer to the Cancel of ``request_id`` sent on ``sock`` at ``sent_at``:
+        ``ConnectionError`` as soon as ``watch`` says none can come, as for a submit, rather
+        than a silent wait for a daemon that is not there; ``TimeoutError`` past ``timeout_s``."""
+        deadline = sent_at + timeout_s
+        ack = asyncio.ensure_future(sock.recv_multipart())
+        news = asyncio.ensure_future(watch.monitor.recv_multipart())
+        try:
+            while not ack.done():
+                if news.done():
+                    watch.heard(news.result())
+                    news = asyncio.ensure_future(watch.monitor.recv_multipart())
+                if (problem := watch.problem(sent_at, 0, self.endpoint)) is not None:
+                    raise ConnectionError(problem)
+                now = time.monotonic()
+                if now >= deadline:
+                    raise TimeoutError(f"no reply from {self.endpoint} to the Cancel of {request_id!r} within "
+                                       f"{timeout_s:.1f}s")
+                until = min(deadline, watch.no_daemon_at(sent_at) or deadline)
+                await asyncio.wait({ack, news}, timeout=until - now, return_when=asyncio.FIRST_COMPLETED)
+            return ack.result()
+        finally:
+            _drop(ack)
+            _drop(news)

@@ -10,6 +10,7 @@ Every wait has a deadline. A request that fails raises ``Rejection`` carrying th
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 import uuid
 
@@ -36,12 +37,17 @@ __all__ = ["AsyncClient", "Client", "Generation", "Rejection", "Reply"]
 
 
 class Client:
-    """Blocking client on a REQ socket: one request at a time."""
+    """Blocking client on a REQ socket: one request at a time. Calls from several threads
+    are serialised (each waits its turn, then its own timeout), ``cancel`` excepted: it goes
+    by a socket of its own, so another thread can cancel the request a ``submit`` waits on."""
 
     def __init__(self, endpoint: str, *, ctx: zmq.Context | None = None) -> None:
         self.endpoint = daemon_endpoint(endpoint)
         self._ctx = ctx or zmq.Context.instance()
         self._tokens = CancelTokens()
+        # A REQ socket must alternate send and receive; a second thread's send in between
+        # breaks its state machine (and a thread's reset would close it under the other).
+        self._lock = threading.Lock()
         self._sock, self._watch = self._connect()
 
     def _connect(self) -> tuple[zmq.Socket, ConnectionWatch]:
@@ -89,46 +95,33 @@ class Client:
 
     def cancel(self, request_id: str, *, timeout_s: float = 10.0) -> bool:
         """Cancel ``request_id``, submitted by this client (or by one that set no cancel
-        token); whether it was still there to cancel. Raises ``PermissionError`` for a
-        request another client submitted."""
-        return cancel_found(answer_as(Cancelled, self._request([self._tokens.cancel_frame(request_id)], timeout_s),
-                                self.endpoint))
+        token); whether it was still there to cancel. Safe from another thread while the
+        request's ``submit`` waits (which then raises ``Rejection(cancelled)``). Raises
+        ``PermissionError`` for a request another client submitted, ``TimeoutError`` if the
+        daemon does not answer within ``timeout_s``, ``ConnectionError`` as ``submit``."""
+        checked_s(timeout_s)
+        # A one-shot socket: the client's own may be waiting for a submit's answer, and the
+        # daemon answers a Cancel on the connection it came by. Its token proves it ours.
+        sock, watch = self._connect()
+        try:
+            frames = _exchange(sock, watch, [self._tokens.cancel_frame(request_id)], timeout_s, self.endpoint,
+                               f" to the Cancel of {request_id!r}")
+        finally:
+            watch.close()
+            sock.close(linger=0)
+        return cancel_found(answer_as(Cancelled, read_reply(frames, self.endpoint), self.endpoint))
 
     def _request(self, parts: list[bytes], timeout_s: float) -> Reply:
-        sent_at = time.monotonic()
-        deadline = sent_at + checked_s(timeout_s)
-        self._watch.read()
-        closes = self._watch.closes
-        try:
-            # All of it inside: a Ctrl-C can land just after the message left (or before
-            # its reply was taken), and the REQ socket then waits for that reply; only a
-            # new socket takes the next request.
-            self._sock.send_multipart(parts)
-            if not self._wait(sent_at, deadline, closes):
-                raise TimeoutError(f"no reply from {self.endpoint} within {timeout_s:.1f}s")
-            frames = self._sock.recv_multipart()
-        except BaseException:
-            self._reset()
-            raise
+        with self._lock:
+            try:
+                # All of it inside: a Ctrl-C can land just after the message left (or before
+                # its reply was taken), and the REQ socket then waits for that reply; only a
+                # new socket takes the next request.
+                frames = _exchange(self._sock, self._watch, parts, timeout_s, self.endpoint)
+            except BaseException:
+                self._reset()
+                raise
         return read_reply(frames, self.endpoint)
-
-    def _wait(self, sent_at: float, deadline: float, closes: int) -> bool:
-        """Wait for the reply until ``deadline``; ``ConnectionError`` as soon as none can come."""
-        poller = zmq.Poller()
-        poller.register(self._sock, zmq.POLLIN)
-        poller.register(self._watch.monitor, zmq.POLLIN)
-        while True:
-            self._watch.read()
-            if self._sock.poll(0):
-                return True  # it came before the connection closed (a daemon that answered, then stopped)
-            if (problem := self._watch.problem(sent_at, closes, self.endpoint)) is not None:
-                raise ConnectionError(problem)
-            now = time.monotonic()
-            if now >= deadline:
-                return False
-            until = min(deadline, self._watch.no_daemon_at(sent_at) or deadline)
-            if self._sock in dict(poller.poll(poll_ms(max(until - now, 0.001)))):
-                return True
 
     def _reset(self) -> None:
         """A REQ socket that missed its reply (a timeout, an interrupted wait) cannot send
@@ -145,3 +138,37 @@ class Client:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _exchange(sock: zmq.Socket, watch: ConnectionWatch, parts: list[bytes], timeout_s: float, endpoint: str,
+              what: str = "") -> list[bytes]:
+    """Send ``parts`` on the REQ socket ``sock`` and take its reply's frames; ``TimeoutError``
+    past ``timeout_s``, ``ConnectionError`` as soon as no reply can come (``watch``)."""
+    sent_at = time.monotonic()
+    deadline = sent_at + checked_s(timeout_s)
+    watch.read()
+    closes = watch.closes
+    sock.send_multipart(parts)
+    if not _wait(sock, watch, sent_at, deadline, closes, endpoint):
+        raise TimeoutError(f"no reply from {endpoint}{what} within {timeout_s:.1f}s")
+    return sock.recv_multipart()
+
+
+def _wait(sock: zmq.Socket, watch: ConnectionWatch, sent_at: float, deadline: float, closes: int,
+          endpoint: str) -> bool:
+    """Wait for the reply until ``deadline``; ``ConnectionError`` as soon as none can come."""
+    poller = zmq.Poller()
+    poller.register(sock, zmq.POLLIN)
+    poller.register(watch.monitor, zmq.POLLIN)
+    while True:
+        watch.read()
+        if sock.poll(0):
+            return True  # it came before the connection closed (a daemon that answered, then stopped)
+        if (problem := watch.problem(sent_at, closes, endpoint)) is not None:
+            raise ConnectionError(problem)
+        now = time.monotonic()
+        if now >= deadline:
+            return False
+        until = min(deadline, watch.no_daemon_at(sent_at) or deadline)
+        if sock in dict(poller.poll(poll_ms(max(until - now, 0.001)))):
+            return True

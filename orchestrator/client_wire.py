@@ -17,6 +17,7 @@ from orchestrator.rejection import Rejection
 from transfer.protocol import (
     CLIENT_REPLY,
     CLIENT_REQUEST,
+    DAEMON_TO_WORKER,
     DECODE_ERRORS,
     PROTOCOL_VERSION,
     Cancel,
@@ -24,6 +25,7 @@ from transfer.protocol import (
     GenParams,
     Progress,
     Reason,
+    RegisterRefused,
     Rejected,
     Result,
     Submit,
@@ -62,6 +64,14 @@ class Generation:
 @dataclass(frozen=True, slots=True)
 class Lost:
     """No answer can come to a waiting request (``ConnectionWatch.problem`` says why)."""
+
+    why: str
+
+
+@dataclass(frozen=True, slots=True)
+class Unreadable:
+    """The connection brought an answer no client socket gives (``read_reply`` says why): no
+    request on it can be answered, as the blocking client's ``ValueError`` says at once."""
 
     why: str
 
@@ -143,11 +153,25 @@ def decode_reply(parts: list[bytes]) -> Reply:
 
 
 def read_reply(frames: list[bytes], endpoint: str) -> Reply:
-    """The reply in ``frames``; ``ValueError`` if they are none."""
+    """The reply in ``frames``; ``ValueError`` if they are none, saying which socket answered
+    where the daemon's worker socket did."""
     try:
         return decode_reply(frames)
     except DECODE_ERRORS as exc:
-        raise ValueError(f"{endpoint} is not a Triptych client socket: its answer is unreadable ({exc})") from None
+        said = worker_socket_said(frames[0]) if frames else None
+        raise ValueError(f"{endpoint} is not a Triptych client socket: "
+                         f"{said or f'its answer is unreadable ({exc})'}") from None
+
+
+def worker_socket_said(body: bytes) -> str | None:
+    """What the daemon's worker socket answered, if ``body`` is its answer (None if not): a
+    client's or control command's request sent there gets a ``RegisterRefused`` that says
+    which socket it is, which beats msgspec's words about a field of it."""
+    try:
+        answer = DAEMON_TO_WORKER.decode(body)
+    except DECODE_ERRORS:
+        return None
+    return answer.message if isinstance(answer, RegisterRefused) else "it answered as a worker socket"
 
 
 def _or_default(timeout_s: float | None) -> float:

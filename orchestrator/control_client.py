@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import zmq
 
-from orchestrator.client_wire import daemon_endpoint
+from orchestrator.client_wire import daemon_endpoint, worker_socket_said
 from orchestrator.deadlines import poll_ms
 from orchestrator.rejection import answer_as
 from transfer.protocol import (
     CONTROL_REPLY,
-    DAEMON_TO_WORKER,
     DECODE_ERRORS,
     ControlReply,
     ControlRequest,
@@ -23,7 +22,6 @@ from transfer.protocol import (
     Draining,
     GetStats,
     ListWorkers,
-    RegisterRefused,
     Stats,
     Workers,
     encode,
@@ -54,7 +52,8 @@ class Control:
         try:
             return CONTROL_REPLY.decode(body)
         except DECODE_ERRORS:
-            raise ValueError(f"{self.endpoint} is not a control socket: {_what_answered(body)}") from None
+            said = worker_socket_said(body) or "its answer is no control reply"
+            raise ValueError(f"{self.endpoint} is not a control socket: {said}") from None
 
     def stats(self) -> Stats:
         return answer_as(Stats, self._ask(GetStats()), self.endpoint)
@@ -64,13 +63,3 @@ class Control:
 
     def drain(self) -> Draining:
         return answer_as(Draining, self._ask(Drain()), self.endpoint)
-
-
-def _what_answered(body: bytes) -> str:
-    """What a socket that is not a control socket answered a control request with: the
-    worker socket's refusal says which socket it is."""
-    try:
-        answer = DAEMON_TO_WORKER.decode(body)
-    except DECODE_ERRORS:
-        return "its answer is no control reply"
-    return answer.message if isinstance(answer, RegisterRefused) else "it answered as a worker socket"

@@ -32,6 +32,7 @@ from transfer.protocol import (
     GenParams,
     Progress,
     Reason,
+    RegisterRefused,
     Rejected,
     Result,
     Submit,
@@ -79,6 +80,13 @@ async def senders(daemon: zmq.asyncio.Socket, count: int) -> dict[str, bytes]:
         identity, _, body = await daemon.recv_multipart()
         identities[CLIENT_REQUEST.decode(body).request_id] = identity
     return identities
+
+
+async def answer_next(daemon: zmq.asyncio.Socket, total_ms: float) -> None:
+    """Answer the next Submit at the fake daemon with an empty Result."""
+    identity, _, body = await daemon.recv_multipart()
+    await daemon.send_multipart([identity, b"", encode(Result(request_id=CLIENT_REQUEST.decode(body).request_id,
+                                                              outputs=[], stages=[], total_ms=total_ms))])
 
 
 async def heard_at_least(heard: list, count: int) -> None:
@@ -174,9 +182,8 @@ async def test_a_submit_the_daemon_would_refuse_is_refused_at_once_and_never_sen
     assert await daemon.poll(100) == 0
 
 
-async def test_an_unreadable_reply_fails_its_own_request_only(fake_daemon: FakeDaemon) -> None:
-    """A Result whose frames are not its tensors is a Rejected for that request; a reply no
-    request can be told of is dropped; the requests around them carry on."""
+async def test_a_result_whose_frames_are_not_its_tensors_fails_its_own_request_only(fake_daemon: FakeDaemon) -> None:
+    """It is a Rejected for that request; the request beside it carries on."""
     daemon, endpoint = fake_daemon
     image = TensorSpec(name="image", dtype="uint8", shape=(2, 2), nbytes=4)
     with anyio.fail_after(10):
@@ -186,9 +193,6 @@ async def test_an_unreadable_reply_fails_its_own_request_only(fake_daemon: FakeD
                 submits = await senders(daemon, 2)
                 await daemon.send_multipart([submits["bad"], b"", encode(Result(
                     request_id="bad", outputs=[image], stages=[], total_ms=1.0)), b"abc"])
-                await daemon.send_multipart([submits["good"], b"", b"\xc1 not a reply"])
-                await daemon.send_multipart([submits["good"], encode(Result(  # no empty delimiter first
-                    request_id="good", outputs=[], stages=[], total_ms=1.0))])
                 await daemon.send_multipart([submits["good"], b"", encode(Result(
                     request_id="good", outputs=[image], stages=[], total_ms=1.0)), b"abcd"])
 
@@ -207,6 +211,47 @@ async def test_an_unreadable_reply_fails_its_own_request_only(fake_daemon: FakeD
     assert isinstance(bad, Rejected) and bad.reason == Reason.INVALID
     assert "frame has 3 bytes, header needs 4" in bad.message
     assert isinstance(good, Generation) and good.outputs["image"].flatten().tolist() == list(b"abcd")
+
+
+WORKER_SOCKETS_REFUSAL = RegisterRefused(message="this is the daemon's worker socket; clients and control commands "
+                                                 "have endpoints of their own")
+CONTROL_SOCKETS_REFUSAL = Rejected(request_id="", reason=Reason.INVALID, message="this is the daemon's control socket; "
+                                   "this message goes to its client socket (daemon.client_endpoint)")
+
+
+@pytest.mark.parametrize(("answer", "raised", "said"), [
+    ([b"", b"\xc1 not a reply"], ValueError, "is not a Triptych client socket: its answer is unreadable"),
+    ([encode(Result(request_id="a", outputs=[], stages=[], total_ms=1.0))], ValueError,
+     "its answer is unreadable \\(a reply without the empty delimiter frame first\\)"),
+    ([b"", encode(WORKER_SOCKETS_REFUSAL)], ValueError,
+     "is not a Triptych client socket: this is the daemon's worker socket;"),
+    ([b"", encode(CONTROL_SOCKETS_REFUSAL)], Rejection, "invalid: this is the daemon's control socket;"),
+], ids=["garbage", "no-delimiter", "worker-socket", "control-socket"])
+async def test_an_answer_that_names_no_request_fails_every_request_on_the_connection_at_once(
+    fake_daemon: FakeDaemon, answer: list[bytes], raised: type[Exception], said: str
+) -> None:
+    """The daemon's control or worker socket answers each request so: none can ever get its
+    answer, and each fails with the blocking client's error, not after its whole deadline
+    (125 s by default). The client serves on."""
+    daemon, endpoint = fake_daemon
+    failed: list[BaseException] = []
+    with anyio.fail_after(5):
+        async with AsyncClient(endpoint) as client:
+
+            async def submit(rid: str) -> None:
+                with pytest.raises(raised, match=said) as caught:
+                    await client.submit(PARAMS, request_id=rid, timeout_s=60)
+                failed.append(caught.value)
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(submit, "a")
+                tg.start_soon(submit, "b")
+                identities = await senders(daemon, 2)
+                await daemon.send_multipart([identities["a"], *answer])
+            assert len(failed) == 2
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(answer_next, daemon, 7.0)
+                assert (await client.submit(PARAMS, request_id="c", timeout_s=60)).result.total_ms == 7.0
 
 
 async def test_a_request_id_is_not_reused_on_a_client_until_its_request_ended(fake_daemon: FakeDaemon) -> None:
@@ -354,6 +399,100 @@ async def test_an_async_client_serves_only_the_event_loop_that_opened_it(tmp_pat
 
         with anyio.fail_after(5), pytest.raises(RuntimeError, match="event loop .thread. that opened it"):
             await anyio.to_thread.run_sync(from_another_thread)
+
+
+async def test_a_cancel_the_daemon_does_not_answer_times_out_naming_what_it_waited_for(
+    fake_daemon: FakeDaemon
+) -> None:
+    """The endpoint, the request and the wait, in both clients: not an empty TimeoutError."""
+    daemon, endpoint = fake_daemon
+    said = f"^no reply from {endpoint} to the Cancel of 'r7' within 0.3s$"
+    with anyio.fail_after(5):
+        async with AsyncClient(endpoint) as client:
+            with pytest.raises(TimeoutError, match=said):
+                await client.cancel("r7", timeout_s=0.3)
+        with Client(endpoint) as blocking, pytest.raises(TimeoutError, match=said):
+            blocking.cancel("r7", timeout_s=0.3)
+
+
+def test_a_blocking_submit_can_be_cancelled_from_another_thread(blocking_daemon: BlockingDaemon) -> None:
+    """The Cancel goes by a connection of its own (the submit's REQ socket waits for its
+    answer and can send nothing), carrying the submit's token; the daemon answers each on
+    its own connection, and the submit raises the cancelled Rejection."""
+    _, daemon, endpoint = blocking_daemon
+    submitted = threading.Event()
+
+    def cancelling_daemon() -> None:
+        submitter, _, body = daemon.recv_multipart()
+        submit = CLIENT_REQUEST.decode(body)
+        submitted.set()
+        assert daemon.poll(5000)
+        canceller, _, body = daemon.recv_multipart()
+        cancel = CLIENT_REQUEST.decode(body)
+        assert isinstance(cancel, Cancel) and canceller != submitter
+        assert (cancel.request_id, cancel.cancel_token) == (submit.request_id, submit.cancel_token)
+        daemon.send_multipart([canceller, b"", encode(Cancelled(request_id=cancel.request_id, found=True))])
+        daemon.send_multipart([submitter, b"", encode(Rejected(request_id=submit.request_id, reason=Reason.CANCELLED,
+                                                               message="cancelled by the client"))])
+
+    outcome: list[BaseException] = []
+
+    def submit(client: Client) -> None:
+        try:
+            client.submit(PARAMS, request_id="long", timeout_s=30)
+        except BaseException as exc:
+            outcome.append(exc)
+
+    playing = threading.Thread(target=cancelling_daemon, daemon=True)
+    playing.start()
+    # Not on the daemon's context, whose end would wait for good on sockets a broken client left open.
+    with Client(endpoint) as client:
+        waiting = threading.Thread(target=submit, args=(client,), daemon=True)
+        waiting.start()
+        assert submitted.wait(5)
+        assert client.cancel("long", timeout_s=5) is True
+        waiting.join(5)
+    playing.join(5)
+    [raised] = outcome
+    assert isinstance(raised, Rejection) and raised.reason == Reason.CANCELLED
+
+
+def test_a_blocking_client_shared_by_threads_serves_them_one_at_a_time(blocking_daemon: BlockingDaemon) -> None:
+    """Each gets its own answer: a REQ socket takes one request at a time, and a second
+    thread's send in between would break it (ZMQ errors, an answered request reported as a
+    timeout)."""
+    _, daemon, endpoint = blocking_daemon
+    threads = 4
+
+    def slow_daemon() -> None:  # never two requests at once: the client sends the next one on an answer
+        for _ in range(threads):
+            assert daemon.poll(5000)
+            frames = daemon.recv_multipart()
+            assert not daemon.poll(50)
+            identity, _, body = frames
+            rid = CLIENT_REQUEST.decode(body).request_id
+            daemon.send_multipart([identity, b"", encode(Result(request_id=rid, outputs=[], stages=[],
+                                                                total_ms=float(rid)))])
+
+    playing = threading.Thread(target=slow_daemon, daemon=True)
+    playing.start()
+    answers: dict[str, object] = {}
+
+    def submit(client: Client, rid: str) -> None:
+        try:
+            answers[rid] = client.submit(PARAMS, request_id=rid, timeout_s=10).result.total_ms
+        except Exception as exc:
+            answers[rid] = exc
+
+    with Client(endpoint) as client:  # not on the daemon's context, as above
+        users = [threading.Thread(target=submit, args=(client, str(i)), daemon=True) for i in range(threads)]
+        for user in users:
+            user.start()
+        deadline = time.monotonic() + 10
+        for user in users:
+            user.join(max(deadline - time.monotonic(), 0))
+    playing.join(5)
+    assert answers == {str(i): float(i) for i in range(threads)}
 
 
 def test_a_blocking_clients_timed_out_wait_cancels_its_request(blocking_daemon: BlockingDaemon, monkeypatch) -> None:
@@ -767,20 +906,27 @@ def test_an_answer_of_the_wrong_kind_is_a_clear_error_in_every_client(blocking_d
     thread.join(timeout=10)
 
 
-def test_a_blocking_client_pointed_at_another_socket_says_so(blocking_daemon: BlockingDaemon) -> None:
-    """An answer that is no client reply (a worker socket's refusal, say): a ValueError naming
-    the endpoint, not msgspec's words about a field."""
+@pytest.mark.parametrize(("answer", "said", "control_said"), [
+    (b"\x81\xa4kind\xafRegisterRefused", "its answer is unreadable", "its answer is no control reply"),
+    (encode(WORKER_SOCKETS_REFUSAL), "this is the daemon's worker socket;", "this is the daemon's worker socket;"),
+], ids=["garbage", "worker-socket"])
+def test_the_blocking_clients_pointed_at_another_socket_say_so(blocking_daemon: BlockingDaemon, answer: bytes,
+                                                               said: str, control_said: str) -> None:
+    """An answer that is no client reply: a ValueError naming the endpoint and, where the
+    daemon's worker socket answered, its refusal saying which socket it is (the same words
+    from the client and the control client), not msgspec's words about a field."""
     ctx, daemon, endpoint = blocking_daemon
 
     def answer_everything_wrongly() -> None:
         while daemon.poll(2000):
             identity, _, _ = daemon.recv_multipart()
-            daemon.send_multipart([identity, b"", b"\x81\xa4kind\xafRegisterRefused"])
+            daemon.send_multipart([identity, b"", answer])
 
     thread = threading.Thread(target=answer_everything_wrongly, daemon=True)
     thread.start()
     with Client(endpoint, ctx=ctx) as client:
-        with pytest.raises(ValueError, match=f"^{endpoint} is not a Triptych client socket: its answer is "
-                                             "unreadable"):
+        with pytest.raises(ValueError, match=f"^{endpoint} is not a Triptych client socket: {said}"):
             client.submit(PARAMS, timeout_s=5)
+    with pytest.raises(ValueError, match=f"^{endpoint} is not a control socket: {control_said}"):
+        Control(endpoint, ctx=ctx).stats()
     thread.join(timeout=10)

@@ -242,6 +242,17 @@ def test_a_blocking_submit_where_no_daemon_listens_fails_after_the_wait_for_one(
         client.close()
 
 
+async def test_an_async_cancel_where_no_daemon_listens_fails_after_the_wait_for_one(tmp_path: Path) -> None:
+    """As its submit, and as the blocking client's cancel: not after its whole timeout."""
+    with anyio.fail_after(10):
+        async with AsyncClient(f"ipc://{tmp_path}/nobody") as client:
+            started = time.monotonic()
+            with pytest.raises(ConnectionError, match=rf"no daemon at ipc://.*/nobody: nothing there took a "
+                                                      rf"connection within {NO_DAEMON_S:g}s"):
+                await client.cancel("r", timeout_s=30)
+            assert NO_DAEMON_S - 0.2 < time.monotonic() - started < NO_DAEMON_S + 1.0
+
+
 async def test_an_async_request_whose_connection_closes_fails_at_once_and_the_client_carries_on(
     ctx: zmq.asyncio.Context, tmp_path: Path
 ) -> None:

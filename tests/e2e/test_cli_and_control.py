@@ -102,17 +102,28 @@ def test_submit_reports_a_rejection_and_exits_nonzero(start_cluster: StartCluste
     assert lost.returncode == 2 and lost.stderr == (
         "triptych stats: rejected (invalid): this is the daemon's client socket; this message goes to its control "
         "socket (daemon.control_endpoint)\n")
-    astray = triptych("submit", "--prompt", "x", "--out", str(tmp_path), "--endpoint",
-                      cluster.config.daemon.control_endpoint, config=cluster.config_path)
-    assert astray.returncode == 2 and astray.stderr.endswith(
-        "rejected (invalid): this is the daemon's control socket; this message goes to its client socket "
-        "(daemon.client_endpoint)\n")
+    # Either client, at once (the DEALER of --progress once waited out the request's deadline).
+    for progress in ([], ["--progress"]):
+        started = time.monotonic()
+        astray = triptych("submit", "--prompt", "x", "--out", str(tmp_path), *progress, "--endpoint",
+                          cluster.config.daemon.control_endpoint, config=cluster.config_path)
+        assert astray.returncode == 2 and time.monotonic() - started < 15 and astray.stderr.endswith(
+            "rejected (invalid): this is the daemon's control socket; this message goes to its client socket "
+            "(daemon.client_endpoint)\n"), astray.stderr
     # ...and at the worker socket: its answer says which socket it is, at once.
+    worker_endpoint = cluster.config.daemon.worker_endpoint
     started = time.monotonic()
-    astray = triptych("stats", "--endpoint", cluster.config.daemon.worker_endpoint, config=cluster.config_path)
+    astray = triptych("stats", "--endpoint", worker_endpoint, config=cluster.config_path)
     assert astray.returncode == 1 and time.monotonic() - started < 5
-    assert astray.stderr.startswith(f"triptych stats: {cluster.config.daemon.worker_endpoint} is not a control "
+    assert astray.stderr.startswith(f"triptych stats: {worker_endpoint} is not a control "
                                     "socket: this is the daemon's worker socket")
+    for progress in ([], ["--progress"]):
+        started = time.monotonic()
+        astray = triptych("submit", "--prompt", "x", "--out", str(tmp_path), *progress, "--endpoint",
+                          worker_endpoint, config=cluster.config_path)
+        assert astray.returncode == 1 and time.monotonic() - started < 15
+        assert f"{worker_endpoint} is not a Triptych client socket: this is the daemon's worker socket" \
+            in astray.stderr, astray.stderr
     # The metrics exporter, which would otherwise say triptych_up 0 on every scrape, refuses
     # either at start, in one line.
     for which in ("client", "worker"):
