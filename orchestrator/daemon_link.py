@@ -9,12 +9,14 @@ a slow link, and the daemon would take the decoder for dead.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import anyio
 import zmq
 import zmq.asyncio
 
+from orchestrator.connection_watch import ConnectionWatch
 from transfer.protocol import Heartbeat, Leaving, encode
 from transfer.reports import Message
 
@@ -29,6 +31,7 @@ class DaemonLink:
         self.ctx = zmq.asyncio.Context()
         self.main = self._dealer()
         self.outputs: zmq.asyncio.Socket | None = None  # a decoder's, once registered
+        self._outputs_watch: ConnectionWatch | None = None  # its connection's comings and goings
 
     def _dealer(self, routing_id: bytes | None = None) -> zmq.asyncio.Socket:
         sock = self.ctx.socket(zmq.DEALER)
@@ -44,6 +47,8 @@ class DaemonLink:
         """The output connection of the registration ``key`` names."""
         assert self.outputs is None, "the last registration's output connection is still open"
         self.outputs = self._dealer(key)
+        # Watched from the start, to know at a stop whether the connection is still there.
+        self._outputs_watch = ConnectionWatch(self.outputs)
         self.outputs.connect(self.endpoint)
         return self.outputs
 
@@ -52,8 +57,10 @@ class DaemonLink:
         outputs still queued there: they are about requests it no longer knows. Until the
         next one opens, Leaving goes on the main connection (no output can precede it)."""
         if self.outputs is not None:
+            assert self._outputs_watch is not None
+            self._outputs_watch.close()
             self.outputs.close(linger=0)
-            self.outputs = None
+            self.outputs, self._outputs_watch = None, None
 
     def send_now(self, reports: Sequence[Message], outputs: Sequence[Message], *, leaving: bool) -> bool:
         """Queue ``reports`` on the main connection, ``outputs`` on the output one, then
@@ -73,15 +80,20 @@ class DaemonLink:
             return False  # no room to queue them: the daemon notices the silence instead
         return True
 
-    async def hand_over(self, outputs: Sequence[Message], *, heartbeat_s: float, within_s: float) -> bool:
+    async def hand_over(self, outputs: Sequence[Message], *, heartbeat_s: float, within_s: float) -> str | None:
         """Queue ``outputs`` and ``Leaving`` on the output connection, then wait until the
         daemon answers the Leaving there: it has then read every output before it. The
         main connection heartbeats meanwhile, as the outputs may take a while to cross and
-        silence would get this worker evicted first (and its outputs dropped). False when
-        no answer came ``within_s``."""
-        assert self.outputs is not None
+        silence would get this worker evicted first (and its outputs dropped). None once
+        answered, else why not: no answer ``within_s``, or none can come (the connection
+        closed, and ZMQ dropped what was queued on it with it, or no daemon took one for
+        NO_DAEMON_S: a dead daemon's decoder waited the whole ``within_s`` to stop)."""
+        assert self.outputs is not None and self._outputs_watch is not None
+        watch, started = self._outputs_watch, time.monotonic()
+        await self._take_news(watch)
+        closes = watch.closes
         if not self.send_now([], outputs, leaving=True):
-            return False
+            return "no room to queue them"
         beat = encode(Heartbeat())
         main = zmq.Socket.shadow(self.main.underlying)
         with anyio.move_on_after(within_s):
@@ -91,8 +103,17 @@ class DaemonLink:
                 except zmq.ZMQError:
                     pass  # no room: the beats before it still wait to leave
                 if await self.outputs.poll(int(heartbeat_s * 1000)):
-                    return True
-        return False
+                    return None
+                await self._take_news(watch)
+                if (lost := watch.problem(started, closes, self.endpoint)) is not None:
+                    return lost
+        return f"no answer within {within_s:g}s"
+
+    @staticmethod
+    async def _take_news(watch: ConnectionWatch) -> None:
+        """Take in every event waiting on ``watch``'s (asyncio) monitor."""
+        while await watch.monitor.poll(0):
+            watch.heard(await watch.monitor.recv_multipart())
 
     def close(self, linger_ms: int) -> None:
         """Close every socket of the context, ``linger_ms`` for what is queued to go out,

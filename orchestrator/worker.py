@@ -200,9 +200,9 @@ class WorkerRuntime:
         leaving = registered is not None and self._may_say_leaving()
         if leaving and link.outputs is not None:
             assert registered is not None
-            if not await link.hand_over(self._outputs.take_now(), heartbeat_s=registered.heartbeat_s,
-                                        within_s=self._wcfg.stop_flush_s):
-                self._log.warning("worker.outputs_not_handed_over", within_s=self._wcfg.stop_flush_s)
+            if (why := await link.hand_over(self._outputs.take_now(), heartbeat_s=registered.heartbeat_s,
+                                            within_s=self._wcfg.stop_flush_s)) is not None:
+                self._log.warning("worker.outputs_not_handed_over", why=why)
             link.close(0)
         else:
             link.close(LEAVING_LINGER_MS if leaving and link.send_now([], [], leaving=True) else 0)

@@ -78,7 +78,7 @@ async def test_a_hand_over_nobody_answers_ends_at_its_deadline_and_heartbeats_un
         link.open_outputs(KEY)
         output = [encode(Done(request_id="r1", ok=True, compute_ms=1.0, outputs=[IMAGE])), b"abc"]
         started = time.monotonic()
-        assert not await link.hand_over([output], heartbeat_s=0.05, within_s=0.5)
+        assert await link.hand_over([output], heartbeat_s=0.05, within_s=0.5) == "no answer within 0.5s"
         took_s = time.monotonic() - started
         link.close(0)
         got = heard(daemon)
@@ -104,5 +104,39 @@ async def test_a_hand_over_ends_when_the_daemon_answers_the_leaving(tmp_path: Pa
         async with anyio.create_task_group() as tg:
             tg.start_soon(answer_the_leaving)
             with anyio.fail_after(5):
-                assert await link.hand_over([], heartbeat_s=10.0, within_s=30.0)
+                assert await link.hand_over([], heartbeat_s=10.0, within_s=30.0) is None
             assert answered.is_set()
+
+
+async def test_a_hand_over_to_a_daemon_that_is_gone_ends_once_no_answer_can_come(tmp_path: Path) -> None:
+    """A dead daemon's decoder waited its whole stop_flush_s (10 s) to stop, though ZMQ
+    drops what was queued on a connection with it, and no answer could come."""
+    endpoint = f"ipc://{tmp_path}/workers"
+    with zmq.Context() as ctx:
+        daemon = ctx.socket(zmq.ROUTER)
+        daemon.bind(endpoint)
+        link = DaemonLink(endpoint)
+        try:
+            link.connect()
+            link.open_outputs(KEY)
+            assert link.send_now([], [[encode(Heartbeat())]], leaving=False)
+            assert daemon.poll(5000) and daemon.recv_multipart()[0] == KEY  # the output connection is up
+            daemon.close(linger=0)
+            started = time.monotonic()
+            with anyio.fail_after(5):
+                why = await link.hand_over([], heartbeat_s=0.05, within_s=30.0)
+            assert why is not None and "closed" in why and time.monotonic() - started < 2
+        finally:
+            link.close(0)
+
+
+async def test_a_hand_over_where_no_daemon_ever_listened_ends_after_the_wait_for_one(tmp_path: Path) -> None:
+    link = DaemonLink(f"ipc://{tmp_path}/nobody")
+    try:
+        link.connect()
+        link.open_outputs(KEY)
+        with anyio.fail_after(10):
+            why = await link.hand_over([], heartbeat_s=0.05, within_s=30.0)
+        assert why is not None and why.startswith(f"no daemon at ipc://{tmp_path}/nobody")
+    finally:
+        link.close(0)
