@@ -124,7 +124,7 @@ class Handoffs:
         # large output is never starved by smaller ones). A flight leaves it when it ends.
         self._slot_waits: dict[str, deque[Flight]] = {}
         self._flights: dict[str, Flight] = {}
-        self.fast: dict[str, int] = {}  # hand-offs by hop
+        self.fast: dict[str, int] = {}  # hand-offs made, by hop
         self.slow: dict[str, int] = {}
         self.late = 0  # reports about requests that had already ended: counted, then dropped
         # (release at, request id) of doomed flights. Ids, not flights: one released by its
@@ -198,14 +198,12 @@ class Handoffs:
             # workers again.)
             self._pools[job.role].post(Release(request_id=rid, instance=instance, ok=None))
             return
-        hop = hop_name(flight.role, job.role)
         # A free slot is not taken past the flights waiting there: the first of them needs a
         # larger one, which would otherwise go to every smaller input that comes after it.
         slot = None if self._slot_waits.get(instance) else self._slots.take(instance, flight.nbytes)
         _, room = self._rooms.get(instance, (job.role, None))  # None: evicted since its pool placed this
         now = time.monotonic()
         if slot is not None:
-            self.fast[hop] = self.fast.get(hop, 0) + 1
             flight.reserve(instance, job.role, slot=slot, address=slot.address, at=now)
             self._push(flight)
         elif room is not None and room.only_a_slot_fits(flight.nbytes):
@@ -214,7 +212,6 @@ class Handoffs:
             flight.wait_for_slot(instance, job.role, at=now)
             self._slot_waits.setdefault(instance, deque()).append(flight)
         else:
-            self.slow[hop] = self.slow.get(hop, 0) + 1
             flight.reserve(instance, job.role, slot=None, address=None, at=now)
             self._order(job.role, instance, Alloc(request_id=rid, nbytes=flight.nbytes))
 
@@ -353,6 +350,11 @@ class Handoffs:
                        outcome=False, pushing=msg.in_doubt)
             return
         self._pools[flight.role].post(Release(request_id=rid, instance=flight.instance, ok=True))
+        # Counted once it happened: a receiver reserved for a push that then failed, timed
+        # out or was never made is no hand-off (the latency and bytes count only these too).
+        counts = self.fast if flight.slot is not None else self.slow
+        hop = hop_name(flight.role, flight.receiver_role)
+        counts[hop] = counts.get(hop, 0) + 1
         self._tracker.post(HandedOff(request_id=rid, role=flight.role, instance=flight.instance,
                                       compute_ms=flight.compute_ms, transfer_ms=msg.transfer_ms,
                                       nbytes=flight.nbytes, fast_path=flight.slot is not None, via=msg.via,
@@ -487,8 +489,6 @@ class Handoffs:
             if taken is None:
                 return  # the first in line needs a larger slot than any free
             line.popleft()
-            hop = hop_name(flight.role, flight.receiver_role)
-            self.fast[hop] = self.fast.get(hop, 0) + 1
             flight.take_slot(taken, at=time.monotonic())
             self._push(flight)
 

@@ -77,7 +77,7 @@ def _daemon_metrics(stats: Stats) -> Iterator[Metric]:
     yield _gauge("triptych_uptime_seconds", "Seconds since the daemon started", stats.uptime_s)
     yield _gauge("triptych_draining", "1 while the daemon drains and refuses new requests", int(stats.draining))
     yield CounterMetricFamily("triptych_requests_completed", "Requests answered with a result", value=stats.completed)
-    yield _labelled(CounterMetricFamily, "triptych_requests_failed", "Requests that ended in an error, by reason",
+    yield _labelled(CounterMetricFamily, "triptych_requests_failed", "Failed attempts of requests by reason: an end in an error, and each attempt retried",
                     "reason", stats.failed_by_reason)
     yield _labelled(CounterMetricFamily, "triptych_requests_refused",
                     "Client messages refused at the door: submits never admitted (overloaded, draining...), "
@@ -96,7 +96,7 @@ def _daemon_metrics(stats: Stats) -> Iterator[Metric]:
     yield _gauge("triptych_handoffs_in_flight", "Hand-offs between stages in progress", stats.handoffs_in_flight)
     yield _gauge("triptych_handoffs_held", "Hand-offs of ended requests whose receiver memory waits for the push "
                  "to report (or push_quarantine_s)", stats.handoffs_held)
-    handoffs = CounterMetricFamily("triptych_handoffs", "Hand-offs by hop and path (fast: a preallocated slot)",
+    handoffs = CounterMetricFamily("triptych_handoffs", "Hand-offs made, by hop and path (fast: a preallocated slot)",
                                    labels=["hop", "path"])
     for path, counts in (("fast", stats.fast_path), ("slow", stats.slow_path)):
         for hop, count in sorted(counts.items()):
