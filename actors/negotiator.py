@@ -60,6 +60,7 @@ from transfer.binding import FLUSH_ON_CLOSE_MS, bound_router
 from transfer.protocol import (
     DECODE_ERRORS,
     MAX_TENSORS,
+    PROTOCOL_VERSION,
     WORKER_MESSAGE,
     Allocated,
     AllocRejected,
@@ -81,6 +82,7 @@ from transfer.protocol import (
     WorkerMessage,
     brief,
     encode,
+    other_version,
 )
 from transfer.reports import REPORTS_PER_MESSAGE
 from transfer.sockets import NOBLOCK, PlainPump
@@ -235,7 +237,9 @@ class TransferNegotiator:
         except DECODE_ERRORS as exc:
             self._peer_log.warning("worker.bad_message", error=str(exc), registered=answer is None)
             if answer is not None:
-                self._reply(answer, RegisterRefused(message=f"unreadable registration: {exc}"))
+                version = other_version(frame.buffer)
+                self._reply(answer, RegisterRefused(message=f"unreadable registration: {exc}" if version is None
+                                                    else f"protocol {version}, daemon speaks {PROTOCOL_VERSION}"))
             elif sender is not None:
                 self._drop_garbled(sender, str(exc))
             return None

@@ -411,7 +411,8 @@ class AsyncClient:
     async def submit(self, params: GenParams, *, request_id: str = "", timeout_s: float | None = None,
                      priority: int = 0, on_progress: OnProgress | None = None) -> Generation:
         """Generate; raises ``Rejection``, ``TimeoutError`` (the wait ran out: the request is
-        cancelled at the daemon), ``ValueError`` for an id in use on this client (its submit
+        cancelled at the daemon), ``ValueError`` for an answer no client socket gives (every
+        request waiting on that connection fails with it) or for an id in use on this client (its submit
         runs, or it was given up on and an answer may still come: until its end comes, its
         latest Cancel finds nothing or its connection closes (the client then starts a new
         socket, which nothing sent on the old one reaches), else for its wait once more;

@@ -70,9 +70,10 @@ class Client:
         """Generate, waiting for the answer up to ``timeout_s`` (the request's deadline at the
         daemon, 120 s by default) and a grace of 5 s. Raises ``Rejection`` (the daemon refused
         or failed it, or would have: a bad field, ``timeout_s`` included, is refused unsent;
-        see ``.reason``), ``TimeoutError`` (no answer in time) or ``ConnectionError`` (no
+        see ``.reason``), ``TimeoutError`` (no answer in time), ``ConnectionError`` (no
         answer can come: no daemon took a connection within 3 s, or the connection the
-        request went by closed). A wait that ends without an answer, or is interrupted
+        request went by closed) or ``ValueError`` (what answered is no client socket: the
+        daemon's worker socket says so). A wait that ends without an answer, or is interrupted
         (Ctrl-C), cancels the request at the daemon, taking up to 1 s more; the client stays
         usable after any of them."""
         rid = request_id or uuid.uuid4().hex  # known here, so an interrupted wait can cancel it

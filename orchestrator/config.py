@@ -120,7 +120,8 @@ class DaemonConfig(Section):
     retries: Annotated[int, msgspec.Meta(ge=0, le=10)] = 1
     # Memory a silent (evicted, maybe still alive) sender was writing into stays reserved
     # this long, and a rejoining receiver waits this long; it must exceed the workers'
-    # MC_TRANSFER_TIMEOUT (checked when the config loads).
+    # MC_TRANSFER_TIMEOUT (checked when the config loads, within this file, and against
+    # each worker's own as it registers: workers go by the daemon's value).
     push_quarantine_s: PositiveFloat = 60.0
     # Each actor's mailbox holds the mail max_in_flight requests can post at once plus this
     # many more (orchestrator/daemon.py sizes them); a full one makes its senders wait.

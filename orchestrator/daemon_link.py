@@ -90,8 +90,6 @@ class DaemonLink:
         NO_DAEMON_S: a dead daemon's decoder waited the whole ``within_s`` to stop)."""
         assert self.outputs is not None and self._outputs_watch is not None
         watch, started = self._outputs_watch, time.monotonic()
-        await self._take_news(watch)
-        closes = watch.closes
         if not self.send_now([], outputs, leaving=True):
             return "no room to queue them"
         beat = encode(Heartbeat())
@@ -105,8 +103,10 @@ class DaemonLink:
                 if await self.outputs.poll(int(heartbeat_s * 1000)):
                     return None
                 await self._take_news(watch)
-                if (lost := watch.problem(started, closes, self.endpoint)) is not None:
-                    return lost
+                if watch.closes and not watch.connected:  # gone, not back (a daemon that died)
+                    return f"its output connection to {self.endpoint} closed"
+                if (none := watch.no_daemon(started, self.endpoint)) is not None:
+                    return none
         return f"no answer within {within_s:g}s"
 
     @staticmethod

@@ -4,8 +4,9 @@ socket (``advertise_host``) and the one its peers write to (``transfer.local_hos
 Each is taken wrong silently by the sockets themselves: a work socket bound where its
 advertised address does not lead only shows as orders that never arrive, and Mooncake
 starts on any name and fails every write made to it, for as long as the worker runs. So
-both are resolved here, once, and must be IPv4 addresses of this host (no socket of the
-daemon's turns ZMQ's IPv6 on).
+both are resolved here to IPv4 addresses (no socket of the daemon's turns ZMQ's IPv6 on):
+``local_hostname`` must be one of this host's, and a ``bind_host`` given as an address
+must be where ``advertise_host`` leads when that is this host's (a NAT's is taken as is).
 """
 
 from __future__ import annotations
@@ -68,6 +69,9 @@ def check_own_addresses(role: str, wcfg: WorkerConfig, transfer: TransferConfig)
     host = transfer.local_hostname
     host = host.rsplit(":", 1)[0] if host.count(":") == 1 else host
     peers_write_to = dialable(host, key)
+    if ipaddress.ip_address(peers_write_to).is_unspecified:  # binds, so is_this_hosts takes it
+        raise EndpointUnusable(f"{key} ({transfer.local_hostname}) is a wildcard, which peers cannot write to: "
+                               "give this host's address")
     if not is_this_hosts(peers_write_to):
         raise EndpointUnusable(f"{key} ({transfer.local_hostname}) is not an address of this host: "
                                f"every write its peers made to {peers_write_to} would fail")

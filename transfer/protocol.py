@@ -400,7 +400,8 @@ class Registered(Wire):
     key: bytes
     heartbeat_s: float
     # The daemon's (each host's config copy may say its own): how long a receiver that
-    # rejoins waits for writes it was sent before it was lost, and holds memory in doubt.
+    # rejoins waits for writes it was sent before it was lost, and how long a sender
+    # whose write is in doubt withholds Leaving.
     push_quarantine_s: float
     # The largest frame the daemon's socket takes (daemon.worker_max_message_bytes, which a
     # worker's own config may not share): a decoder refuses a larger output. 0: no limit said.
@@ -620,6 +621,24 @@ DECODE_ERRORS = (msgspec.DecodeError, RecursionError)
 
 # The daemon's sockets, and what each takes in: a message sent to the wrong one is told where it goes.
 _REQUESTS_BY_SOCKET = (("client", CLIENT_REQUEST), ("control", CONTROL_REQUEST), ("worker", WORKER_MESSAGE))
+
+
+class _Versioned(msgspec.Struct):
+    protocol: int | None = None
+
+
+_VERSION_OF = msgspec.msgpack.Decoder(_Versioned)
+
+
+def other_version(body: bytes) -> int | None:
+    """The protocol version ``body`` states, if it states one other than this build's: its
+    other fields may not decode here at all (one added since is missing), and the version
+    is then what to tell its sender. None for this version, or no readable one."""
+    try:
+        stated = _VERSION_OF.decode(body).protocol
+    except DECODE_ERRORS:
+        return None
+    return stated if stated not in (None, PROTOCOL_VERSION) else None
 
 
 def wrong_socket(here: str, body: bytes) -> str | None:

@@ -48,6 +48,7 @@ def test_an_ipv6_address_is_refused_naming_the_setting() -> None:
     (NOT_HERE, rf"transfer.local_hostname \({NOT_HERE}\) is not an address of this host: every write its peers "
                rf"made to {NOT_HERE} would fail"),
     (f"{NOT_HERE}:15000", rf"transfer.local_hostname \({NOT_HERE}:15000\) is not an address of this host"),
+    ("0.0.0.0", r"transfer.local_hostname \(0.0.0.0\) is a wildcard, which peers cannot write to"),
 ])
 def test_a_local_hostname_peers_cannot_write_to_is_refused(local_hostname: str, says: str) -> None:
     """Mooncake starts on any name and fails every write made to it: a decoder registered
