@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import hmac
-import ipaddress
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import zmq
 
-from orchestrator.config import MOONCAKE_DEFAULT_TIMEOUT_S
+from orchestrator.config import MOONCAKE_DEFAULT_TIMEOUT_S, is_ip
 from transfer.protocol import PROTOCOL_VERSION, LocalMemory, Register, Role, StageLimits
 
 
@@ -108,7 +107,7 @@ def work_address_problem(ctx: zmq.Context, address: str) -> str | None:
     if not address.startswith(("tcp://", "ipc://")):
         return f"work_address {address!r} is not tcp:// or ipc://"
     host, colon, _ = address.removeprefix("tcp://").rpartition(":")
-    if address.startswith("tcp://") and colon and not _is_ip(host.removeprefix("[").removesuffix("]")):
+    if address.startswith("tcp://") and colon and not is_ip(host.removeprefix("[").removesuffix("]")):
         # ZMQ would look the name up on its I/O thread, with a blocking call, and again at
         # every reconnect: a slow DNS server would stall every socket of the daemon.
         return (f"work_address {address!r} names its host: the daemon dials only IP addresses "
@@ -124,11 +123,3 @@ def work_address_problem(ctx: zmq.Context, address: str) -> str | None:
     finally:
         probe.close(linger=0)
     return None
-
-
-def _is_ip(host: str) -> bool:
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    return True

@@ -67,6 +67,15 @@ def dial_problem(endpoint: str) -> str | None:
     return None
 
 
+def is_ip(host: str) -> bool:
+    """Whether ``host`` is an IP address, not a name (which would need looking up)."""
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
 def listens_beyond_this_host(endpoint: str) -> bool:
     """Whether a ZMQ bind endpoint is reachable from other hosts: tcp on anything but a
     loopback address (a wildcard, an interface or host name counts as reachable)."""

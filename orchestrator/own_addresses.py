@@ -16,7 +16,7 @@ import socket
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as LookupTimedOut
 
-from orchestrator.config import WILDCARD_HOSTS, TransferConfig, WorkerConfig
+from orchestrator.config import WILDCARD_HOSTS, TransferConfig, WorkerConfig, is_ip
 from transfer.binding import EndpointUnusable
 
 # How long a worker's start waits for a name to resolve.
@@ -82,17 +82,9 @@ def check_own_addresses(role: str, wcfg: WorkerConfig, transfer: TransferConfig)
         raise EndpointUnusable(f"{key} ({transfer.local_hostname}) is a loopback address while workers.{role}."
                                f"advertise_host ({wcfg.advertise_host}) is not: peers on other hosts could not "
                                "write to this worker; give this host's address on the network they share")
-    if wcfg.bind_host in WILDCARD_HOSTS or not _is_ip(wcfg.bind_host):
+    if wcfg.bind_host in WILDCARD_HOSTS or not is_ip(wcfg.bind_host):
         return  # every interface, or one named (which ZMQ binds as its address)
     if dialed != wcfg.bind_host and is_this_hosts(dialed):
         raise EndpointUnusable(f"workers.{role}.bind_host ({wcfg.bind_host}) is not where advertise_host "
                                f"({wcfg.advertise_host}) leads: the daemon would dial {dialed}, where the work "
                                f"socket does not listen; bind {dialed} or 0.0.0.0")
-
-
-def _is_ip(host: str) -> bool:
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    return True
