@@ -259,10 +259,13 @@ def settle(cluster: LocalCluster, n: int, ledger: Ledger) -> None:
                 f"late reports={stats.late_reports}")
 
 
-class CrashWatch:
-    """Finds in the cluster's logs the lines a process writes when it crashes."""
+class LogWatch:
+    """Finds in the cluster's logs the lines a process writes when it crashes, or when a
+    worker's input is not the bytes its sender staged: no sender is frozen past
+    push_quarantine_s here (configs/soak.toml, orchestrator/chaos.py), so no write may land
+    late, and a digest that does not match is a hand-off bug, not the safety net at work."""
 
-    MARKS = ("process.crashed", "Traceback")
+    MARKS = ("process.crashed", "Traceback", "worker.input_corrupted")
 
     def __init__(self, log_dir: Path) -> None:
         self._log_dir = log_dir
@@ -285,12 +288,12 @@ def soak(args: argparse.Namespace, folder: Path) -> Ledger:
     torch.set_num_threads(1)  # as the workers: the expected bytes are computed here
     with LocalCluster(path, log_dir=folder / "logs") as cluster:
         ledger.note(f"cluster up; logs in {cluster.log_dir}")
-        crashes = CrashWatch(cluster.log_dir)
+        logs = LogWatch(cluster.log_dir)
         for n in range(args.rounds):
             restart = args.restart_every > 0 and n % args.restart_every == args.restart_every - 1
             anyio.run(Round(cluster, n, args, restart_daemon=restart, ledger=ledger).run)
             settle(cluster, n, ledger)
-            crashes.scan(ledger)
+            logs.scan(ledger)
             assert cluster.daemon is not None
             ledger.note(f"r{n} done: daemon resident {rss_mib(cluster.daemon.pid):.1f} MiB; faults so far "
                         f"{dict(ledger.faults)}; problems {len(ledger.problems)}")

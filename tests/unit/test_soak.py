@@ -1,16 +1,18 @@
-"""The soak's judgement: which answers each kind of request may get, and the bytes check."""
+"""The soak's judgement: which answers each kind of request may get, the bytes check, and
+what in the cluster's logs is a problem."""
 
 from __future__ import annotations
 
 import argparse
 import types
+from pathlib import Path
 
 import pytest
 
 from orchestrator.chaos import worker_key
 from orchestrator.client_wire import Generation
 from orchestrator.config import NullStageConfig
-from orchestrator.soak import Ledger, Round, verdict
+from orchestrator.soak import Ledger, LogWatch, Round, verdict
 from orchestrator.stages.null import expected_outputs
 from transfer.frames import to_frames
 from transfer.protocol import GenParams, Result
@@ -74,3 +76,19 @@ def test_the_bytes_check_flags_a_result_that_is_not_its_requests() -> None:
 
 def test_a_worker_key_is_its_role_and_index() -> None:
     assert worker_key("denoiser12") == ("denoiser", 12)
+
+
+def test_a_crash_or_a_digest_mismatch_in_any_log_is_a_problem_once(tmp_path: Path) -> None:
+    """No sender is frozen past the quarantine in a soak: a worker whose input is not what
+    was staged shows a hand-off bug, even when the request it failed was retried and the
+    client never saw it."""
+    ledger, watch = Ledger(), LogWatch(tmp_path)
+    (tmp_path / "decoder0.log").write_text('{"event":"worker.registered"}\n')
+    watch.scan(ledger)
+    assert ledger.problems == []
+    with (tmp_path / "decoder0.log").open("a") as log:
+        log.write('{"event":"worker.input_corrupted","request_id":"r1"}\n')
+    (tmp_path / "daemon.log").write_text('{"event":"process.crashed"}\n')
+    watch.scan(ledger)
+    watch.scan(ledger)  # each line once
+    assert [problem.split(":")[0] for problem in ledger.problems] == ["daemon.log", "decoder0.log"]
