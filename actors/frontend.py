@@ -33,6 +33,7 @@ from actors.client_outbox import ClientOutbox
 from actors.door import DoorLimits
 from actors.mail import (
     BY_THE_CLIENT,
+    RETRIED,
     Admit,
     CancelRequest,
     Deliver,
@@ -66,9 +67,6 @@ from transfer.sockets import EVENTS, POLLIN, PlainPump, recv_head
 
 log = structlog.get_logger()
 
-# Failures that a fresh attempt can mend (daemon.retries). The retry avoids the instances
-# the failure implicated (Deliver.avoid) wherever others have room.
-RETRIED = frozenset({Reason.WORKER_LOST, Reason.TRANSFER_FAILED})
 # Requests a stopping daemon still reads off its client socket to answer them (draining).
 UNREAD_ANSWERED = 1024
 # The frames of a client message read, its identity included (a valid one has 3); any

@@ -144,6 +144,10 @@ class Failed(Mail):
 
 BY_THE_CLIENT = "cancelled by the client"
 
+# Failures that a fresh attempt can mend (daemon.retries). The retry avoids the instances
+# the failure implicated (Deliver.avoid) wherever others have room.
+RETRIED = frozenset({Reason.WORKER_LOST, Reason.TRANSFER_FAILED})
+
 
 class CancelRequest(Mail):
     request_id: str

@@ -19,6 +19,7 @@ import structlog
 from actors.base import reply_once, serve_mailbox
 from actors.latency import LatencyBook
 from actors.mail import (
+    RETRIED,
     AdmissionMail,
     Admit,
     CancelRequest,
@@ -39,6 +40,7 @@ from actors.mail import (
 )
 from actors.mailbox import Mailbox, MailboxCounts
 from actors.pace import Pace, pixels
+from actors.recent import RecentIds
 from actors.states import ACTIVE_BY_ROLE, WHERE, RequestState, check_move
 from transfer.protocol import Latency, Progress, Reason, Rejected, Result, StageTiming, next_role
 
@@ -48,6 +50,12 @@ log = structlog.get_logger()
 # progress_interval_s (0.5 s by default), far apart from this: only a broken worker sends
 # them faster, and relaying each would spend the daemon on one client's progress.
 MIN_STEP_GAP_S = 0.01
+
+# How long, and for how many requests at once, a retriable failure is remembered for a
+# cancel that crossed it: the two cross only while in the mailboxes between frontend and
+# tracker, a loop turn or two; the bound keeps a storm of failures from holding memory.
+CROSSING_S = 10.0
+CROSSING_MOST = 4096
 
 
 @dataclass(slots=True)
@@ -94,6 +102,10 @@ class TrackerActor:
         self._deadlines: list[tuple[float, str]] = []
         self._completed = 0
         self._failed: dict[str, int] = {}
+        # Requests just failed for a reason the frontend retries, by (key, reason): a cancel
+        # that crossed such a failure on its way here makes the frontend answer the client
+        # `cancelled` instead, and the count follows what the client was told.
+        self._crossable = RecentIds(window_s=CROSSING_S, most=CROSSING_MOST)
         self._drained: anyio.Event | None = None
         self._pace = Pace()
         self._latency = LatencyBook()
@@ -122,7 +134,7 @@ class TrackerActor:
             case Failed(request_id=rid, reason=reason, message=message, avoid=avoid):
                 self._fail(rid, reason, message, avoid)
             case CancelRequest(request_id=rid, why=why):
-                self._fail(rid, Reason.CANCELLED, why)
+                self._cancel(rid, why)
             case Stepped(request_id=rid, step=step, steps=steps):
                 entry = self._table.get(rid)
                 now = time.monotonic()
@@ -229,12 +241,26 @@ class TrackerActor:
         self._log.info("request.done", request_id=rid, total_ms=round(total_ms, 3), stages=entry.stages)
         self._check_drained()
 
+    def _cancel(self, rid: str, why: str) -> None:
+        if rid in self._table:
+            self._fail(rid, Reason.CANCELLED, why)
+            return
+        now = time.monotonic()
+        crossed = next((reason for reason in RETRIED if self._crossable.take((rid, reason), now)), None)
+        if crossed is not None:  # the frontend asked first: its client hears `cancelled`, nothing is retried
+            self._failed[crossed] -= 1
+            if not self._failed[crossed]:
+                del self._failed[crossed]
+            self._failed[Reason.CANCELLED] = self._failed.get(Reason.CANCELLED, 0) + 1
+
     def _fail(self, rid: str, reason: Reason, message: str, avoid: frozenset[str] = frozenset()) -> None:
         entry = self._table.pop(rid, None)
         if entry is None:
             return  # already ended: a second failure report changes nothing
         check_move(entry.state, RequestState.FAILED)
         self._failed[reason] = self._failed.get(reason, 0) + 1
+        if reason in RETRIED:
+            self._crossable.add((rid, reason), time.monotonic())
         self._frontend.post(Deliver(request_id=rid, message=Rejected(request_id=rid, reason=reason, message=message),
                                     avoid=avoid))
         # Every owner frees its own part. The Forget travels admission -> pools ->

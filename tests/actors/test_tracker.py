@@ -383,6 +383,28 @@ async def test_cancel_rejects_with_cancelled() -> None:
             await assert_forgotten(t, "r1")
 
 
+@pytest.mark.parametrize("reason", [Reason.WORKER_LOST, Reason.TRANSFER_FAILED])
+async def test_a_cancel_that_crossed_a_retriable_failure_is_counted_as_what_the_client_heard(reason: Reason) -> None:
+    """The frontend cancelled first, so it answers the client `cancelled` and retries
+    nothing: the failure was counted as worker_lost (say) and the client's cancel nowhere."""
+    with anyio.fail_after(5):
+        async with running_tracker() as t:
+            await admit(t)
+            t.inbox.post(Failed(request_id="r1", reason=reason, message="gone"))
+            await t.frontend.receive()
+            await assert_forgotten(t, "r1")
+            t.inbox.post(CancelRequest(request_id="r1"))  # posted before the frontend heard of the failure
+            assert (await t.stats()).failed_by_reason == {"cancelled": 1}
+            t.inbox.post(CancelRequest(request_id="r1"))  # once
+            await admit(t, "r2")
+            t.inbox.post(Failed(request_id="r2", reason=Reason.STAGE_FAILED, message="broke"))
+            await t.frontend.receive()
+            await assert_forgotten(t, "r2")
+            t.inbox.post(CancelRequest(request_id="r2"))  # the frontend answers stage_failed as it is
+            assert (await t.stats()).failed_by_reason == {"cancelled": 1, "stage_failed": 1}
+            t.assert_silent()
+
+
 async def test_cancel_of_an_unknown_request_does_nothing() -> None:
     with anyio.fail_after(5):
         async with running_tracker() as t:
