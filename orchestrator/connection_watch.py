@@ -67,6 +67,11 @@ class ConnectionWatch:
         while self.monitor.poll(0):
             self.heard(self.monitor.recv_multipart())
 
+    async def read_async(self) -> None:
+        """Take in every monitor message waiting (an asyncio socket's monitor)."""
+        while await self.monitor.poll(0):
+            self.heard(await self.monitor.recv_multipart())
+
     def wait_connected(self, timeout_s: float) -> bool:
         """Whether a daemon takes the connection within ``timeout_s`` (a blocking socket's monitor)."""
         deadline = time.monotonic() + timeout_s

@@ -102,18 +102,12 @@ class DaemonLink:
                     pass  # no room: the beats before it still wait to leave
                 if await self.outputs.poll(int(heartbeat_s * 1000)):
                     return None
-                await self._take_news(watch)
+                await watch.read_async()
                 if watch.closes and not watch.connected:  # gone, not back (a daemon that died)
                     return f"its output connection to {self.endpoint} closed"
                 if (none := watch.no_daemon(started, self.endpoint)) is not None:
                     return none
         return f"no answer within {within_s:g}s"
-
-    @staticmethod
-    async def _take_news(watch: ConnectionWatch) -> None:
-        """Take in every event waiting on ``watch``'s (asyncio) monitor."""
-        while await watch.monitor.poll(0):
-            watch.heard(await watch.monitor.recv_multipart())
 
     def close(self, linger_ms: int) -> None:
         """Close every socket of the context, ``linger_ms`` for what is queued to go out,
