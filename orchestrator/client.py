@@ -38,15 +38,17 @@ __all__ = ["AsyncClient", "Client", "Generation", "Rejection", "Reply"]
 
 class Client:
     """Blocking client on a REQ socket: one request at a time. Calls from several threads
-    are serialised (each waits its turn, then its own timeout), ``cancel`` excepted: it goes
-    by a socket of its own, so another thread can cancel the request a ``submit`` waits on."""
+    are serialised (each waits its turn, then its own timeout), ``close`` included: it waits
+    for the call in flight. ``cancel`` goes by a socket of its own, so another thread can
+    cancel the request a ``submit`` waits on."""
 
     def __init__(self, endpoint: str, *, ctx: zmq.Context | None = None) -> None:
         self.endpoint = daemon_endpoint(endpoint)
         self._ctx = ctx or zmq.Context.instance()
         self._tokens = CancelTokens()
         # A REQ socket must alternate send and receive; a second thread's send in between
-        # breaks its state machine (and a thread's reset would close it under the other).
+        # breaks its state machine (and a thread's reset or close would close it under the
+        # other: a ZMQ socket is used by one thread at a time).
         self._lock = threading.Lock()
         self._sock, self._watch = self._connect()
 
@@ -127,10 +129,16 @@ class Client:
     def _reset(self) -> None:
         """A REQ socket that missed its reply (a timeout, an interrupted wait) cannot send
         again: start a fresh one."""
-        self.close()
+        self._close_socket()
         self._sock, self._watch = self._connect()
 
     def close(self) -> None:
+        """Close the socket once no call is in flight (a ``submit`` another thread waits on
+        ends first, with its answer or its timeout)."""
+        with self._lock:
+            self._close_socket()
+
+    def _close_socket(self) -> None:
         self._watch.close()
         self._sock.close(linger=0)  # (again: nothing)
 

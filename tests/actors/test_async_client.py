@@ -495,6 +495,41 @@ def test_a_blocking_client_shared_by_threads_serves_them_one_at_a_time(blocking_
     assert answers == {str(i): float(i) for i in range(threads)}
 
 
+def test_closing_a_blocking_client_waits_for_the_submit_another_thread_waits_on(
+    blocking_daemon: BlockingDaemon
+) -> None:
+    """The submit gets its answer; closing the socket under its wait raised a ZMQError in
+    the submitting thread (a ZMQ socket serves one thread at a time)."""
+    _, daemon, endpoint = blocking_daemon
+    submitted = threading.Event()
+
+    def late_daemon() -> None:
+        identity, _, body = daemon.recv_multipart()
+        submitted.set()
+        time.sleep(0.3)  # the close comes while the submit waits
+        rid = CLIENT_REQUEST.decode(body).request_id
+        daemon.send_multipart([identity, b"", encode(Result(request_id=rid, outputs=[], stages=[], total_ms=3.0))])
+
+    outcome: list[object] = []
+
+    def submit(client: Client) -> None:
+        try:
+            outcome.append(client.submit(PARAMS, request_id="r", timeout_s=10).result.total_ms)
+        except BaseException as exc:
+            outcome.append(exc)
+
+    playing = threading.Thread(target=late_daemon, daemon=True)
+    playing.start()
+    client = Client(endpoint)  # not on the daemon's context, as above
+    waiting = threading.Thread(target=submit, args=(client,), daemon=True)
+    waiting.start()
+    assert submitted.wait(5)
+    client.close()
+    waiting.join(5)
+    playing.join(5)
+    assert outcome == [3.0]
+
+
 def test_a_blocking_clients_timed_out_wait_cancels_its_request(blocking_daemon: BlockingDaemon, monkeypatch) -> None:
     """A daemon stalled past the client's patience reads the submit late, its deadline
     counting from then: the client's Cancel keeps it from working for nobody."""
