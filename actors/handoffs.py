@@ -130,7 +130,7 @@ class Handoffs:
         # (release at, request id) of doomed flights. Ids, not flights: one released by its
         # Pushed meanwhile (most are) is gone at once, prompts and all, not push_quarantine_s later.
         self._quarantine: deque[tuple[float, str]] = deque()
-        # Flights whose Push went out and whose sender has not reported it, oldest first.
+        # Flights whose Push went out and whose sender has not reported it.
         self._pushing: dict[str, Flight] = {}
         self._acks = itertools.count(1)  # for the Aborts of running stages, answered by Stopped
 
@@ -224,15 +224,15 @@ class Handoffs:
     def late_senders(self, now: float) -> set[str]:
         """Senders with a push unreported past its due time. Their push path is stuck (a
         write waits on a peer that does not answer, Mooncake's handshake with a frozen one
-        for a minute), and their writes go one at a time: work sent there would wait too."""
+        for a minute), and their writes go one at a time: work sent there would wait too.
+        Every push is looked at: each sender's are due by its own write timeout, so sending
+        order is not due order (the pushes in flight are few: at most one per request a receiver holds)."""
         late: set[str] = set()
         ended: list[str] = []
         for rid, flight in self._pushing.items():
             if self._flights.get(rid) is not flight or flight.state != FlightState.PUSHING:
                 ended.append(rid)  # without its Pushed: its sender left, or its quarantine ran out
-            elif flight.push_due > now:
-                break
-            else:
+            elif flight.push_due <= now:
                 late.add(flight.instance)
         for rid in ended:
             del self._pushing[rid]
@@ -529,8 +529,7 @@ class Handoffs:
     def _push(self, flight: Flight, *, after_stall: bool = False) -> None:
         receiver, sender = self._links[flight.receiver], self._links[flight.instance]
         flight.push_due = time.monotonic() + sender.write_timeout_s + flight.nbytes * 1e-9 + PUSH_REPORT_GRACE_S
-        self._pushing.pop(flight.request_id, None)  # a retry's earlier push: this one goes last
-        self._pushing[flight.request_id] = flight
+        self._pushing[flight.request_id] = flight  # (in place of a retry's earlier push)
         # Two workers of one kernel: the sender may copy into the receiver's shared pool.
         same_host = receiver.local is not None and sender.local is not None and receiver.local.host == sender.local.host
         self._order(flight.role, flight.instance, Push(request_id=flight.request_id, session=receiver.session,

@@ -149,12 +149,12 @@ WRITE_TIMEOUT_S = 0.01
 
 def registration(role: Role, session: str, slots: int | list[int], local: LocalMemory | None = None,
                  token: str = TOKEN, work_address: str = "ipc://unused", pool_size: int = POOL_SIZE,
-                 write_timeout_s: float = WRITE_TIMEOUT_S) -> Register:
+                 write_timeout_s: float = WRITE_TIMEOUT_S, name: str = "") -> Register:
     """``role``'s Register, with ``slots`` preallocated slots of SLOT_SIZE bytes (or of these
     sizes), carved from the pool's start."""
     sizes = [SLOT_SIZE] * slots if isinstance(slots, int) else slots
     return Register(
-        protocol=PROTOCOL_VERSION, token=token, role=role, name=f"{role}-worker", work_address=work_address,
+        protocol=PROTOCOL_VERSION, token=token, role=role, name=name or f"{role}-worker", work_address=work_address,
         session=session, pool_base=POOL_BASE, pool_size=pool_size,
         slots=[SlotInfo(slot_id=i, address=POOL_BASE + sum(sizes[:i]), size=size) for i, size in enumerate(sizes)],
         capacity=2, write_timeout_s=write_timeout_s, local=local,
@@ -163,10 +163,10 @@ def registration(role: Role, session: str, slots: int | list[int], local: LocalM
 
 async def register(sock: zmq.asyncio.Socket, role: Role, session: str, slots: int | list[int],
                    local: LocalMemory | None = None, pool_size: int = POOL_SIZE,
-                   write_timeout_s: float = WRITE_TIMEOUT_S) -> Registered:
+                   write_timeout_s: float = WRITE_TIMEOUT_S, name: str = "") -> Registered:
     """Send ``role``'s Register on ``sock`` and await the Registered."""
     await sock.send(encode(registration(role, session, slots, local, pool_size=pool_size,
-                                        write_timeout_s=write_timeout_s)))
+                                        write_timeout_s=write_timeout_s, name=name)))
     registered = DAEMON_TO_WORKER.decode(await sock.recv())
     assert isinstance(registered, Registered), registered
     return registered
@@ -175,17 +175,18 @@ async def register(sock: zmq.asyncio.Socket, role: Role, session: str, slots: in
 @asynccontextmanager
 async def fake_worker(ctx: zmq.asyncio.Context, n: Negotiator, role: Role, *,
                       slots: int | list[int] = 0, host: str | None = None,
-                      pool_size: int = POOL_SIZE, write_timeout_s: float = WRITE_TIMEOUT_S) -> AsyncIterator[FakeWorker]:
+                      pool_size: int = POOL_SIZE, write_timeout_s: float = WRITE_TIMEOUT_S,
+                      name: str = "") -> AsyncIterator[FakeWorker]:
     """Register a ``role`` worker whose memory pool of ``pool_size`` bytes carries ``slots``
     preallocated slots (and, with ``host``, is shared memory on that host), and whose
-    writes time out after ``write_timeout_s``."""
+    writes time out after ``write_timeout_s``; a second of a role needs a ``name`` of its own."""
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(n.endpoint)
     try:
-        session = f"{role}-session"
+        session = f"{name or role}-session"
         registered = await register(sock, role, session, slots, shared_pool(host, role) if host else None,
-                                    pool_size, write_timeout_s)
+                                    pool_size, write_timeout_s, name)
         # Posted before the reply went out, so both are there already.
         join = n.pools[role].receive_nowait()
         assert isinstance(join, Join) and join.instance == registered.instance and join.session == session

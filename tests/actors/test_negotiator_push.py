@@ -30,6 +30,7 @@ from tests.actors.negotiator_harness import (
     encoder_and_denoiser,
     fake_worker,
     job,
+    next_order,
     push_on_fast_path,
     registration,
     released,
@@ -747,3 +748,29 @@ async def test_a_sender_whose_push_is_overdue_gets_no_new_work_until_it_reports_
             await n.stats()
             assert Suspect(instance=encoder.instance, suspect=True) not in n.take("encoder")
 
+
+
+
+async def test_a_sender_with_a_short_write_timeout_is_overdue_behind_a_push_due_later(
+    ctx: zmq.asyncio.Context, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each sender's pushes are due by its own write timeout, so a push sent later can be
+    due sooner: the check went by sending order and stopped at the first push not yet due,
+    missing the stuck sender behind it (it kept getting work)."""
+    monkeypatch.setattr(actors.handoffs, "PUSH_REPORT_GRACE_S", 0.0)
+    with anyio.fail_after(5):
+        async with (
+            running_negotiator(ctx, tmp_path) as n,
+            fake_worker(ctx, n, "encoder", write_timeout_s=30.0) as patient,
+            fake_worker(ctx, n, "encoder", write_timeout_s=0.3, name="hasty") as hasty,
+            fake_worker(ctx, n, "denoiser", slots=2) as denoiser,
+        ):
+            await push_on_fast_path(n, patient, denoiser, "r1")
+            await stage_encoder_output(n, hasty, "r2")
+            n.inbox.post(Placed(job=job("r2", "denoiser"), instance=denoiser.instance))
+            await next_order(n, "encoder", Push)
+            await anyio.sleep(0.4)
+            n.inbox.post(Tick())
+            assert await n.pools["encoder"].receive() == Suspect(instance=hasty.instance, suspect=True)
+            await n.stats()
+            n.assert_silent()  # the patient one is not due for half a minute
