@@ -43,6 +43,7 @@ from actors.mail import (
 )
 from actors.mailbox import Mailbox
 from actors.slots import Slot, SlotBook
+from transfer.engine import write_limit_s
 from transfer.protocol import (
     STAGE_REASONS,
     Abort,
@@ -69,9 +70,9 @@ from transfer.specs import ALIGNMENT, align_up, check_frames
 log = structlog.get_logger()
 
 
-# A sender reports a write by its own deadline (Mooncake's timeout, 1 ns a byte, a second),
-# done, failed or in doubt; the report's way here gets a second more.
-PUSH_REPORT_GRACE_S = 2.0
+# A sender reports a write by its own deadline (transfer.engine.write_limit_s), done, failed
+# or in doubt; the report's way here gets this much more.
+PUSH_REPORT_GRACE_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -528,7 +529,7 @@ class Handoffs:
 
     def _push(self, flight: Flight, *, after_stall: bool = False) -> None:
         receiver, sender = self._links[flight.receiver], self._links[flight.instance]
-        flight.push_due = time.monotonic() + sender.write_timeout_s + flight.nbytes * 1e-9 + PUSH_REPORT_GRACE_S
+        flight.push_due = time.monotonic() + write_limit_s(sender.write_timeout_s, flight.nbytes) + PUSH_REPORT_GRACE_S
         self._pushing[flight.request_id] = flight  # (in place of a retry's earlier push)
         # Two workers of one kernel: the sender may copy into the receiver's shared pool.
         same_host = receiver.local is not None and sender.local is not None and receiver.local.host == sender.local.host

@@ -57,6 +57,13 @@ _DONE, _PENDING, _FAILED, _TIMED_OUT = 1, 0, -1, -2
 _FIRST_SLEEP_S = 20e-6
 _MAX_SLEEP_S = 1e-3
 _GRACE_S = 1.0  # our deadline trails Mooncake's own timeout by this much
+
+
+def write_limit_s(write_timeout_s: float, nbytes: int) -> float:
+    """How long a write of ``nbytes`` may take before it is given up on: Mooncake's own
+    timeout, 1 ns a byte, and a grace. The daemon times a sender's push report by it too."""
+    return write_timeout_s + nbytes * 1e-9 + _GRACE_S
+
 # A write refused or cut off fails within milliseconds (a rejected range, a dead peer). One
 # that fails only after this long was stuck: what it sent may wait in a stalled peer's
 # socket buffers and land when the peer resumes (measured: a SIGSTOPped peer's write gave
@@ -176,7 +183,7 @@ class MooncakeEngine:
                 f"(RDMA would reject it; registered: {[(hex(b), s) for b, s in self._ranges]})"
             )
         te = self._te  # held for the whole write, so a concurrent close() cannot pull it away
-        limit_s = self.write_timeout_s + nbytes * 1e-9 + _GRACE_S
+        limit_s = write_limit_s(self.write_timeout_s, nbytes)
         deadline = time.monotonic() + limit_s
         if session not in self._opened:
             self._open(te, session, local_addr, remote_addr, nbytes, limit_s)

@@ -13,6 +13,7 @@ import zmq
 import zmq.asyncio
 
 import actors.handoffs
+import transfer.engine
 from actors.mail import Failed, Forget, HandedOff, Leave, Placed, Release, Send, Suspect, Tick
 from actors.negotiator import PreallocCounts
 from tests.actors.negotiator_harness import (
@@ -727,6 +728,7 @@ async def test_a_sender_whose_push_is_overdue_gets_no_new_work_until_it_reports_
     there would wait behind it. Its heartbeats say it lives, not that its pushes move: only
     a Pushed clears it."""
     monkeypatch.setattr(actors.handoffs, "PUSH_REPORT_GRACE_S", 0.0)
+    monkeypatch.setattr(transfer.engine, "_GRACE_S", 0.0)
     with anyio.fail_after(5):
         async with encoder_and_denoiser(ctx, tmp_path, slots=2, write_timeout_s=0.5) as (n, encoder, denoiser):
             await push_on_fast_path(n, encoder, denoiser, "r1")
@@ -758,6 +760,7 @@ async def test_a_sender_with_a_short_write_timeout_is_overdue_behind_a_push_due_
     due sooner: the check went by sending order and stopped at the first push not yet due,
     missing the stuck sender behind it (it kept getting work)."""
     monkeypatch.setattr(actors.handoffs, "PUSH_REPORT_GRACE_S", 0.0)
+    monkeypatch.setattr(transfer.engine, "_GRACE_S", 0.0)
     with anyio.fail_after(5):
         async with (
             running_negotiator(ctx, tmp_path) as n,
