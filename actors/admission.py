@@ -14,6 +14,7 @@ import bisect
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import assert_never
 
 import anyio
 import msgspec
@@ -143,6 +144,8 @@ class AdmissionActor:
                         self._inbox.counts(),
                     ),
                 )
+            case _:
+                assert_never(mail)
 
     def _dispatch(self, role: Role) -> None:
         queue = self._queues[role]

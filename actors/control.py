@@ -7,7 +7,7 @@ answering from its own fields, and the answers are merged into one typed snapsho
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, assert_never
 
 import anyio
 import zmq
@@ -101,6 +101,8 @@ class ControlActor:
                 # First, so that an actor too busy to be counted cannot hold the drain back.
                 self._drain_requested.set()
                 return Draining(in_flight=sum((await self.stats()).requests_by_state.values()))
+            case _:
+                assert_never(msg)
 
     async def stats(self) -> Stats:
         answers: dict[str, Any] = {}

@@ -21,6 +21,7 @@ import itertools
 import time
 import uuid
 from dataclasses import dataclass
+from typing import assert_never
 
 import anyio
 import msgspec
@@ -233,6 +234,8 @@ class FrontendActor:
                 elif not self._just_ended.holds(rid, now := time.monotonic()):
                     self._foreseen.add((rid, token), now)
                 self._send(identity, Cancelled(request_id=rid, found=key is not None))
+            case _:
+                assert_never(msg)
 
     @staticmethod
     def _may_cancel(asked: Asked, token: str) -> bool:
@@ -335,6 +338,8 @@ class FrontendActor:
                 assert self._outbox is not None
                 reply_once(reply, FrontendStats(len(self._clients), self._draining, self._retried,
                                                 self._outbox.dropped, dict(self._refused), self._inbox.counts()))
+            case _:
+                assert_never(mail)
 
     def _ended(self, identity: bytes, key: str) -> None:
         keys = self._of_connection.get(identity)

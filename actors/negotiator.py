@@ -26,6 +26,7 @@ from __future__ import annotations
 import itertools
 import secrets
 import time
+from typing import assert_never
 
 import anyio
 import msgspec
@@ -403,6 +404,8 @@ class TransferNegotiator:
                 self._handoffs.stopped(link, msg)
             case Register():
                 pass  # only a message's first report registers
+            case _:
+                assert_never(msg)
 
     # ------------------------------------------------------------------ mail
 
@@ -427,7 +430,7 @@ class TransferNegotiator:
                 reply_once(reply, NegotiatorStats(prealloc, limits, h.in_flight(), h.held(), dict(h.fast), dict(h.slow), h.late,
                                                   self._inbox.counts()))
             case _:
-                raise AssertionError(f"unexpected mail {mail!r}")
+                assert_never(mail)
 
     def _farewell(self) -> None:
         """Tell every worker the daemon stops, to rejoin its successor; ``settled`` for each

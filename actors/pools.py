@@ -20,6 +20,7 @@ from __future__ import annotations
 import bisect
 import time
 from dataclasses import dataclass, field
+from typing import assert_never
 
 import anyio
 import msgspec
@@ -211,6 +212,8 @@ class PoolActor:
                                   i.served, i.failed, i.suspect)
                     for i in self._instances.values()
                 ], len(self._waiting), self._inbox.counts()))
+            case _:
+                assert_never(mail)
 
     def _pick(self, job: Job) -> str | None:
         """An instance with a free slot whose memory can hold ``job``'s input, preferring one

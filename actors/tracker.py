@@ -11,6 +11,7 @@ from __future__ import annotations
 import heapq
 import time
 from dataclasses import dataclass, field
+from typing import assert_never
 
 import anyio
 import msgspec
@@ -160,6 +161,8 @@ class TrackerActor:
                     by_state[entry.state] = by_state.get(entry.state, 0) + 1
                 reply_once(reply, TrackerStats(by_state, self._completed, dict(self._failed), self._latency.latency(),
                                                self._latency.handoff_bytes(), self._inbox.counts()))
+            case _:
+                assert_never(mail)
 
     def _handed_off(self, mail: HandedOff) -> None:
         entry = self._table.get(mail.request_id)

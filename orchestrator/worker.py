@@ -23,7 +23,7 @@ import signal
 import socket
 import time
 from functools import partial
-from typing import Any
+from typing import Any, assert_never
 
 import anyio
 import structlog
@@ -370,6 +370,8 @@ class WorkerRuntime:
                 tg.start_soon(memory.push, order, memory.stalls.look())
             case Abort(request_id=rid, ack=ack):
                 self._abort(rid, ack)
+            case _:
+                assert_never(order)
 
     def _busy_with(self, order: WorkOrder) -> bool:
         """Whether ``order``'s request already has work or memory here that it would clash
