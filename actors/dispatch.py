@@ -28,23 +28,44 @@ class DispatchPolicy(Protocol):
         """An instance with a free slot, one not in ``avoid`` if there is one, or None.
         Does not change any count."""
 
+    def has_room(self) -> bool:
+        """Whether any instance has a free slot, in O(1); unlike ``pick``, it moves no turn."""
 
-class RoundRobin:
+
+class FreeCounts:
+    """Every policy's record of each instance's free slots, with how many have any."""
+
+    def __init__(self) -> None:
+        self._free: dict[str, int] = {}
+        self._with_room = 0
+
+    def _set_free(self, instance: str, free: int) -> None:
+        self._with_room += (free > 0) - (self._free.get(instance, 0) > 0)
+        self._free[instance] = free
+
+    def _forget(self, instance: str) -> None:
+        self._with_room -= self._free.pop(instance, 0) > 0
+
+    def has_room(self) -> bool:
+        return self._with_room > 0
+
+
+class RoundRobin(FreeCounts):
     """Instances with free slots take turns: a ring that rotates on every pick."""
 
     def __init__(self) -> None:
+        super().__init__()
         self._ring: deque[str] = deque()
         self._in_ring: set[str] = set()
-        self._free: dict[str, int] = {}
 
     def update(self, instance: str, free: int) -> None:
-        self._free[instance] = free
+        self._set_free(instance, free)
         if free > 0 and instance not in self._in_ring:
             self._in_ring.add(instance)
             self._ring.append(instance)
 
     def remove(self, instance: str) -> None:
-        self._free.pop(instance, None)
+        self._forget(instance)
         # Picks drop a departed instance's entry when they reach it; a pool with no work
         # while workers come and go would keep them all, and its next pick step over them.
         # Rebuilt once they outnumber the live instances: amortised O(1) per departure.
@@ -69,7 +90,7 @@ class RoundRobin:
         return passed
 
 
-class LeastLoaded:
+class LeastLoaded(FreeCounts):
     """The instance with the most free slots (ties: the one that has waited longest).
 
     A heap with lazy invalidation: each update pushes a fresh entry and stale entries are
@@ -77,20 +98,20 @@ class LeastLoaded:
     """
 
     def __init__(self) -> None:
+        super().__init__()
         self._heap: list[tuple[int, int, str]] = []
-        self._free: dict[str, int] = {}
         self._latest: dict[str, int] = {}
         self._order = itertools.count()
 
     def update(self, instance: str, free: int) -> None:
-        self._free[instance] = free
+        self._set_free(instance, free)
         self._latest[instance] = order = next(self._order)
         if free > 0:
             heapq.heappush(self._heap, (-free, order, instance))
         self._compact()
 
     def remove(self, instance: str) -> None:
-        self._free.pop(instance, None)
+        self._forget(instance)
         self._latest.pop(instance, None)
 
     def pick(self, avoid: Collection[str] = ()) -> str | None:
@@ -116,7 +137,7 @@ class LeastLoaded:
             heapq.heapify(self._heap)
 
 
-class PowerOfTwo:
+class PowerOfTwo(FreeCounts):
     """Two random instances with free slots; the one with more free slots wins.
 
     Candidates live in a list with an index map, so add, remove and sample are O(1); a
@@ -124,13 +145,13 @@ class PowerOfTwo:
     """
 
     def __init__(self, rng: random.Random | None = None) -> None:
+        super().__init__()
         self._rng = rng or random.Random()
-        self._free: dict[str, int] = {}
         self._candidates: list[str] = []
         self._index: dict[str, int] = {}
 
     def update(self, instance: str, free: int) -> None:
-        self._free[instance] = free
+        self._set_free(instance, free)
         if free > 0 and instance not in self._index:
             self._index[instance] = len(self._candidates)
             self._candidates.append(instance)
@@ -138,7 +159,7 @@ class PowerOfTwo:
             self._drop(instance)
 
     def remove(self, instance: str) -> None:
-        self._free.pop(instance, None)
+        self._forget(instance)
         if instance in self._index:
             self._drop(instance)
 

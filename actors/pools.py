@@ -144,7 +144,7 @@ class PoolActor:
                 picked = self._pick(job)
                 if picked is not None:
                     self._place(self._instances[picked], job)
-                elif self._policy.pick() is not None:
+                elif self._policy.has_room():
                     # Free slots, but none at a worker that can hold its input: it waits for
                     # one here, and the slot goes back to admission for a job that fits it.
                     self._waiting[job.request_id] = job

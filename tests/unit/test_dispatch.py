@@ -81,6 +81,16 @@ def test_round_robin_alternates() -> None:
     assert [p.pick() for _ in range(6)] == ["a", "b", "c", "a", "b", "c"]
 
 
+def test_asking_for_room_moves_no_turn() -> None:
+    """The pool asks whether any instance has room when none fits a job: the ring turned."""
+    p = RoundRobin()
+    p.update("a", 1)
+    p.update("b", 1)
+    assert p.pick() == "a"
+    assert p.has_room()
+    assert p.pick() == "b"
+
+
 def test_round_robin_skips_full_instances() -> None:
     p = RoundRobin()
     for name in ("a", "b", "c"):
@@ -235,10 +245,12 @@ ops = st.lists(
 @given(ops=ops)
 def test_any_sequence_picks_only_free_instances(name: str, ops: list[tuple[str, str, int]]) -> None:
     """After any updates, removals and picks, ``pick`` names an instance with a free slot, or
-    None if none has; one not to avoid if any such has a free slot (a retry's pick)."""
+    None if none has; one not to avoid if any such has a free slot (a retry's pick);
+    ``has_room`` says whether any has one."""
     p = policy(name)
     free: dict[str, int] = {}
     for op, instance, n in ops:
+        assert p.has_room() == any(n > 0 for n in free.values())
         if op == "update":
             p.update(instance, n)
             free[instance] = n
