@@ -154,17 +154,20 @@ class LocalCluster:
         return proc
 
     def wait_registered(self, count: int, *, timeout_s: float) -> Stats:
+        """Wait for ``count`` workers to be registered and offered work: each is a suspect
+        until its Probe reaches it, and a request submitted before then passes it by."""
         deadline = time.monotonic() + timeout_s
         while True:
             self._check_alive()
             try:
                 stats = self.control.stats()
-                if len(stats.instances) >= count:
+                if sum(not i.suspect for i in stats.instances) >= count:
                     return stats
             except TimeoutError:
                 pass
             if time.monotonic() > deadline:
-                raise ClusterError(f"{count} workers did not register within {timeout_s}s; logs in {self.log_dir}")
+                raise ClusterError(f"{count} workers did not register (and take work) within {timeout_s}s; "
+                                   f"logs in {self.log_dir}")
             time.sleep(0.1)
 
     def _check_alive(self) -> None:
