@@ -40,7 +40,6 @@ from orchestrator.own_addresses import check_own_addresses
 from orchestrator.priority_gate import PriorityGate
 from orchestrator.stages import RunControl, Stage, StageError, StageStopped, build_stage
 from orchestrator.stages.base import StepFn, released
-from orchestrator.stall_watch import StallWatch
 from orchestrator.watchdog import EXIT_DEVICE_BROKEN, StageWatchdog
 from orchestrator.work_socket import bind_work_socket, close_work_socket
 from orchestrator.worker_memory import RequestMemory
@@ -186,12 +185,7 @@ class WorkerRuntime:
         self._max_message_bytes = registered.max_message_bytes or self._cfg.daemon.worker_max_message_bytes
         self._log = log.bind(role=self.role, worker=self.name, instance=registered.instance)
         self._peer_log = Throttled(self._log)
-        self._memory.log = self._log
-        # Half a heartbeat: the daemon takes a worker silent for two for dead (and what its
-        # pushes were writing into for free), and its beats keep coming over shorter stalls.
-        self._memory.stalls = StallWatch(registered.heartbeat_s / 2)
-        # How long it holds memory a lost sender may still write into: as long as a rejoin waits.
-        self._memory.push_quarantine_s = registered.push_quarantine_s
+        self._memory.registered(self._log, registered.heartbeat_s, registered.push_quarantine_s)
 
     async def _leave(self, link: DaemonLink, registered: Registered | None) -> None:
         """Say Leaving if this worker is registered and may, then close the link. A decoder

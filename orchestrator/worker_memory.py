@@ -40,7 +40,7 @@ class RequestMemory:
         self._engine = engine
         self._writers = writers  # same-host copies: the loop's writer, the push thread's
         self._alloc_timeout_s = alloc_timeout_s
-        self.push_quarantine_s = push_quarantine_s  # the daemon's, once registered
+        self.push_quarantine_s = push_quarantine_s  # the daemon's, once registered (``registered``)
         self._report = report
         # Mooncake writes run one at a time on a push thread of their own: a write blocks,
         # sleeping, until the peer acks, and one writer per engine is what it handles best.
@@ -58,6 +58,15 @@ class RequestMemory:
         # The registration's (its limit is half the daemon's heartbeat): a push read around
         # a stall of the worker's loop writes nothing (``_check_fresh``).
         self.stalls = StallWatch(math.inf)
+
+    def registered(self, log: Any, heartbeat_s: float, push_quarantine_s: float) -> None:
+        """Take on a registration's settings: the daemon's, not this worker's config copy's."""
+        self.log = log
+        # Half a heartbeat: the daemon takes a worker silent for two for dead (and what its
+        # pushes were writing into for free), and its beats keep coming over shorter stalls.
+        self.stalls = StallWatch(heartbeat_s / 2)
+        # How long it holds memory a lost sender may still write into: as long as a rejoin waits.
+        self.push_quarantine_s = push_quarantine_s
 
     async def unmap_gone_receivers(self, period_s: float = UNMAP_GONE_S) -> None:
         """Every ``period_s``, unmap the pools of same-host receivers that exited: a receiver
