@@ -84,7 +84,7 @@ class Flight:
             self.address = address
             self._move(FlightState.PUSHING)
 
-    def wait_for_slot(self, receiver: str, receiver_role: Role, *, at: float) -> None:
+    def wait_for_slot(self, receiver: str, receiver_role: Role) -> None:
         """``receiver`` is reserved, but only one of its preallocated slots can hold the output,
         and none is free yet."""
         self._move(FlightState.SLOT_WAIT)

@@ -210,7 +210,7 @@ class Handoffs:
         elif room is not None and room.only_a_slot_fits(flight.nbytes):
             # Asking it to allocate would be refused (its region is too small) and fail the
             # request; its slots free as the requests it holds move on.
-            flight.wait_for_slot(instance, job.role, at=now)
+            flight.wait_for_slot(instance, job.role)
             self._slot_waits.setdefault(instance, deque()).append(flight)
         else:
             flight.reserve(instance, job.role, slot=None, address=None, at=now)

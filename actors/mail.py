@@ -233,10 +233,9 @@ class Join(Mail):
 
 
 class Leave(Mail):
-    """A worker is gone (evicted or replaced): fail what it held, forget it."""
+    """A worker is gone (evicted or replaced): fail what it held (``worker_lost``), forget it."""
 
     instance: str
-    reason: Reason
     message: str
 
 

@@ -70,7 +70,6 @@ from transfer.protocol import (
     Leaving,
     Probed,
     Pushed,
-    Reason,
     Register,
     Registered,
     RegisterRefused,
@@ -524,7 +523,7 @@ class TransferNegotiator:
         del self._links[link.routing_id]
         del self._by_instance[link.instance]
         del self._by_key[link.key]
-        self._pools[link.role].post(Leave(instance=link.instance, reason=Reason.WORKER_LOST, message=why))
+        self._pools[link.role].post(Leave(instance=link.instance, message=why))
         self._frontend.post(LimitsChanged(role=link.role, instance=link.instance, limits=None))
         self._handoffs.worker_lost(link, why, gone=gone)
         self._log.warning("worker.evicted", instance=link.instance, why=why)

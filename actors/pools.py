@@ -204,8 +204,8 @@ class PoolActor:
                     self._suspect(inst, suspect)
             case Join():
                 self._join(mail)
-            case Leave(instance=instance, reason=reason, message=message):
-                self._leave(instance, reason, message)
+            case Leave(instance=instance, message=message):
+                self._leave(instance, message)
             case QueryStats(reply=reply):
                 reply_once(reply, PoolStats(self.role, [
                     InstanceSlots(i.instance, i.name, i.address, i.session, i.free, i.capacity, i.finishing,
@@ -340,7 +340,7 @@ class PoolActor:
         self._log.info("pool.joined", instance=mail.instance, name=mail.name, address=mail.work_address,
                        capacity=mail.capacity)
 
-    def _leave(self, instance: str, reason: Reason, message: str) -> None:
+    def _leave(self, instance: str, message: str) -> None:
         inst = self._instances.pop(instance, None)
         if inst is None:
             return
@@ -351,7 +351,8 @@ class PoolActor:
             self._admission.post(Credit(role=self.role, delta=-inst.free))
         for rid in inst.holding:
             del self._holds[rid]
-            self._tracker.post(Failed(request_id=rid, reason=reason, message=message, avoid=frozenset({instance})))
+            self._tracker.post(Failed(request_id=rid, reason=Reason.WORKER_LOST, message=message,
+                                       avoid=frozenset({instance})))
         inst.socket.close(linger=0)
-        self._log.warning("pool.left", instance=instance, reason=str(reason), message=message,
+        self._log.warning("pool.left", instance=instance, message=message,
                           lost=len(inst.holding))

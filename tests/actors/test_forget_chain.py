@@ -25,7 +25,7 @@ from actors.mailbox import Mailbox, Switchboard
 from actors.pools import PoolActor
 from tests.actors.negotiator_harness import PARAMS, fake_worker, job, running_negotiator
 from tests.actors.streams import open_stream, queued
-from transfer.protocol import ROLES, Reason, Role, Work
+from transfer.protocol import ROLES, Role, Work
 
 
 async def settle(inbox: Mailbox[Any]) -> None:
@@ -94,7 +94,7 @@ async def test_a_bounced_dispatch_does_not_restart_a_forgotten_request(ctx: zmq.
             c.admission.post(Enqueue(job=job("r#0", "encoder")))
             await settle(c.admission)
             # ...but the pool hears first that its only instance was evicted...
-            c.pool.post(Leave(instance="encoder-9", reason=Reason.WORKER_LOST, message="evicted"))
+            c.pool.post(Leave(instance="encoder-9", message="evicted"))
             await settle(c.pool)
             # ...and the request ends (its deadline, or the client cancels) before the pool
             # gets to the Dispatch: admission finds nothing queued and tells every pool.

@@ -45,7 +45,7 @@ async def test_every_report_in_a_message_is_handled_in_order_and_a_bad_one_drops
             ]
             # r2 was handed on before the bad report; the report after it is about nothing.
             assert n.take("admission") == [Enqueue(job=job("r2", "denoiser"))]
-            assert Leave(instance=encoder.instance, reason=Reason.WORKER_LOST,
+            assert Leave(instance=encoder.instance,
                          message=refused.message) in n.take("encoder")
             assert [entry["event"] for entry in logs].count("worker.bad_message") == 1
             stats = await n.stats()

@@ -156,7 +156,7 @@ async def test_leave_fails_held_requests_with_worker_lost(ctx: zmq.asyncio.Conte
             await pool.join(address, capacity=3)
             await pool.dispatch("r1")
             await pool.dispatch("r2")
-            pool.inbox.post(Leave(instance="encoder-1", reason=Reason.WORKER_LOST, message="missed heartbeats"))
+            pool.inbox.post(Leave(instance="encoder-1", message="missed heartbeats"))
             failed = [await pool.tracker.receive(), await pool.tracker.receive()]
             assert sorted(failed, key=lambda f: f.request_id) == [
                 Failed(request_id=rid, reason=Reason.WORKER_LOST, message="missed heartbeats",
@@ -169,7 +169,7 @@ async def test_leave_fails_held_requests_with_worker_lost(ctx: zmq.asyncio.Conte
 async def test_leave_of_an_unknown_instance_does_nothing(ctx: zmq.asyncio.Context) -> None:
     with anyio.fail_after(5):
         async with running_pool("encoder", ctx) as pool:
-            pool.inbox.post(Leave(instance="encoder-9", reason=Reason.WORKER_LOST, message="?"))
+            pool.inbox.post(Leave(instance="encoder-9", message="?"))
             await pool.stats()
             assert_empty(pool.admission)
             assert_empty(pool.tracker)
@@ -219,7 +219,7 @@ async def test_dispatch_after_the_only_instance_left_requeues(ctx: zmq.asyncio.C
     with anyio.fail_after(5):
         async with fake_worker(ctx, tmp_path) as (address, _), running_pool("encoder", ctx) as pool:
             await pool.join(address)
-            pool.inbox.post(Leave(instance="encoder-1", reason=Reason.WORKER_LOST, message="gone"))
+            pool.inbox.post(Leave(instance="encoder-1", message="gone"))
             assert await pool.admission.receive() == Credit(role="encoder", delta=-2)
             pool.inbox.post(Dispatch(job=job("r1")))
             assert await pool.admission.receive() == Enqueue(job=job("r1"), front=True)
@@ -236,7 +236,7 @@ async def test_bounced_dispatch_gives_its_credit_back(ctx: zmq.asyncio.Context, 
     with anyio.fail_after(5):
         async with fake_worker(ctx, tmp_path) as (address, _), running_pool("encoder", ctx) as pool:
             await pool.join(address, capacity=1)  # credit +1, which admission spends on r1:
-            pool.inbox.post(Leave(instance="encoder-1", reason=Reason.WORKER_LOST, message="gone"))
+            pool.inbox.post(Leave(instance="encoder-1", message="gone"))
             pool.inbox.post(Dispatch(job=job("r1")))  # ...but the worker left first
             await pool.stats()
             credited = 1
@@ -428,7 +428,7 @@ async def test_a_suspect_that_leaves_withdraws_nothing_twice(ctx: zmq.asyncio.Co
             await pool.dispatch("r1")
             pool.inbox.post(Suspect(instance="denoiser-1", suspect=True))
             assert await pool.admission.receive() == Credit(role="denoiser", delta=-2)
-            pool.inbox.post(Leave(instance="denoiser-1", reason=Reason.WORKER_LOST, message="went silent"))
+            pool.inbox.post(Leave(instance="denoiser-1", message="went silent"))
             assert await pool.tracker.receive() == Failed(request_id="r1", reason=Reason.WORKER_LOST,
                                                           message="went silent", avoid=frozenset({"denoiser-1"}))
             assert (await pool.stats()).instances == []
@@ -744,7 +744,7 @@ async def test_a_batch_to_a_stuck_worker_reports_it_once(tmp_path: Path) -> None
                         pool.inbox.post(Send(instance="encoder-1", order=order))
                 assert isinstance(pool.negotiator.receive_nowait(), Stuck)
                 assert_empty(pool.negotiator)
-                pool.inbox.post(Leave(instance="encoder-1", reason=Reason.WORKER_LOST,
+                pool.inbox.post(Leave(instance="encoder-1",
                                       message="encoder encoder-1 is not taking work"))
                 assert (await pool.stats()).instances == []  # and its socket is closed
     finally:

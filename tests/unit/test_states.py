@@ -194,8 +194,7 @@ class FlightMachine(RuleBasedStateMachine):
     @rule()
     def wait_for_slot(self) -> None:
         receiver_role = ROLES[self.role_index + 1]
-        self._call(FlightState.SLOT_WAIT, lambda: self.flight.wait_for_slot(f"{receiver_role}-1", receiver_role,
-                                                                             at=10.0))
+        self._call(FlightState.SLOT_WAIT, lambda: self.flight.wait_for_slot(f"{receiver_role}-1", receiver_role))
 
     @precondition(lambda self: self.role_index < 2)
     @rule()
