@@ -63,7 +63,7 @@ CROSSING_MOST = 4096
 class Entry:
     state: RequestState
     deadline: float
-    admitted_at: float
+    submitted_at: float  # when the frontend took its Submit: its total_ms counts from here
     stage_started: float
     progress: bool  # its client wants Progress messages
     px: int  # pixels it makes, for its estimate (actors/pace.py)
@@ -219,7 +219,7 @@ class TrackerActor:
             eta_ms = self._pace.remaining_ms(state, px=entry.px, steps=entry.steps, done=step,
                                              own_step_ms=entry.own_step_ms)
             self._frontend.post(Deliver(request_id=rid, message=Progress(
-                request_id=rid, state=state, elapsed_ms=(now - entry.admitted_at) * 1000, step=step,
+                request_id=rid, state=state, elapsed_ms=(now - entry.submitted_at) * 1000, step=step,
                 steps=steps, position=position, eta_ms=eta_ms)))
 
     def _finished(self, mail: Finished) -> None:
@@ -237,7 +237,7 @@ class TrackerActor:
         self._move(entry, RequestState.DONE)
         del self._table[rid]
         self._completed += 1
-        total_ms = (now - entry.admitted_at) * 1000
+        total_ms = (now - entry.submitted_at) * 1000
         self._latency.observe("request", total_ms)
         result = Result(request_id=rid, outputs=mail.outputs, stages=entry.stages, total_ms=total_ms)
         self._frontend.post(Deliver(request_id=rid, message=result, frames=mail.frames))
