@@ -336,6 +336,13 @@ class TransferConfig(Section):
     # instead of going through Mooncake's loopback transport, about 7x slower.
     same_host_copy: bool = True
 
+    @property
+    def local_host(self) -> str:
+        """``local_hostname`` without a port: Mooncake takes "host" or "host:port", and with
+        the P2P handshake picks its port itself (a bare IPv6 address is left whole)."""
+        host = self.local_hostname
+        return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+
 
 class LogConfig(Section):
     level: Literal["debug", "info", "warning", "error"] = "info"

@@ -65,10 +65,7 @@ def check_own_addresses(role: str, wcfg: WorkerConfig, transfer: TransferConfig)
     """``EndpointUnusable`` naming the setting, for an address of this worker's that its
     daemon or its peers could not reach it at."""
     key = "transfer.local_hostname"
-    # Mooncake takes "host" or "host:port" (the port is its own choice with the P2P handshake).
-    host = transfer.local_hostname
-    host = host.rsplit(":", 1)[0] if host.count(":") == 1 else host
-    peers_write_to = dialable(host, key)
+    peers_write_to = dialable(transfer.local_host, key)
     if ipaddress.ip_address(peers_write_to).is_unspecified:  # binds, so is_this_hosts takes it
         raise EndpointUnusable(f"{key} ({transfer.local_hostname}) is a wildcard, which peers cannot write to: "
                                "give this host's address")

@@ -138,10 +138,7 @@ class MooncakeEngine:
         if cfg.metadata_server == P2P:
             # Peer-to-peer handshake: Mooncake ignores any port in local_hostname and picks a
             # free RPC port; that port is part of the name peers must use.
-            host = cfg.local_hostname
-            if host.count(":") == 1:  # "ip:port" (not bare IPv6)
-                host = host.rsplit(":", 1)[0]
-            self.session = f"{host}:{self._te.get_rpc_port()}"
+            self.session = f"{cfg.local_host}:{self._te.get_rpc_port()}"
         else:
             # With a metadata server the hostname string itself is the (unique) segment name.
             self.session = cfg.local_hostname
