@@ -276,8 +276,9 @@ class Handoffs:
         if largest is not None and msg.nbytes > largest:
             # Retrying would only compute it again: no receiver registered can ever take it.
             self._fail(flight, Reason.INVALID, f"its {msg.nbytes}-byte output fits no {following}'s memory pool "
-                                               f"(the most one takes is {largest} bytes: workers.{following}.pool_bytes "
-                                               "past its preallocated slots, or prealloc_slot_bytes)", outcome=True)
+                                               f"(the most one takes is {largest} bytes: "
+                                               f"workers.{following}.pool_bytes past its preallocated slots, "
+                                               "or prealloc_slot_bytes)", outcome=True)
             return
         self._recycle_input(flight)
         flight.stage_output(msg.nbytes, msg.manifest, msg.compute_ms, at=time.monotonic())

@@ -29,7 +29,8 @@ class Link:
     # Its Registered.key, which also names the connection its outputs come on (protocol.md §3.2).
     key: bytes = b""
     local: LocalMemory | None = None  # its pool as shared memory, for senders on its host
-    limits: StageLimits = field(default_factory=StageLimits)  # what its model takes (the door's, and `triptych workers`)
+    # What its model takes (the door's, and `triptych workers`).
+    limits: StageLimits = field(default_factory=StageLimits)
     model_digest: str = ""  # every link's is the same (``model_problem``)
     # Its Register.write_timeout_s: a push of its unreported this long after (plus the
     # bytes' time) is stuck. Mooncake's own default until it says.

@@ -264,7 +264,8 @@ class TransferNegotiator:
             message="this is the daemon's worker socket; clients and control commands have endpoints of their own "
                     "(daemon.client_endpoint, daemon.control_endpoint)"), envelope=[b""])
 
-    def _reply(self, routing_id: bytes, msg: Registered | RegisterRefused, *, envelope: list[bytes] | None = None) -> None:
+    def _reply(self, routing_id: bytes, msg: Registered | RegisterRefused, *,
+               envelope: list[bytes] | None = None) -> None:
         assert self._sock is not None and self._pump is not None
         # A ROUTER drops a reply to a peer that is gone or not reading; it never blocks.
         self._sock.send_multipart([routing_id, *(envelope or []), encode(msg)], flags=NOBLOCK)
@@ -426,8 +427,8 @@ class TransferNegotiator:
                 h = self._handoffs
                 prealloc = {instance: PreallocCounts(*h.prealloc_counts(instance)) for instance in self._by_instance}
                 limits = {instance: link.limits for instance, link in self._by_instance.items()}
-                reply_once(reply, NegotiatorStats(prealloc, limits, h.in_flight(), h.held(), dict(h.fast), dict(h.slow), h.late,
-                                                  self._inbox.counts()))
+                reply_once(reply, NegotiatorStats(prealloc, limits, h.in_flight(), h.held(), dict(h.fast),
+                                                  dict(h.slow), h.late, self._inbox.counts()))
             case _:
                 assert_never(mail)
 

@@ -140,24 +140,7 @@ class PoolActor:
     def _handle(self, mail: PoolMail) -> None:
         match mail:
             case Dispatch(job=job):
-                self._bounced.discard(job.request_id)
-                picked = self._pick(job)
-                if picked is not None:
-                    self._place(self._instances[picked], job)
-                elif self._policy.has_room():
-                    # Free slots, but none at a worker that can hold its input: it waits for
-                    # one here, and the slot goes back to admission for a job that fits it.
-                    self._waiting[job.request_id] = job
-                    self._admission.post(Credit(role=self.role, delta=1))
-                    if job.progress:
-                        self._tracker.post(Queued(request_id=job.request_id, role=self.role,
-                                                  position=self._waiting_before(job) + 1))
-                else:
-                    # The slot admission counted on left with its worker: requeue the job
-                    # first in line and give back the credit spent on it.
-                    self._bounced.add(job.request_id)
-                    self._admission.post(Enqueue(job=job, front=True))
-                    self._admission.post(Credit(role=self.role, delta=1))
+                self._dispatch(job)
             case Send(instance=instance, order=order):
                 inst = self._instances.get(instance)
                 if inst is None:
@@ -167,21 +150,8 @@ class PoolActor:
                                                    avoid=frozenset({instance})))
                     return
                 self._send(inst, order)
-            case Release(request_id=rid, instance=instance, ok=ok, finishing=finishing):
-                if self._holds.get(rid) != instance:
-                    return
-                inst = self._instances[instance]
-                if ok is True:
-                    inst.served += 1
-                elif ok is False:
-                    inst.failed += 1
-                self._let_go(inst, rid)
-                if finishing:
-                    # Not the request's any more (its id may come back in a new request),
-                    # but busy: given work now, the worker would hold it behind that run.
-                    inst.finishing += 1
-                else:
-                    self._give_slot(inst)
+            case Release():
+                self._release(mail)
             case RunEnded(instance=instance):
                 inst = self._instances.get(instance)
                 if inst is not None and inst.finishing > 0:
@@ -214,6 +184,43 @@ class PoolActor:
                 ], len(self._waiting), self._inbox.counts()))
             case _:
                 assert_never(mail)
+
+    def _dispatch(self, job: Job) -> None:
+        self._bounced.discard(job.request_id)
+        picked = self._pick(job)
+        if picked is not None:
+            self._place(self._instances[picked], job)
+        elif self._policy.has_room():
+            # Free slots, but none at a worker that can hold its input: it waits for one
+            # here, and the slot goes back to admission for a job that fits it.
+            self._waiting[job.request_id] = job
+            self._admission.post(Credit(role=self.role, delta=1))
+            if job.progress:
+                self._tracker.post(Queued(request_id=job.request_id, role=self.role,
+                                          position=self._waiting_before(job) + 1))
+        else:
+            # The slot admission counted on left with its worker: requeue the job first in
+            # line and give back the credit spent on it.
+            self._bounced.add(job.request_id)
+            self._admission.post(Enqueue(job=job, front=True))
+            self._admission.post(Credit(role=self.role, delta=1))
+
+    def _release(self, mail: Release) -> None:
+        rid = mail.request_id
+        if self._holds.get(rid) != mail.instance:
+            return
+        inst = self._instances[mail.instance]
+        if mail.ok is True:
+            inst.served += 1
+        elif mail.ok is False:
+            inst.failed += 1
+        self._let_go(inst, rid)
+        if mail.finishing:
+            # Not the request's any more (its id may come back in a new request), but busy:
+            # given work now, the worker would hold it behind that run.
+            inst.finishing += 1
+        else:
+            self._give_slot(inst)
 
     def _pick(self, job: Job) -> str | None:
         """An instance with a free slot whose memory can hold ``job``'s input, preferring one

@@ -230,7 +230,8 @@ class TrackerActor:
         now = time.monotonic()
         wall_ms = (now - entry.stage_started) * 1000
         timing = StageTiming(role="decoder", instance=mail.instance,
-                             queued_ms=max(0.0, wall_ms - mail.compute_ms) + entry.carried_ms, compute_ms=mail.compute_ms)
+                             queued_ms=max(0.0, wall_ms - mail.compute_ms) + entry.carried_ms,
+                             compute_ms=mail.compute_ms)
         entry.stages.append(timing)
         self._latency.stage(timing)
         self._pace.decoded(mail.compute_ms, px=entry.px)
