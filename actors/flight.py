@@ -17,7 +17,7 @@ import enum
 from dataclasses import dataclass
 
 from actors.slots import Slot
-from transfer.protocol import GenParams, Role, TensorSpec
+from transfer.protocol import GenParams, Role, TensorSpec, next_role
 
 
 class FlightState(enum.StrEnum):
@@ -55,8 +55,7 @@ class Flight:
     compute_ms: float = 0.0
     staged_at: float = 0.0  # monotonic: when its output began waiting for the next role
     waited_ms: float = 0.0  # from then until a receiver was reserved (and, in SLOT_WAIT, a slot freed there)
-    receiver: str | None = None
-    receiver_role: Role | None = None
+    receiver: str | None = None  # an instance of the role after ``role``
     slot: Slot | None = None  # fast path: the receiver's preallocated slot
     address: int = 0
     push_due: float = 0.0  # pushing: by when (monotonic) its sender should have reported the write
@@ -74,9 +73,14 @@ class Flight:
         self._move(FlightState.AWAITING)
         self.nbytes, self.manifest, self.compute_ms, self.staged_at = nbytes, manifest, compute_ms, at
 
-    def reserve(self, receiver: str, receiver_role: Role, *, slot: Slot | None, address: int | None,
-                at: float) -> None:
-        self.receiver, self.receiver_role, self.slot = receiver, receiver_role, slot
+    @property
+    def receiver_role(self) -> Role:
+        role = next_role(self.role)
+        assert role is not None, f"flight {self.request_id}: a decoder's output goes to its client"
+        return role
+
+    def reserve(self, receiver: str, *, slot: Slot | None, address: int | None, at: float) -> None:
+        self.receiver, self.slot = receiver, slot
         self.waited_ms = (at - self.staged_at) * 1000
         if address is None:
             self._move(FlightState.ALLOCATING)
@@ -84,11 +88,11 @@ class Flight:
             self.address = address
             self._move(FlightState.PUSHING)
 
-    def wait_for_slot(self, receiver: str, receiver_role: Role) -> None:
+    def wait_for_slot(self, receiver: str) -> None:
         """``receiver`` is reserved, but only one of its preallocated slots can hold the output,
         and none is free yet."""
         self._move(FlightState.SLOT_WAIT)
-        self.receiver, self.receiver_role = receiver, receiver_role
+        self.receiver = receiver
 
     def take_slot(self, slot: Slot, *, at: float) -> None:
         if self.state != FlightState.SLOT_WAIT:
@@ -105,8 +109,8 @@ class Flight:
 
     def delivered(self) -> None:
         """The receiver now runs the request; its slot holds the input until it stages."""
-        assert self.receiver is not None and self.receiver_role is not None
+        assert self.receiver is not None
         self._move(FlightState.RUNNING)
         self.role, self.instance, self.input_slot = self.receiver_role, self.receiver, self.slot
-        self.receiver = self.receiver_role = self.slot = None
+        self.receiver = self.slot = None
         self.manifest = None

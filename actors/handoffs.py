@@ -205,15 +205,15 @@ class Handoffs:
         _, room = self._rooms.get(instance, (job.role, None))  # None: evicted since its pool placed this
         now = time.monotonic()
         if slot is not None:
-            flight.reserve(instance, job.role, slot=slot, address=slot.address, at=now)
+            flight.reserve(instance, slot=slot, address=slot.address, at=now)
             self._push(flight)
         elif room is not None and room.only_a_slot_fits(flight.nbytes):
             # Asking it to allocate would be refused (its region is too small) and fail the
             # request; its slots free as the requests it holds move on.
-            flight.wait_for_slot(instance, job.role)
+            flight.wait_for_slot(instance)
             self._slot_waits.setdefault(instance, deque()).append(flight)
         else:
-            flight.reserve(instance, job.role, slot=None, address=None, at=now)
+            flight.reserve(instance, slot=None, address=None, at=now)
             self._order(job.role, instance, Alloc(request_id=rid, nbytes=flight.nbytes))
 
     def forget(self, rid: str) -> None:

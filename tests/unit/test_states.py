@@ -86,7 +86,7 @@ def test_fast_path_goes_running_awaiting_pushing_running() -> None:
     f.stage_output(16, MANIFEST, 1.5, at=10.0)
     assert (f.state, f.nbytes, f.manifest, f.compute_ms) == (FlightState.AWAITING, 16, MANIFEST, 1.5)
     s = slot()
-    f.reserve("denoiser-2", "denoiser", slot=s, address=s.address, at=10.25)
+    f.reserve("denoiser-2", slot=s, address=s.address, at=10.25)
     assert (f.state, f.address) == (FlightState.PUSHING, s.address)
     assert f.waited_ms == 250.0  # for the denoiser's slot, from staging to the reservation
     f.delivered()
@@ -96,7 +96,7 @@ def test_fast_path_goes_running_awaiting_pushing_running() -> None:
 def test_slow_path_goes_through_allocating() -> None:
     f = flight()
     f.stage_output(16, MANIFEST, 1.0, at=10.0)
-    f.reserve("denoiser-2", "denoiser", slot=None, address=None, at=10.0)
+    f.reserve("denoiser-2", slot=None, address=None, at=10.0)
     assert f.state == FlightState.ALLOCATING
     f.allocated(12345)
     assert (f.state, f.address) == (FlightState.PUSHING, 12345)
@@ -106,16 +106,16 @@ def test_delivered_moves_the_receivers_slot_into_input_slot() -> None:
     f = flight()
     f.stage_output(16, MANIFEST, 1.0, at=10.0)
     s = slot()
-    f.reserve("denoiser-2", "denoiser", slot=s, address=s.address, at=10.0)
+    f.reserve("denoiser-2", slot=s, address=s.address, at=10.0)
     f.delivered()
     assert (f.role, f.instance, f.input_slot) == ("denoiser", "denoiser-2", s)
-    assert (f.receiver, f.receiver_role, f.slot, f.manifest) == (None, None, None, None)
+    assert (f.receiver, f.slot, f.manifest) == (None, None, None)
 
 
 def test_delivered_after_allocation_leaves_no_input_slot() -> None:
     f = flight(input_slot=slot("encoder-1"))
     f.stage_output(16, MANIFEST, 1.0, at=10.0)
-    f.reserve("denoiser-2", "denoiser", slot=None, address=None, at=10.0)
+    f.reserve("denoiser-2", slot=None, address=None, at=10.0)
     f.allocated(99)
     f.delivered()
     assert f.input_slot is None
@@ -144,14 +144,14 @@ def test_allocated_while_awaiting_is_illegal() -> None:
 def test_allocated_on_the_fast_path_is_illegal() -> None:
     f = flight()
     f.stage_output(16, MANIFEST, 1.0, at=10.0)
-    f.reserve("denoiser-2", "denoiser", slot=slot(), address=4096, at=10.0)
+    f.reserve("denoiser-2", slot=slot(), address=4096, at=10.0)
     with pytest.raises(RuntimeError, match="flight r1"):
         f.allocated(1)
 
 
 def test_reserve_while_running_is_illegal() -> None:
     with pytest.raises(RuntimeError):
-        flight().reserve("denoiser-2", "denoiser", slot=None, address=None, at=10.0)
+        flight().reserve("denoiser-2", slot=None, address=None, at=10.0)
 
 
 def test_flight_table_is_the_hand_off_lifecycle() -> None:
@@ -187,14 +187,14 @@ class FlightMachine(RuleBasedStateMachine):
         receiver_role = ROLES[self.role_index + 1]
         s = slot(f"{receiver_role}-1") if fast else None
         target = FlightState.PUSHING if fast else FlightState.ALLOCATING
-        self._call(target, lambda: self.flight.reserve(f"{receiver_role}-1", receiver_role, slot=s,
+        self._call(target, lambda: self.flight.reserve(f"{receiver_role}-1", slot=s,
                                                         address=s.address if s else None, at=10.0))
 
     @precondition(lambda self: self.role_index < 2)
     @rule()
     def wait_for_slot(self) -> None:
         receiver_role = ROLES[self.role_index + 1]
-        self._call(FlightState.SLOT_WAIT, lambda: self.flight.wait_for_slot(f"{receiver_role}-1", receiver_role))
+        self._call(FlightState.SLOT_WAIT, lambda: self.flight.wait_for_slot(f"{receiver_role}-1"))
 
     @precondition(lambda self: self.role_index < 2)
     @rule()
