@@ -283,7 +283,8 @@ async def held_backlog(cluster: LocalCluster, total: int) -> tuple[list[float], 
     return *served[0], time.perf_counter() - resumed, rss
 
 
-def measure(cluster: LocalCluster, name: str, concurrency: int, total: int, *, backlog: bool = False) -> dict[str, float]:
+def measure(cluster: LocalCluster, name: str, concurrency: int, total: int, *,
+            backlog: bool = False) -> dict[str, float]:
     """One closed loop (or, ``backlog``, ``total`` requests held until all are in) through
     ``cluster``, after a warm-up: the row the tables print."""
     assert cluster.daemon is not None
@@ -293,7 +294,8 @@ def measure(cluster: LocalCluster, name: str, concurrency: int, total: int, *, b
     handled0 = sum(cluster.control.stats().mail_handled.values())
     peak = RssPeak(pid)
     peak.start()
-    cpu0, user0, switches0, t0 = cpu_seconds(pid), main_thread_user_seconds(pid), context_switches(pid), time.perf_counter()
+    cpu0, user0, switches0, t0 = (cpu_seconds(pid), main_thread_user_seconds(pid), context_switches(pid),
+                                  time.perf_counter())
     if backlog:
         latencies, stages, serving_s, held_rss = anyio.run(held_backlog, cluster, total, backend="asyncio")
     else:
@@ -309,7 +311,8 @@ def measure(cluster: LocalCluster, name: str, concurrency: int, total: int, *, b
         "name": name, "requests": total, "req_s": total / (serving_s if backlog else wall),
         "p50_ms": latencies[len(latencies) // 2] * 1000,
         "p99_ms": latencies[int(len(latencies) * 0.99) - 1] * 1000,
-        "cpu_ms": cpu / total * 1000, "user_ms": user / total * 1000, "wakeups": switches / total, "rss_mib": held_rss if backlog else peak.peak, "stages": stages,
+        "cpu_ms": cpu / total * 1000, "user_ms": user / total * 1000, "wakeups": switches / total,
+        "rss_mib": held_rss if backlog else peak.peak, "stages": stages,
         "hops": hops / total,
     }
 
@@ -323,9 +326,9 @@ def print_table(title: str, rows: list[dict[str, float]], *, reference: bool) ->
           f"{versus}{'main user ms':>13} {'wake-ups/req':>13} {'hops/req':>9} {'daemon RSS MiB':>15}")
     for row in rows:
         versus = f"{REFERENCE_CPU_MS[row['name']] / row['cpu_ms']:>12.1f}x " if reference else ""
-        print(f"{row['name']:<13} {row['requests']:>8} {row['req_s']:>8.0f} {row['p50_ms']:>8.2f} {row['p99_ms']:>8.2f} "
-              f"{row['cpu_ms']:>18.3f} {versus}{row['user_ms']:>13.3f} {row['wakeups']:>13.1f} {row['hops']:>9.1f} "
-              f"{row['rss_mib']:>15.1f}")
+        print(f"{row['name']:<13} {row['requests']:>8} {row['req_s']:>8.0f} {row['p50_ms']:>8.2f} "
+              f"{row['p99_ms']:>8.2f} {row['cpu_ms']:>18.3f} {versus}{row['user_ms']:>13.3f} "
+              f"{row['wakeups']:>13.1f} {row['hops']:>9.1f} {row['rss_mib']:>15.1f}")
 
 
 def print_stage_breakdown(title: str, row: dict) -> None:
@@ -387,7 +390,8 @@ def report(tmp: Path, args: argparse.Namespace) -> None:
     print(f"\ndaemon log level {args.log_level}; every request completed")
     print(f"the same client against a stand-in that answers at once: p50 {client_ms:.3f} ms at concurrency 1")
     print(f"do-nothing ROUTER in its own process: p50 {floor_ms:.3f} ms at concurrency 1; its CPU per round trip "
-          f"(one receive + one send) {echo_cpu_1_ms * 1000:.0f} us at concurrency 1, {echo_cpu_16_ms * 1000:.0f} us at 16")
+          f"(one receive + one send) {echo_cpu_1_ms * 1000:.0f} us at concurrency 1, "
+          f"{echo_cpu_16_ms * 1000:.0f} us at 16")
     print_table("daemon alone: instant protocol workers (as the reference head was measured)", tables[True],
                 reference=True)
     print_table("full stack: real workers, null stages, Mooncake hand-offs", tables[False], reference=False)

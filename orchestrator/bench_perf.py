@@ -64,7 +64,8 @@ def profile(pid: int, load: Callable[[], None]) -> dict[str, list[tuple[float, s
             for key in ("dso", "comm", "sym")
         }
     if not rows["dso"]:
-        raise RuntimeError(f"perf recorded no samples of process {pid} (not allowed to attach? see perf_event_paranoid)")
+        raise RuntimeError(f"perf recorded no samples of process {pid} "
+                           "(not allowed to attach? see perf_event_paranoid)")
     return rows
 
 

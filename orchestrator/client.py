@@ -87,7 +87,8 @@ class Client:
             # not have ended it: a stalled daemon reads a submit late, its deadline counting
             # from then.
             # PermissionError: the id runs for another client by now, so nothing of ours is left there.
-            with contextlib.suppress(TimeoutError, ConnectionError, ValueError, zmq.ZMQError, Rejection, PermissionError):
+            with contextlib.suppress(TimeoutError, ConnectionError, ValueError, zmq.ZMQError, Rejection,
+                                     PermissionError):
                 self.cancel(rid, timeout_s=CANCEL_SEND_S)
             raise
         generation = answer_as(Generation, reply, self.endpoint)

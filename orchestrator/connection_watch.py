@@ -104,7 +104,8 @@ class ConnectionWatch:
         if self.accepted:
             return (f"no daemon answers at {endpoint}: something there took the connection but did not complete "
                     f"ZMQ's handshake within {waited_s:g}s (a stopped or stuck daemon, or not a ZMQ socket)")
-        return f"no daemon at {endpoint}: nothing there took a connection within {waited_s:g}s{silence_causes(endpoint)}"
+        return (f"no daemon at {endpoint}: nothing there took a connection within {waited_s:g}s"
+                f"{silence_causes(endpoint)}")
 
     def close(self) -> None:
         """Stop watching (again: nothing)."""

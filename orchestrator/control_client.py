@@ -45,7 +45,8 @@ class Control:
             sock.connect(self.endpoint)
             sock.send(encode(request))
             if not sock.poll(self._timeout_ms):
-                raise TimeoutError(f"no reply from control socket {self.endpoint} within {self._timeout_ms / 1000:.1f}s")
+                raise TimeoutError(f"no reply from control socket {self.endpoint} "
+                                   f"within {self._timeout_ms / 1000:.1f}s")
             body = sock.recv()
         finally:
             sock.close(linger=0)

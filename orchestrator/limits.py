@@ -63,7 +63,8 @@ def unsatisfiable(limits: StageLimits) -> str | None:
     if smallest * smallest > limits.max_pixels:
         return f"max_pixels {limits.max_pixels} is below one {smallest}x{smallest} image of model {limits.model!r}"
     if limits.min_steps > limits.max_steps:
-        return f"max_steps {limits.max_steps} is below the {limits.min_steps} steps model {limits.model!r} takes at least"
+        return (f"max_steps {limits.max_steps} is below the {limits.min_steps} steps model {limits.model!r} "
+                "takes at least")
     return None
 
 

@@ -77,13 +77,15 @@ def _daemon_metrics(stats: Stats) -> Iterator[Metric]:
     yield _gauge("triptych_uptime_seconds", "Seconds since the daemon started", stats.uptime_s)
     yield _gauge("triptych_draining", "1 while the daemon drains and refuses new requests", int(stats.draining))
     yield CounterMetricFamily("triptych_requests_completed", "Requests answered with a result", value=stats.completed)
-    yield _labelled(CounterMetricFamily, "triptych_requests_failed", "Failed attempts of requests by reason: an end in an error, and each attempt retried",
+    yield _labelled(CounterMetricFamily, "triptych_requests_failed",
+                    "Failed attempts of requests by reason: an end in an error, and each attempt retried",
                     "reason", stats.failed_by_reason)
     yield _labelled(CounterMetricFamily, "triptych_requests_refused",
                     "Client messages refused at the door: submits never admitted (overloaded, draining...), "
                     "unreadable ones, by reason", "reason",
                     stats.refused)
-    yield CounterMetricFamily("triptych_requests_retried", "Requests started again after a lost worker or a failed hand-off",
+    yield CounterMetricFamily("triptych_requests_retried",
+                              "Requests started again after a lost worker or a failed hand-off",
                               value=stats.retried)
     yield CounterMetricFamily("triptych_replies_dropped",
                               "Replies not sent: the client had left or was not reading its replies",
@@ -102,7 +104,9 @@ def _daemon_metrics(stats: Stats) -> Iterator[Metric]:
         for hop, count in sorted(counts.items()):
             handoffs.add_metric([hop, path], count)
     yield handoffs
-    yield CounterMetricFamily("triptych_late_reports", "Worker reports dropped: about requests that had already ended, or not the sender's to make",
+    yield CounterMetricFamily("triptych_late_reports",
+                              "Worker reports dropped: about requests that had already ended, "
+                              "or not the sender's to make",
                               value=stats.late_reports)
     yield _labelled(GaugeMetricFamily, "triptych_mailbox_peak", "The most mail an actor's mailbox held at once",
                     "actor", stats.mailboxes)
@@ -121,8 +125,8 @@ def _latency_metrics(stats: Stats) -> Iterator[Metric]:
     request = HistogramMetricFamily("triptych_request_duration_seconds",
                                     "Completed requests, from the daemon taking the submit to the result")
     stages = HistogramMetricFamily("triptych_stage_duration_seconds",
-                                   "Each stage of each request: queued (for the role's slot, its input waiting included, then for a "
-                                   "compute thread) "
+                                   "Each stage of each request: queued (for the role's slot, its input waiting "
+                                   "included, then for a compute thread) "
                                    "and compute", labels=["role", "part"])
     hops = HistogramMetricFamily("triptych_handoff_duration_seconds",
                                  "Each hand-off's write from one stage's worker into the next's", labels=["hop"])
@@ -153,11 +157,13 @@ def _instance_metrics(stats: Stats) -> Iterator[Metric]:
                                            labels=INSTANCE_LABELS),
         "prealloc_total": GaugeMetricFamily("triptych_worker_prealloc", "Preallocated receive slots",
                                             labels=INSTANCE_LABELS),
-        "served": CounterMetricFamily("triptych_worker_served", "Stages this instance completed", labels=INSTANCE_LABELS),
+        "served": CounterMetricFamily("triptych_worker_served", "Stages this instance completed",
+                                      labels=INSTANCE_LABELS),
         "failed": CounterMetricFamily("triptych_worker_failed", "Stages that failed on this instance",
                                       labels=INSTANCE_LABELS),
         "suspect": GaugeMetricFamily("triptych_worker_suspect",
-                                     "1 while it gets no new work: not yet reached, silent, or a push into it failed and not heard from since",
+                                     "1 while it gets no new work: not yet reached, silent, or a push into it "
+                                     "failed and not heard from since",
                                      labels=INSTANCE_LABELS),
     }
     for inst in stats.instances:

@@ -306,7 +306,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=at_least(1), default=20)
     parser.add_argument("--round-s", type=positive_seconds, default=55.0, help="traffic and faults per round")
     parser.add_argument("--rate", type=positive_rate, default=10.0, help="requests per second (a Poisson stream)")
-    parser.add_argument("--seed", type=int, default=1, help="the same seed draws the same requests and faults (their timing varies)")
+    parser.add_argument("--seed", type=int, default=1,
+                        help="the same seed draws the same requests and faults (their timing varies)")
     parser.add_argument("--restart-every", type=at_least(0), default=6,
                         help="restart the daemon in every N-th round (0: never)")
     args = parser.parse_args(argv)

@@ -155,7 +155,8 @@ def to_frames(tensors: Mapping[str, torch.Tensor]) -> tuple[list[TensorSpec], li
     return specs, buffers
 
 
-def from_frames(specs: Sequence[TensorSpec], frames: Sequence[bytes | bytearray | memoryview]) -> dict[str, torch.Tensor]:
+def from_frames(specs: Sequence[TensorSpec],
+                frames: Sequence[bytes | bytearray | memoryview]) -> dict[str, torch.Tensor]:
     """Tensors built from received frames; checks count and sizes.
 
     A ``bytearray`` frame is used in place, the tensor sharing its memory; any other is

@@ -421,8 +421,9 @@ class RegisterRefused(Wire):
     # memory: rejoining, it need not wait out push_quarantine_s first.
     settled: bool = False
     # This registration is turned away for now (with rejoin): a live worker holds its name
-    # or its Mooncake session, or the daemon has max_workers registered. Unlike the answers to messages sent before the daemon forgot
-    # the worker, it says why the worker is not in yet.
+    # or its Mooncake session, or the daemon has max_workers registered. Unlike the answers
+    # to messages sent before the daemon forgot the worker, it says why the worker is not in
+    # yet.
     deferred: bool = False
 
 
@@ -651,7 +652,8 @@ def wrong_socket(here: str, body: bytes) -> str | None:
             continue
         if socket == here:
             return None
-        return f"this is the daemon's {here} socket; this message goes to its {socket} socket (daemon.{socket}_endpoint)"
+        return (f"this is the daemon's {here} socket; this message goes to its {socket} socket "
+                f"(daemon.{socket}_endpoint)")
     return None
 
 

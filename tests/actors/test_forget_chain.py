@@ -79,7 +79,9 @@ async def running_chain(ctx: zmq.asyncio.Context) -> AsyncIterator[Chain]:
             tg.cancel_scope.cancel()
 
 
-async def test_a_bounced_dispatch_does_not_restart_a_forgotten_request(ctx: zmq.asyncio.Context, tmp_path: Path) -> None:
+async def test_a_bounced_dispatch_does_not_restart_a_forgotten_request(
+    ctx: zmq.asyncio.Context, tmp_path: Path
+) -> None:
     with anyio.fail_after(5):
         async with (
             running_negotiator(ctx, tmp_path) as n,

@@ -680,6 +680,7 @@ async def test_a_message_of_millions_of_frames_is_refused_after_its_first_few(ct
         with anyio.fail_after(10):
             assert (await fe.reply())[0] == Rejected(
                 request_id="", reason=Reason.INVALID,
-                message=f"invalid request: expected [empty, body] frames, got {frontend.CLIENT_FRAMES_READ - 1} or more")
+                message=f"invalid request: expected [empty, body] frames, "
+                        f"got {frontend.CLIENT_FRAMES_READ - 1} or more")
             assert (await fe.reply())[0] == Cancelled(request_id="after", found=False)
         assert (await fe.stats()).refused == {Reason.INVALID: 1}

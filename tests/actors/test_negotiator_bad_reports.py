@@ -102,7 +102,8 @@ async def test_a_message_is_read_up_to_its_report_limit(
             await wait_late(n, REPORTS_PER_MESSAGE)
             await encoder.report(Step(request_id="nobody", step=0, steps=1))
             assert (await wait_late(n, REPORTS_PER_MESSAGE + 1)).late_reports == REPORTS_PER_MESSAGE + 1
-            assert [e for e in logs if e["event"] == "worker.too_many_reports"][0]["reports"] == REPORTS_PER_MESSAGE + 50
+            assert ([e for e in logs if e["event"] == "worker.too_many_reports"][0]["reports"]
+                    == REPORTS_PER_MESSAGE + 50)
 
 
 async def test_a_repeated_report_leaves_the_live_request_alone(ctx: zmq.asyncio.Context, tmp_path: Path) -> None:

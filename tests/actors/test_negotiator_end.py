@@ -449,7 +449,8 @@ async def test_the_old_connection_of_a_reused_name_is_told_to_stop(ctx: zmq.asyn
             await reregister(ctx, n, "denoiser", slots=1, stack=stack)
             refused = DAEMON_TO_WORKER.decode(await denoiser.sock.recv())
             assert isinstance(refused, RegisterRefused) and not refused.rejoin
-            assert refused.message == "another worker registered under the name 'denoiser-worker': worker names must be unique"
+            assert refused.message == ("another worker registered under the name 'denoiser-worker': "
+                                       "worker names must be unique")
 
 
 async def test_a_farewell_tells_each_worker_to_rejoin_and_which_may_skip_the_quarantine(

@@ -69,7 +69,9 @@ def suspected(worker: FakeWorker, suspect: bool = True) -> Suspect:
 # --------------------------------------------------------------------------- the next stage's job
 
 
-async def test_the_next_stages_job_and_order_keep_the_requests_priority(ctx: zmq.asyncio.Context, tmp_path: Path) -> None:
+async def test_the_next_stages_job_and_order_keep_the_requests_priority(
+    ctx: zmq.asyncio.Context, tmp_path: Path
+) -> None:
     with anyio.fail_after(5):
         async with encoder_and_denoiser(ctx, tmp_path, slots=1) as (n, encoder, denoiser):
             await stage_encoder_output(n, encoder, "r1", priority=9)

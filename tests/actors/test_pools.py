@@ -707,7 +707,8 @@ async def test_orders_from_one_delivery_leave_as_one_message_in_order(ctx: zmq.a
     with anyio.fail_after(5):
         async with fake_worker(ctx, tmp_path) as (address, worker), running_pool("encoder", ctx) as pool:
             await pool.join(address, work=worker)
-            orders = [Work(request_id="r1", params=PARAMS), Abort(request_id="r2"), Work(request_id="r3", params=PARAMS)]
+            orders = [Work(request_id="r1", params=PARAMS), Abort(request_id="r2"),
+                      Work(request_id="r3", params=PARAMS)]
             with pool.inbox.board.hold():  # as a socket pump holds the board over a batch
                 for order in orders:
                     pool.inbox.post(Send(instance="encoder-1", order=order))

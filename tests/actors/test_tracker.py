@@ -452,7 +452,8 @@ async def test_the_encoder_job_carries_the_requests_priority() -> None:
 async def test_a_request_that_asked_for_progress_hears_of_every_stage_and_step() -> None:
     with anyio.fail_after(5):
         async with running_tracker() as t:
-            t.inbox.post(Admit(request_id="r1", params=PARAMS, timeout_s=60.0, progress=True, submitted_at=time.monotonic()))
+            t.inbox.post(Admit(request_id="r1", params=PARAMS, timeout_s=60.0, progress=True,
+                               submitted_at=time.monotonic()))
             job = (await t.admission.receive()).job
             assert job.progress  # carried to every stage's order
 

@@ -34,7 +34,8 @@ def triptych_importing(*args: str, config) -> tuple[subprocess.CompletedProcess[
     """``triptych(*args)``, and the modules it imported."""
     done = subprocess.run([sys.executable, "-X", "importtime", "-m", "orchestrator", *args, "--config", str(config)],
                           capture_output=True, text=True, timeout=60)
-    return done, {line.rsplit("|", 1)[1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")}
+    return done, {line.rsplit("|", 1)[1].strip() for line in done.stderr.splitlines()
+                  if line.startswith("import time:")}
 
 
 def test_submit_writes_the_png_and_stats_report_it(start_cluster: StartCluster, tmp_path) -> None:
@@ -234,7 +235,8 @@ def test_every_dispatch_policy_serves_correctly_over_both_denoisers(start_cluste
         for i in range(16):  # power of two: all on one denoiser has odds 2^-15
             params = GenParams(prompt=f"p{i}", seed=i, output="raw")
             generation = client.submit(params, timeout_s=20)
-            assert torch.equal(generation.outputs["images"], expected_outputs(params, cluster.config.model.null)["images"])
+            assert torch.equal(generation.outputs["images"],
+                               expected_outputs(params, cluster.config.model.null)["images"])
             served.update(s.instance for s in generation.result.stages if s.role == "denoiser")
     assert len(served) == 2
     wait_for(cluster, all_free)

@@ -538,7 +538,8 @@ async def test_a_worker_whose_reports_the_daemon_cannot_read_is_dropped_and_its_
     finally:
         worker.kill()
     for seed, generation in enumerate(generations):
-        assert generation is not None and torch.equal(generation.outputs["images"], expected_outputs(p(seed), null_cfg)["images"])
+        assert generation is not None and torch.equal(generation.outputs["images"],
+                                                      expected_outputs(p(seed), null_cfg)["images"])
     assert worker.returncode == 1
     assert "sent a report the daemon cannot read" in output and "$.compute_ms" in output
     assert '"process.failed"' in output and "Traceback" not in output  # a refusal, not a crash
@@ -620,7 +621,9 @@ def test_an_output_no_receiver_can_take_is_invalid_at_once_and_not_retried(start
     assert (stats.slow_path, stats.fast_path, stats.retried) == ({}, {}, 0)
 
 
-def test_a_retry_goes_to_another_worker_than_the_one_that_failed_it(start_cluster: StartCluster, tmp_path: Path) -> None:
+def test_a_retry_goes_to_another_worker_than_the_one_that_failed_it(
+    start_cluster: StartCluster, tmp_path: Path
+) -> None:
     """encoder1 has no room to stage any output, and has the most free slots, so least_loaded
     offers it every request first: each fails there once, and its retry goes to encoder0.
     Before, the retry went to encoder1 again and every request failed."""
@@ -738,7 +741,8 @@ def test_a_worker_with_no_daemon_says_it_waits_then_gives_up_in_one_line(tmp_pat
     waiting = [e for e in events if e["event"] == "worker.waiting_for_daemon"]
     assert len(waiting) == 1 and waiting[0]["endpoint"] == f"ipc://{tmp_path}/workers"
     assert done.returncode == 1 and events[-1]["event"] == "process.failed"
-    assert "no answer from the daemon" in events[-1]["error"] and "workers.encoder.connect_timeout_s" in events[-1]["error"]
+    assert ("no answer from the daemon" in events[-1]["error"]
+            and "workers.encoder.connect_timeout_s" in events[-1]["error"])
 
 
 @pytest.mark.parametrize("socket", ["client", "control"])

@@ -221,7 +221,8 @@ async def test_a_higher_priority_request_overtakes_queued_ones_at_a_busy_stage(
             await anyio.to_thread.run_sync(wait_for, cluster, lambda s: s.requests_by_state.get("denoising") == 1)
             for rid in ("later-1", "later-2"):
                 tg.start_soon(submit, rid, 0)
-            await anyio.to_thread.run_sync(wait_for, cluster, lambda s: s.queue_depths.get("denoiser") == 2 if capacity == 1
+            await anyio.to_thread.run_sync(wait_for, cluster,
+                                           lambda s: s.queue_depths.get("denoiser") == 2 if capacity == 1
                                            else s.requests_by_state.get("denoising") == 3)
             tg.start_soon(submit, "urgent", 10)
     assert list(finished) == ["first", "urgent", "later-1", "later-2"]

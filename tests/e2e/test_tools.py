@@ -18,7 +18,8 @@ FOUND_THROUGH = ("PYTHONPATH", "LD_LIBRARY_PATH")
 
 
 def run_tool(module: str, *args: str, timeout_s: float = 300) -> subprocess.CompletedProcess[str]:
-    env = {"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"} | {k: os.environ[k] for k in FOUND_THROUGH if k in os.environ}
+    env = {"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"} | {k: os.environ[k] for k in FOUND_THROUGH
+                                                              if k in os.environ}
     return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=timeout_s,
                           env=env)
 

@@ -228,7 +228,8 @@ async def test_a_retry_goes_before_requests_that_have_not_had_their_turn_at_ever
                 order.append(rid)
 
             tg.start_soon(one, "A", 1)
-            stats = await anyio.to_thread.run_sync(lambda: wait_for(cluster, lambda s: denoising_instance(s) is not None))
+            stats = await anyio.to_thread.run_sync(
+                lambda: wait_for(cluster, lambda s: denoising_instance(s) is not None))
             running_a = denoising_instance(stats)
             assert running_a is not None
             tg.start_soon(one, "B", 2)
@@ -281,5 +282,6 @@ async def test_a_sender_stuck_on_a_frozen_receiver_gets_no_new_work_until_its_pu
     # The first request's denoiser missed its heartbeats: it started again on the new one.
     assert (stats.completed, stats.failed_by_reason, stats.retried) == (9, {"worker_lost": 1}, 1)
     assert stuck in {i.instance for i in stats.instances}  # its loop never stopped: never evicted
-    overdue = [line for line in map(json.loads, cluster.log_of("daemon").splitlines()) if line["event"] == "worker.push_overdue"]
+    overdue = [line for line in map(json.loads, cluster.log_of("daemon").splitlines())
+               if line["event"] == "worker.push_overdue"]
     assert [line["instance"] for line in overdue] == [stuck]

@@ -112,7 +112,8 @@ def test_submit_refuses_a_timeout_of_zero_as_it_parses(capsys: pytest.CaptureFix
     """0 used to be read as "none given" and waited the default 120 s."""
     with pytest.raises(SystemExit) as exited:
         cli.main(["submit", "--prompt", "p", "--timeout", "0"])
-    assert exited.value.code == 2 and "argument --timeout: expected a positive number of seconds" in capsys.readouterr().err
+    assert (exited.value.code == 2
+            and "argument --timeout: expected a positive number of seconds" in capsys.readouterr().err)
 
 
 @pytest.mark.usefixtures("never_serve")

@@ -247,4 +247,5 @@ def test_an_ipv6_endpoint_is_refused_at_load_saying_why(tmp_path: Path) -> None:
 @pytest.mark.parametrize("endpoint", ["tcp://127.0.0.1:6000", "tcp://*:5555", "tcp://*:*", "tcp://eth0:5555",
                                       "tcp://gpu-host-3.example:7000", "ipc:///tmp/triptych/c", "ipc://@abstract"])
 def test_the_endpoints_operators_write_load(tmp_path: Path, endpoint: str) -> None:
-    assert load_config(write(tmp_path, f'[daemon]\ncontrol_endpoint = "{endpoint}"\n')).daemon.control_endpoint == endpoint
+    assert (load_config(write(tmp_path, f'[daemon]\ncontrol_endpoint = "{endpoint}"\n')).daemon.control_endpoint
+            == endpoint)

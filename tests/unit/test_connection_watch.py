@@ -37,7 +37,8 @@ def test_silence_at_a_tcp_endpoint_names_what_zmq_cannot_tell_apart(watch: Conne
 
 
 def test_what_accepts_a_connection_but_never_shakes_hands_is_told_from_nothing(watch: ConnectionWatch) -> None:
-    assert watch.why_none(ENDPOINT, 3.0).startswith(f"no daemon at {ENDPOINT}: nothing there took a connection within 3s")
+    assert watch.why_none(ENDPOINT, 3.0).startswith(f"no daemon at {ENDPOINT}: nothing there took a connection "
+                                                    "within 3s")
     watch.heard(event(zmq.EVENT_CONNECTED))  # a stopped daemon's kernel still accepts
     assert watch.why_none(ENDPOINT, 3.0).startswith(f"no daemon answers at {ENDPOINT}: something there took the "
                                                     "connection but did not complete ZMQ's handshake within 3s")

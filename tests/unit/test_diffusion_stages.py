@@ -77,7 +77,8 @@ CASES = {
         1,
         GenParams(prompt="a cat", width=32, height=32, steps=2, guidance=1.0, seed=1, num_images=2, output="raw"),
     ),
-    "cfg-48x32": (2, GenParams(prompt="Lighthouse, dusk!", width=48, height=32, steps=4, guidance=7.5, seed=2, output="raw")),
+    "cfg-48x32": (2, GenParams(prompt="Lighthouse, dusk!", width=48, height=32, steps=4, guidance=7.5, seed=2,
+                               output="raw")),
     # One step: PixArt's __call__ then returns the scheduler's predicted x0, not x_{t-1}.
     "cfg-1step": (0, GenParams(prompt="one step", width=32, height=32, steps=1, seed=3, output="raw")),
 }
@@ -266,8 +267,9 @@ def test_pixart_takes_one_step_only_with_a_scheduler_that_predicts_x0(tmp_path, 
 def test_steps_are_bounded_by_what_the_scheduler_takes(tmp_path, scheduler: str, config: dict,
                                                        steps: tuple[int, int]) -> None:
     """A count the scheduler sets no timesteps for (past an LCM scheduler's original steps,
-    under PNDM's Runge-Kutta warm-up), or sets some past the trained ones for, is refused at the door as invalid, by every role's
-    limits, not failed mid-request by the denoiser (stage_failed)."""
+    under PNDM's Runge-Kutta warm-up), or sets some past the trained ones for, is refused at
+    the door as invalid, by every role's limits, not failed mid-request by the denoiser
+    (stage_failed)."""
     pipe = tiny.build_pipeline("sd15", seed=0)
     pipe.scheduler = getattr(diffusers, scheduler).from_config(pipe.scheduler.config, **config)
     pipe.save_pretrained(tmp_path)

@@ -316,7 +316,9 @@ def test_a_failure_after_a_stuck_write_is_in_doubt_and_not_retried(pair: Pair, m
     assert fake.submits == 1
 
 
-def test_a_submit_that_failed_only_after_hanging_is_not_tried_again(pair: Pair, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_submit_that_failed_only_after_hanging_is_not_tried_again(
+    pair: Pair, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A first write to a peer that takes connections but never answers (stopped, frozen)
     hangs in its handshake for about a minute, then fails: a second try would hang as long,
     holding the worker's push path twice over."""
@@ -329,7 +331,9 @@ def test_a_submit_that_failed_only_after_hanging_is_not_tried_again(pair: Pair, 
     assert fake.submits == 1
 
 
-def test_a_write_whose_deadline_passed_in_its_handshake_never_starts(pair: Pair, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_write_whose_deadline_passed_in_its_handshake_never_starts(
+    pair: Pair, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A peer that takes connections but answers late (its handshake port held by idle
     connections: 5 s each) let a write through a minute on, into memory the daemon may have
     given to another request by then. Nothing is written: a clean failure, not in doubt."""

@@ -12,7 +12,8 @@ BASE, SIZE = 1 << 20, 4096
 QUARANTINE_S = 6.0
 GOOD = Register(protocol=PROTOCOL_VERSION, token="secret", role="denoiser", name="d0", work_address="ipc://w",
                 session="127.0.0.1:1", pool_base=BASE, pool_size=SIZE, capacity=2, write_timeout_s=5.0,
-                slots=[SlotInfo(slot_id=0, address=BASE, size=1024), SlotInfo(slot_id=1, address=BASE + 3072, size=1024)])
+                slots=[SlotInfo(slot_id=0, address=BASE, size=1024),
+                       SlotInfo(slot_id=1, address=BASE + 3072, size=1024)])
 
 
 def test_a_good_registration_has_no_problem() -> None:

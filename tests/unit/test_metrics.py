@@ -28,8 +28,8 @@ STATS = Stats(
     latency={"request": latency(b3=2, b17=1), "decoder.compute": latency(b0=1), "encoder->denoiser": latency(b1=4)},
     handoff_bytes={"encoder->denoiser": 4096}, handoffs_held=2,
     instances=[InstanceStats(instance="denoiser-2", role="denoiser", name="gpu3", address="tcp://h:1", session="h:2",
-                             slots_free=0, slots_total=2, slots_finishing=1, prealloc_free=0, prealloc_total=2, served=17, failed=1,
-                             alive=True, suspect=True)],
+                             slots_free=0, slots_total=2, slots_finishing=1, prealloc_free=0, prealloc_total=2,
+                             served=17, failed=1, alive=True, suspect=True)],
 )
 
 

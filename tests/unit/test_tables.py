@@ -10,8 +10,8 @@ from transfer.protocol import LATENCY_BOUNDS_MS, InstanceStats, Latency, Progres
 
 def instance(n: int, name: str, suspect: bool = False, finishing: int = 0) -> InstanceStats:
     return InstanceStats(instance=f"denoiser-{n}", role="denoiser", name=name, address=f"ipc:///tmp/w{n}",
-                         session="s", slots_free=1, slots_total=2, slots_finishing=finishing, prealloc_free=2, prealloc_total=2, served=n,
-                         failed=0, alive=True, suspect=suspect)
+                         session="s", slots_free=1, slots_total=2, slots_finishing=finishing, prealloc_free=2,
+                         prealloc_total=2, served=n, failed=0, alive=True, suspect=suspect)
 
 
 def test_columns_stay_aligned_with_long_default_names() -> None:

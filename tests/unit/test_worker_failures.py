@@ -148,7 +148,8 @@ class Returning:
 
 
 @pytest.mark.parametrize(("role", "outputs", "why"), [
-    ("encoder", {f"t{i}": torch.zeros(1) for i in range(65)}, "65 output tensors; a hand-off or result carries at most 64"),
+    ("encoder", {f"t{i}": torch.zeros(1) for i in range(65)},
+     "65 output tensors; a hand-off or result carries at most 64"),
     ("encoder", {"x" * 300: torch.zeros(1)}, "is 300 characters, more than 256"),
     ("decoder", {"images": torch.zeros((1,) * 9, dtype=torch.uint8)}, "has 9 dimensions, more than 8"),
 ], ids=["too many", "long name", "too many dimensions"])

@@ -310,7 +310,8 @@ async def test_an_abort_with_an_ack_is_answered_once_the_run_it_stopped_has_ende
         aborted_at = time.monotonic()
         w.send(Abort(request_id="r1", ack=7), Abort(request_id="r2", ack=8), Abort(request_id="r9", ack=9))
         at_once = await reports(w, 2, settle_s=0.0)
-        assert sorted(at_once, key=lambda r: r.ack) == [Stopped(request_id="r2", ack=8), Stopped(request_id="r9", ack=9)]
+        assert sorted(at_once, key=lambda r: r.ack) == [Stopped(request_id="r2", ack=8),
+                                                        Stopped(request_id="r9", ack=9)]
         assert await reports(w, 1) == [Stopped(request_id="r1", ack=7)]
         assert time.monotonic() - aborted_at >= 0.2  # not before the pass was over
         assert w._pool.allocated_blocks == 0 and not w._owed

@@ -71,7 +71,8 @@ async def test_a_same_host_copy_that_fails_falls_back_to_the_engine(logs: list[d
     assert worker._memory is not None
     worker._memory._staged["r1"] = pool.try_alloc(512)
     gone = LocalMemory(host=host_id(), path="/proc/self/fd/999999", device=1, inode=1, base=0x1000, size=4096)
-    await worker._memory.push(Push(request_id="r1", session="peer:1", address=0x1000, nbytes=512, local=gone), time.monotonic())
+    await worker._memory.push(Push(request_id="r1", session="peer:1", address=0x1000, nbytes=512, local=gone),
+                              time.monotonic())
     (message,) = await worker._outbox.take()
     pushed = WORKER_MESSAGE.decode(message[0])
     assert isinstance(pushed, Pushed) and pushed.ok and pushed.via == "mooncake"

@@ -58,7 +58,8 @@ async def test_a_model_load_that_never_ends_exits_the_worker_as_a_hung_stage_doe
     left the worker silent and unregistered for good, its supervisor none the wiser."""
     release = threading.Event()
     monkeypatch.setattr(worker, "build_stage", lambda *_, **__: release.wait(LOAD_S))
-    cfg = Config(model=ModelConfig(kind="null"), workers=WorkersConfig(encoder=EncoderWorkerConfig(stage_timeout_s=0.3)))
+    cfg = Config(model=ModelConfig(kind="null"),
+                 workers=WorkersConfig(encoder=EncoderWorkerConfig(stage_timeout_s=0.3)))
     w = WorkerRuntime("encoder", cfg, name="w", engine=Engine())  # type: ignore[arg-type]
     exits: list[int] = []
     exited = threading.Event()
