@@ -11,15 +11,10 @@ Waits for a slot are left out: a request that waits hears its place in line inst
 from __future__ import annotations
 
 from actors.states import RequestState
-from transfer.protocol import GenParams
 
 # The newest request's weight in each running mean: a change of load or model shows within
 # a few requests, one odd request moves the estimate little.
 WEIGHT = 0.2
-
-
-def pixels(params: GenParams) -> int:
-    return params.width * params.height * params.frames * params.num_images
 
 
 def _mean(old: float | None, new: float) -> float:

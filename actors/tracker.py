@@ -40,7 +40,7 @@ from actors.mail import (
     TrackerMail,
 )
 from actors.mailbox import Mailbox, MailboxCounts
-from actors.pace import Pace, pixels
+from actors.pace import Pace
 from actors.recent import RecentIds
 from actors.states import ACTIVE_BY_ROLE, WHERE, RequestState, check_move
 from transfer.protocol import Latency, Progress, Reason, Rejected, Result, StageTiming, next_role
@@ -122,7 +122,7 @@ class TrackerActor:
                 now = time.monotonic()
                 deadline = now + timeout_s
                 entry = self._table[rid] = Entry(RequestState.ENCODING, deadline, submitted_at, now, progress,
-                                                 pixels(params), params.steps)
+                                                 params.pixels, params.steps)
                 heapq.heappush(self._deadlines, (deadline, rid))
                 self._compact_deadlines()
                 self._admission.post(Enqueue(job=Job(request_id=rid, role="encoder", params=params, deadline=deadline,

@@ -24,8 +24,7 @@ def limits_violation(limits: StageLimits, params: GenParams) -> str | None:
         return f"num_images {params.num_images} exceeds {limits.max_images} for model {limits.model!r}"
     if params.frames > limits.max_frames:
         return f"frames {params.frames} exceeds {limits.max_frames} for model {limits.model!r}"
-    pixels = params.width * params.height * params.frames * params.num_images
-    if pixels > limits.max_pixels:
+    if (pixels := params.pixels) > limits.max_pixels:
         return (f"width x height x frames x num_images = {pixels} pixels exceeds {limits.max_pixels} "
                 f"for model {limits.model!r}")
     return None
@@ -47,8 +46,7 @@ def raw_output_violation(params: GenParams, limit: int) -> str | None:
     once encoded: the decoder checks it (orchestrator/worker.py)."""
     if params.output != "raw":
         return None
-    return oversized_frame("images", params.num_images * params.frames * params.height * params.width * 3, limit,
-                           foreseen=True)
+    return oversized_frame("images", params.pixels * 3, limit, foreseen=True)
 
 
 class UnsatisfiableLimits(ValueError):

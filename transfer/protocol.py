@@ -118,6 +118,11 @@ class GenParams(Plain):
     num_images: Annotated[int, msgspec.Meta(ge=1, le=16)] = 1
     output: Literal["png", "raw"] = "png"
 
+    @property
+    def pixels(self) -> int:
+        """How many pixels it makes, every frame of every image counted."""
+        return self.width * self.height * self.frames * self.num_images
+
 
 # What the largest valid Submit encodes to, and a little more: its prompts at their longest in
 # 4-byte UTF-8 characters (tests/unit/test_protocol.py builds it). The client socket's frame

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from actors.pace import WEIGHT, Pace, pixels
+from actors.pace import WEIGHT, Pace
 from actors.states import RequestState
 from transfer.protocol import GenParams
 
@@ -37,7 +37,7 @@ def test_each_state_is_left_the_stages_still_ahead_of_it() -> None:
 
 def test_time_grows_with_pixels_and_steps_and_the_requests_own_pace_wins_once_known() -> None:
     pace = paced()
-    big = pixels(GenParams(prompt="p", width=128, height=128, num_images=2))
+    big = GenParams(prompt="p", width=128, height=128, num_images=2).pixels
     assert big == 8 * PX
     assert pace.remaining_ms(RequestState.DENOISING, px=big, steps=50) == pytest.approx(8 * (50 * 20 + 2 + 40))
     assert pace.remaining_ms(RequestState.DENOISING, px=PX, steps=10, done=8, own_step_ms=100.0) == \
