@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import zmq
 
 from orchestrator.config import Config, transfer_timeout_s
+from orchestrator.early_signals import STOP_SIGNALS
 from orchestrator.work_socket import bind_work_socket, close_work_socket
 from transfer.protocol import (
     DAEMON_TO_WORKER,
@@ -134,8 +135,8 @@ def serve(cfg: Config, layout: dict[Role, int]) -> None:
         nonlocal stopping
         stopping = True
 
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, stop)
     ctx = zmq.Context()
     bound: list[tuple[zmq.Socket, str]] = []  # every work socket, closed however this ends
     workers: list[InstantWorker] = []

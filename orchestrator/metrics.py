@@ -23,6 +23,7 @@ from prometheus_client.core import (
 )
 
 from actors.states import ACTIVE_BY_ROLE
+from orchestrator.early_signals import STOP_SIGNALS
 from orchestrator.log import Throttled
 from orchestrator.rejection import Rejection
 from transfer.protocol import LATENCY_BOUNDS_MS, Latency, Stats
@@ -180,7 +181,7 @@ def serve_metrics(read_stats: Callable[[], Stats], port: int, host: str = "127.0
     naming it."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(StatsCollector(read_stats))
-    stop = {signal.SIGTERM, signal.SIGINT}
+    stop = set(STOP_SIGNALS)
     # Blocked before the server's thread starts, so that thread inherits the mask and the
     # signal waits for sigwait here instead of interrupting a scrape.
     caller_mask = signal.pthread_sigmask(signal.SIG_BLOCK, stop)
