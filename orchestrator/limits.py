@@ -20,6 +20,9 @@ def limits_violation(limits: StageLimits, params: GenParams) -> str | None:
         return f"steps {params.steps} exceeds {limits.max_steps} for model {limits.model!r}"
     if params.steps < limits.min_steps:
         return f"steps {params.steps} is below {limits.min_steps}, the fewest model {limits.model!r} takes"
+    if params.steps in limits.step_gaps:
+        return (f"steps {params.steps} is a count the scheduler of model {limits.model!r} cannot run (its "
+                f"timesteps would leave the trained ones): {_nearest_taken(limits, params.steps)}")
     if params.num_images > limits.max_images:
         return f"num_images {params.num_images} exceeds {limits.max_images} for model {limits.model!r}"
     if params.frames > limits.max_frames:
@@ -28,6 +31,12 @@ def limits_violation(limits: StageLimits, params: GenParams) -> str | None:
         return (f"width x height x frames x num_images = {pixels} pixels exceeds {limits.max_pixels} "
                 f"for model {limits.model!r}")
     return None
+
+
+def _nearest_taken(limits: StageLimits, steps: int) -> str:
+    below = next((n for n in range(steps - 1, limits.min_steps - 1, -1) if n not in limits.step_gaps), None)
+    above = next((n for n in range(steps + 1, limits.max_steps + 1) if n not in limits.step_gaps), None)
+    return " or ".join(str(n) for n in (below, above) if n is not None) + " can"
 
 
 def oversized_frame(name: str, nbytes: int, limit: int, *, foreseen: bool = False) -> str | None:

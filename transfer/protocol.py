@@ -353,6 +353,9 @@ class StageLimits(Plain):
     max_size: Annotated[int, msgspec.Meta(ge=1)] = 4096
     max_steps: Annotated[int, msgspec.Meta(ge=1)] = 1000
     min_steps: Annotated[int, msgspec.Meta(ge=1)] = 1
+    # Counts between those two its scheduler cannot run (sorted): the counts a scheduler
+    # takes need not be one run (orchestrator/stages/diffusion/families.py, step_range).
+    step_gaps: Annotated[tuple[int, ...], msgspec.Meta(max_length=1000)] = ()
     max_images: Annotated[int, msgspec.Meta(ge=1)] = 16
     max_frames: Annotated[int, msgspec.Meta(ge=1)] = 1
     model: str = ""

@@ -289,6 +289,43 @@ def test_steps_are_bounded_by_what_the_scheduler_takes(tmp_path, scheduler: str,
         assert images.shape == (1, 16, 16, 3)
 
 
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # the fix-up's deprecation notice, as the denoiser loads
+def test_limits_are_those_of_the_scheduler_as_the_pipeline_fixes_it_up(tmp_path) -> None:
+    """SD's pipeline sets an outdated steps_offset 0 to 1, and with it 999 "leading" steps
+    would start at timestep 1000 (NaN with DPM-Solver++): the limits read the raw config and
+    admitted 999, which the denoiser ran to the end and failed (stage_failed; an audit)."""
+    pipe = tiny.build_pipeline("sd15", seed=0)
+    pipe.scheduler = diffusers.DPMSolverMultistepScheduler.from_config(pipe.scheduler.config, steps_offset=0,
+                                                                        timestep_spacing="leading")
+    pipe.save_pretrained(tmp_path)
+    cfg = DiffusersConfig(family="sd15", path=str(tmp_path))
+    assert stage(cfg, "denoiser").pipe.scheduler.config.steps_offset == 1
+    assert stage(cfg, "encoder").limits().max_steps == 998
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # UniPC's set_timesteps trips numpy's (as above)
+def test_counts_whose_timesteps_leave_the_trained_ones_are_refused_between_those_taken(tmp_path) -> None:
+    """With "trailing" spacing diffusers gives 62 counts from 61 up one timestep too many,
+    -1, and UniPC returns NaN for about half of them (926 among them): the limits assumed
+    the counts taken were one run, admitted every one, and the request failed after its
+    whole denoise (stage_failed; an audit). The counts around a gap run."""
+    pipe = tiny.build_pipeline("sd15", seed=0)
+    pipe.scheduler = diffusers.UniPCMultistepScheduler.from_config(pipe.scheduler.config,
+                                                                   timestep_spacing="trailing")
+    pipe.save_pretrained(tmp_path)
+    cfg = DiffusersConfig(family="sd15", path=str(tmp_path))
+    denoiser = stage(cfg, "denoiser")
+    limits = denoiser.limits()
+    assert (limits.min_steps, limits.max_steps) == (1, 999)
+    assert {61, 926} <= set(limits.step_gaps) and 60 not in limits.step_gaps and 62 not in limits.step_gaps
+    with pytest.raises(StageError, match="steps 61 is a count the scheduler of model .* cannot run .*: 60 or 62 can") \
+            as err:
+        denoiser.check(GenParams(prompt="x", width=16, height=16, steps=61))
+    assert err.value.reason is Reason.INVALID
+    images = run_split(cfg, GenParams(prompt="x", width=16, height=16, steps=62, output="raw"))[2]["images"]
+    assert images.shape == (1, 16, 16, 3)
+
+
 def test_a_scheduler_whose_library_is_missing_is_named_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
     """diffusers' placeholder for a scheduler whose library is not installed (LMS without
     scipy) raises ImportError when built: every role's limits build it."""

@@ -110,22 +110,22 @@ class FamilyAdapter:
         name = self.config("scheduler").get("_class_name")
         return getattr(diffusers, name, None) if name else tiny.SCHEDULER
 
-    def step_range(self) -> tuple[int, int]:
-        """The fewest and most steps a request may ask for, as the scheduler itself sets
-        timesteps for them: an LCM scheduler takes at most its ``original_inference_steps``,
-        PNDM with its Runge-Kutta warm-up at least 4. Past them ``set_timesteps`` raises
-        mid-request, which must be refused up front instead (``invalid``). Nor a count whose
-        timesteps reach past the trained ones: with SD 1.x's steps_offset and "leading"
-        spacing, DPM-Solver++, UniPC and DEIS start 999 steps at timestep 1000 and return
-        NaN there (and all num_train_timesteps overrun every scheduler's schedule)."""
+    def step_range(self) -> tuple[int, int, tuple[int, ...]]:
+        """The fewest and most steps a request may ask for, and the counts between them it may
+        not, as the scheduler the pipeline runs (its config fixed up by the pipeline class:
+        SD sets ``steps_offset`` 1) sets timesteps for them. An LCM scheduler takes at most
+        its ``original_inference_steps``, PNDM with its Runge-Kutta warm-up at least 4: past
+        them ``set_timesteps`` raises mid-request, which must be refused up front instead
+        (``invalid``). Nor a count whose timesteps leave the trained ones: with SD 1.x's
+        offset "leading" spacing, DPM-Solver++, UniPC and DEIS start 999 steps at timestep
+        1000 and return NaN there; with "trailing" spacing, 62 counts from 61 up get one
+        timestep too many, -1 (a rounding error in diffusers), and UniPC and DEIS return NaN
+        for about half of them. Every count is tried: those taken need not be one run."""
         fewest, most = self.min_steps(), self.config("scheduler").get("num_train_timesteps", 1000) - 1
         cls = self.scheduler_class()
         if cls is None:
-            return fewest, most
-        try:
-            scheduler = cls.from_config(self.config("scheduler"))
-        except ImportError as exc:  # every role's limits need it, and the denoiser runs it
-            raise ModelUnloadable(f"the model's scheduler {cls.__name__} cannot be built here: {exc}") from None
+            return fewest, most, ()
+        scheduler = self._pipeline_scheduler(cls)
 
         def takes(steps: int) -> bool:
             # What it warns of (numpy deprecations) is no refusal, even where warnings raise.
@@ -135,21 +135,30 @@ class FamilyAdapter:
                 except Exception:  # whatever it raises, the count is one it cannot run
                     return False
             trained = getattr(scheduler, "alphas_cumprod", None)  # flow matching has none
-            return trained is None or int(scheduler.timesteps.max()) < len(trained)
+            timesteps = scheduler.timesteps
+            return trained is None or 0 <= int(timesteps.min()) and int(timesteps.max()) < len(trained)
 
-        # The counts a scheduler takes are one run: the shortest is found by walking up (a few
-        # steps at most), the longest by halving.
-        while fewest < most and not takes(fewest):
-            fewest += 1
-        if not takes(most):
-            low, high = fewest, most  # takes(low) (or nothing is taken), not takes(high)
-            while high - low > 1:
-                middle = (low + high) // 2
-                low, high = (middle, high) if takes(middle) else (low, middle)
-            most = low
-        if not takes(fewest):
-            raise ModelUnloadable(f"the scheduler {cls.__name__} sets timesteps for no step count from 1 to {most}")
-        return fewest, most
+        taken = [steps for steps in range(fewest, most + 1) if takes(steps)]  # ~0.1 s for 999
+        if not taken:
+            raise ModelUnloadable(f"the scheduler {cls.__name__} sets timesteps for no step count from "
+                                  f"{fewest} to {most}")
+        return taken[0], taken[-1], tuple(sorted(set(range(taken[0], taken[-1] + 1)).difference(taken)))
+
+    def _pipeline_scheduler(self, cls: type[SchedulerMixin]) -> SchedulerMixin:
+        """The model's scheduler as the pipeline runs it: built through the pipeline class's
+        ``__init__`` (every other component None), which fixes up an outdated config."""
+        try:
+            scheduler = cls.from_config(self.config("scheduler"))
+        except ImportError as exc:  # every role's limits need it, and the denoiser runs it
+            raise ModelUnloadable(f"the model's scheduler {cls.__name__} cannot be built here: {exc}") from None
+        with warnings.catch_warnings(action="ignore"):  # the fix-up's deprecation notice
+            return self.pipeline_cls(scheduler=scheduler, **self._absent(("scheduler",)),
+                                     **self.pipeline_kwargs).scheduler
+
+    def _absent(self, wanted: tuple[str, ...]) -> dict[str, None]:
+        """The pipeline class's components other than ``wanted``, as None: a partial pipeline."""
+        names = [p for p in inspect.signature(self.pipeline_cls.__init__).parameters if p != "self"]
+        return {n: None for n in names if n not in wanted and n not in self.pipeline_kwargs}
 
     def limits(self) -> StageLimits:
         multiple = self.size_multiple()
@@ -158,7 +167,7 @@ class FamilyAdapter:
         # cost grows with the area (attention with its square): 4x per side at most, and
         # at most the pixels of 16 images at the training size in one request.
         native = self.native_size()
-        min_steps, max_steps = self.step_range()
+        min_steps, max_steps, step_gaps = self.step_range()
         return StageLimits(
             size_multiple=multiple,
             min_size=multiple,
@@ -166,6 +175,7 @@ class FamilyAdapter:
             max_pixels=16 * native * native,
             max_steps=max_steps,
             min_steps=min_steps,
+            step_gaps=step_gaps,
             max_frames=1,
             model=model,
         )
@@ -234,8 +244,7 @@ class FamilyAdapter:
         self.check_source(role)
         _quiet_libraries()
         wanted = self.components[role]
-        names = [p for p in inspect.signature(self.pipeline_cls.__init__).parameters if p != "self"]
-        absent = {n: None for n in names if n not in wanted and n not in self.pipeline_kwargs}
+        absent = self._absent(wanted)
         if self.cfg.path:
             try:
                 pipe = self.pipeline_cls.from_pretrained(
