@@ -13,6 +13,11 @@ def checked_s(timeout_s: float) -> float:
     return timeout_s
 
 
+# ZMQ's poll takes a C int of milliseconds (24.8 days): a longer wait polls again, or ends there.
+MAX_POLL_MS = 2**31 - 1
+
+
 def poll_ms(timeout_s: float) -> int:
-    """``timeout_s`` as ZMQ poll milliseconds: at least 1 (0 would not wait at all)."""
-    return max(1, math.ceil(checked_s(timeout_s) * 1000))
+    """``timeout_s`` as ZMQ poll milliseconds: at least 1 (0 would not wait at all), at most
+    what ZMQ takes (a longer one raised OverflowError, after its message had gone)."""
+    return min(max(1, math.ceil(checked_s(timeout_s) * 1000)), MAX_POLL_MS)

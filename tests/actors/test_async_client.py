@@ -415,6 +415,24 @@ async def test_a_cancel_the_daemon_does_not_answer_times_out_naming_what_it_wait
             blocking.cancel("r7", timeout_s=0.3)
 
 
+def test_a_blocking_cancel_may_wait_longer_than_zmq_polls_at_once(blocking_daemon: BlockingDaemon) -> None:
+    """ZMQ's poll takes a C int of milliseconds: a wait of 1e12 s raised OverflowError
+    after the Cancel had gone (an audit); it is polled in turns instead."""
+    _, daemon, endpoint = blocking_daemon
+
+    def answer() -> None:
+        canceller, _, body = daemon.recv_multipart()
+        time.sleep(0.2)  # the client polls meanwhile
+        daemon.send_multipart([canceller, b"", encode(Cancelled(request_id=CLIENT_REQUEST.decode(body).request_id,
+                                                                found=True))])
+
+    answering = threading.Thread(target=answer, daemon=True)
+    answering.start()
+    with Client(endpoint) as client:  # not on the daemon's context, as below
+        assert client.cancel("r", timeout_s=1e12) is True
+    answering.join(5)
+
+
 def test_a_blocking_submit_can_be_cancelled_from_another_thread(blocking_daemon: BlockingDaemon) -> None:
     """The Cancel goes by a connection of its own (the submit's REQ socket waits for its
     answer and can send nothing), carrying the submit's token; the daemon answers each on
