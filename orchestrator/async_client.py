@@ -10,6 +10,7 @@ import threading
 import time
 import uuid
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 import anyio
 import structlog
@@ -42,7 +43,7 @@ log = structlog.get_logger()
 OnProgress = Callable[[Progress], None | Awaitable[None]]
 
 # Progress messages waiting for a slow ``on_progress``; past it, the newest ones are dropped
-# (progress is advisory). The answer never waits behind them (``AsyncClient._answers``).
+# (progress is advisory). The answer never waits behind them (``_Pending.answer``).
 PROGRESS_BACKLOG = 16
 # How often an AsyncClient with no daemon connected looks for requests that waited NO_DAEMON_S.
 WATCH_S = 0.25
@@ -75,6 +76,21 @@ def _dealer_reply(parts: list[bytes], endpoint: str) -> Reply:
     return read_reply(parts[1:], endpoint)
 
 
+@dataclass(slots=True)
+class _Pending:
+    """One ``submit`` under way, from its start to its end, answered or not."""
+
+    progress: anyio.abc.ObjectSendStream[Progress] | None  # while it waits: its Progress, in order
+    answer: Generation | Rejected | Lost | Unreadable | None = None  # taken ahead of any progress queued
+    sent_at: float | None = None  # once sent: when (monotonic)
+    generation: int = 0  # and on which socket (``AsyncClient._generation``)
+    sending: anyio.CancelScope | None = None  # while its send waits
+
+    @property
+    def waiting(self) -> bool:
+        return self.progress is not None
+
+
 def _drop(future: asyncio.Future[list[bytes]]) -> None:
     """Stop waiting on ``future``; an error it already holds is taken, not logged as lost."""
     if future.done() and not future.cancelled():
@@ -105,16 +121,12 @@ class AsyncClient:
         self._ctx: zmq.asyncio.Context | None = None  # from opening to closing
         self._sock: zmq.asyncio.Socket | None = None
         self._watch: ConnectionWatch | None = None
-        self._waiting: dict[str, anyio.abc.ObjectSendStream[Progress]] = {}  # requests waiting, their progress
-        self._answers: dict[str, Generation | Rejected | Lost | Unreadable] = {}  # taken ahead of any progress queued
-        # Waiting requests: when sent, and on which socket (``_generation``).
-        self._sent: dict[str, tuple[float, int]] = {}
+        # Submits under way, by id. A send may wait: a DEALER queues SNDHWM messages (1,000)
+        # for a daemon that is not there, and past that a send waits; a request failed
+        # meanwhile, or a client closed, stops it.
+        self._pending: dict[str, _Pending] = {}
         # The socket's number: a new one replaces it when its connection closes (_replace_socket).
         self._generation = 0
-        # Sends under way: a DEALER queues SNDHWM messages (1,000) for a daemon that is not
-        # there, and past that a send waits. A request failed meanwhile, or a client closed,
-        # stops its send.
-        self._sending: dict[str, anyio.CancelScope] = {}
         # Requests given up on, by id: until when an answer may still come (it must not reach
         # a new request that reuses the id), and for how long to hold it. Each is held until
         # its end comes, the daemon answers its latest Cancel with found=False (its end came
@@ -123,7 +135,6 @@ class AsyncClient:
         # (that Submit waits in ZMQ's queue for the next daemon, and leaves first).
         self._abandoned: dict[str, tuple[float, float]] = {}
         self._cancels_out: dict[str, int] = {}  # given-up ids' Cancels not yet answered, by id
-        self._active: set[str] = set()  # ids whose submit runs, answered or not
         self._tg: anyio.abc.TaskGroup | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._cancelling: set[zmq.asyncio.Socket] = set()  # cancel()'s own sockets, while in use
@@ -164,13 +175,17 @@ class AsyncClient:
         assert self._watch is not None
         self._watch.close()
         sock, self._sock = self._sock, None
-        for sending in self._sending.values():
-            sending.cancel()
+        for pending in self._pending.values():
+            if pending.sending is not None:
+                pending.sending.cancel()
         # A request still waiting would be answered to nobody: cancel it at the daemon too
         # (one whose send is still waiting was never sent: it has nothing to cancel).
-        await _cancel_at_daemon(sock, [rid for rid in self._waiting if rid not in self._sending], self._tokens)
-        for waiter in self._waiting.values():
-            waiter.close()  # a submit still waiting raises ConnectionError now, not at its deadline
+        waiting = {rid: pending for rid, pending in self._pending.items() if pending.waiting}
+        await _cancel_at_daemon(sock, [rid for rid, pending in waiting.items() if pending.sending is None],
+                                self._tokens)
+        for pending in waiting.values():
+            assert pending.progress is not None
+            pending.progress.close()  # a submit still waiting raises ConnectionError now, not at its deadline
         # The Cancels (these, and those of requests given up on) get CANCEL_SEND_S to leave,
         # on a thread of its own: the context's end waits for them while the daemon is
         # unreachable, and this loop must not. A cancel() under way fails at once.
@@ -208,7 +223,8 @@ class AsyncClient:
                 self._fail_connection(generation, reply)
                 continue
             if isinstance(reply, Progress):
-                waiter = self._waiting.get(reply.request_id)
+                pending = self._pending.get(reply.request_id)
+                waiter = pending.progress if pending is not None else None
                 if waiter is not None and waiter.statistics().current_buffer_used < PROGRESS_BACKLOG:
                     # Its submit may have given up, its listener gone, while the Cancel leaves.
                     with contextlib.suppress(anyio.BrokenResourceError):
@@ -232,19 +248,25 @@ class AsyncClient:
         control or worker socket answers every request so) says the peer is no client
         socket, or one that cannot read what this client sends: none of them can get an
         answer, and each would otherwise wait out its deadline in silence. How many there were."""
-        waiting = [rid for rid, (_, sent_on) in self._sent.items() if sent_on == generation]
+        waiting = self._sent_on(lambda sent_on: sent_on == generation)
         for rid in waiting:
             self._answer(rid, answer)
         return len(waiting)
 
+    def _sent_on(self, generation_is: Callable[[int], bool]) -> list[str]:
+        """The requests sent on the sockets whose number passes ``generation_is``."""
+        return [rid for rid, pending in self._pending.items()
+                if pending.sent_at is not None and generation_is(pending.generation)]
+
     def _answer(self, rid: str, answer: Generation | Rejected | Lost | Unreadable) -> None:
         """End ``rid``'s wait with ``answer``, if it waits."""
-        waiter = self._waiting.pop(rid, None)
-        if waiter is not None:
-            self._answers[rid] = answer
-            waiter.close()  # wakes a wait on an empty queue
-            if (sending := self._sending.get(rid)) is not None:
-                sending.cancel()
+        pending = self._pending.get(rid)
+        if pending is not None and pending.progress is not None:
+            pending.answer = answer
+            pending.progress.close()  # wakes a wait on an empty queue
+            pending.progress = None
+            if pending.sending is not None:
+                pending.sending.cancel()
 
     async def _watch_connection(self) -> None:
         """Fail the waiting requests that can get no answer, at once: when their connection
@@ -261,8 +283,8 @@ class AsyncClient:
                 await self._read_what_came()
                 await self._replace_socket()
                 continue
-            lost = {rid: why for rid, (sent_at, _) in self._sent.items()
-                    if (why := watch.no_daemon(sent_at, self.endpoint)) is not None}
+            lost = {rid: why for rid, pending in self._pending.items() if pending.sent_at is not None
+                    and (why := watch.no_daemon(pending.sent_at, self.endpoint)) is not None}
             if lost:
                 await self._read_what_came()
                 for rid, why in lost.items():
@@ -279,7 +301,7 @@ class AsyncClient:
             old.disconnect(self.endpoint)  # no reconnecting: its queue goes (LINGER 0)
         self._sock, self._watch = self._connect()
         self._generation += 1
-        for rid in [rid for rid, (_, generation) in self._sent.items() if generation < self._generation]:
+        for rid in self._sent_on(lambda generation: generation < self._generation):
             self._answer(rid, Lost(closed_why(self.endpoint)))
         self._abandoned.clear()
         self._cancels_out.clear()  # their answers would have come on the old connection
@@ -306,32 +328,31 @@ class AsyncClient:
                        on_progress: OnProgress | None = None) -> Generation | Rejected | Unreadable:
         sock = self._open()
         assert self._watch is not None
-        if rid in self._active or self._abandoned.get(rid, (-math.inf, 0.0))[0] > time.monotonic():
+        if rid in self._pending or self._abandoned.get(rid, (-math.inf, 0.0))[0] > time.monotonic():
             raise ValueError(f"request id {rid!r} is in use on this client (in flight, or given up and not ended)")
         self._abandoned.pop(rid, None)  # held long enough: no answer can still come
-        self._active.add(rid)
         tx, rx = anyio.create_memory_object_stream[Progress](PROGRESS_BACKLOG)
-        self._waiting[rid] = tx
+        pending = self._pending[rid] = _Pending(tx)
         sent = False
         try:
             with rx:
                 try:
                     with anyio.fail_after(wait_s):
-                        self._sent[rid] = time.monotonic(), self._generation
+                        pending.sent_at, pending.generation = time.monotonic(), self._generation
                         queued = sock.send_multipart([b"", body])
-                        sending = self._sending[rid] = anyio.CancelScope()
+                        sending = pending.sending = anyio.CancelScope()
                         try:
                             with sending:
                                 await queued
                         finally:
-                            del self._sending[rid]
+                            pending.sending = None
                             # From the send itself, not from the await's return: a
                             # cancellation can land after ZMQ took the message.
                             sent = queued.done() and not queued.cancelled() and queued.exception() is None
-                        answer = await self._answer_to(rid, rx, on_progress)
+                        answer = await self._answer_to(pending, rx, on_progress)
                 except TimeoutError:
                     # The deadline ran out in a slow on_progress after the answer came: it stands.
-                    if (answer := self._answers.pop(rid, None)) is None:
+                    if (answer := pending.answer) is None:
                         raise
             if isinstance(answer, Lost):
                 raise ConnectionError(answer.why)
@@ -349,8 +370,8 @@ class AsyncClient:
             # daemon that lives on ends it when its answer finds the connection gone (a
             # Cancel by the new connection would also refuse a retry under its id, as a
             # Cancel that overtook its Submit).
-            if (sent and not isinstance(self._answers.get(rid), (Generation, Rejected))
-                    and self._sent[rid][1] == self._generation):
+            if (sent and not isinstance(pending.answer, (Generation, Rejected))
+                    and pending.generation == self._generation):
                 # Queued: no daemon has taken a connection yet, so its Submit waits for one.
                 self._abandon(rid, wait_s, queued=not self._watch.connected)
                 if not sock.closed:
@@ -364,12 +385,9 @@ class AsyncClient:
                                    f"and {GRACE_S:g} s of grace)") from None
             raise
         finally:
-            self._active.discard(rid)
-            self._sent.pop(rid, None)
-            self._answers.pop(rid, None)
-            leftover = self._waiting.pop(rid, None)
-            if leftover is not None:
-                leftover.close()
+            del self._pending[rid]
+            if pending.progress is not None:
+                pending.progress.close()
 
     def _abandon(self, rid: str, hold_s: float, *, queued: bool) -> None:
         now = time.monotonic()
@@ -393,15 +411,16 @@ class AsyncClient:
             if until == math.inf:
                 self._abandoned[rid] = now + hold_s, hold_s
 
-    async def _answer_to(self, rid: str, rx: anyio.abc.ObjectReceiveStream[Progress],
+    @staticmethod
+    async def _answer_to(pending: _Pending, rx: anyio.abc.ObjectReceiveStream[Progress],
                          on_progress: OnProgress | None) -> Generation | Rejected | Lost | Unreadable:
-        """Hand ``rid``'s progress to ``on_progress``, in order, until its answer is in; the
+        """Hand ``pending``'s progress to ``on_progress``, in order, until its answer is in; the
         answer does not wait for progress still queued. ``EndOfStream``: the client closed."""
-        while (answer := self._answers.pop(rid, None)) is None:
+        while (answer := pending.answer) is None:
             try:
                 progress = await rx.receive()
             except anyio.EndOfStream:
-                if rid in self._answers:
+                if pending.answer is not None:
                     continue
                 raise
             if on_progress is not None and inspect.isawaitable(heard := on_progress(progress)):
