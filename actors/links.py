@@ -32,8 +32,9 @@ class Link:
     # What its model takes (the door's, and `triptych workers`).
     limits: StageLimits = field(default_factory=StageLimits)
     model_digest: str = ""  # every link's is the same (``model_problem``)
-    # Its Register.write_timeout_s: a push of its unreported this long after (plus the
-    # bytes' time) is stuck. Mooncake's own default until it says.
+    # Its Register.write_timeout_s: a push of its unreported this long after, plus the
+    # bytes' time and the graces (transfer.engine.write_limit_s, PUSH_REPORT_GRACE_S), is
+    # stuck. Mooncake's own default until it says.
     write_timeout_s: float = MOONCAKE_DEFAULT_TIMEOUT_S
     reached: bool = False  # its Probed came back: orders sent to its work_address arrive
     # It gets no new work until heard from (a push into it failed, or it went quiet), and

@@ -82,7 +82,7 @@ class _Pending:
 
     progress: anyio.abc.ObjectSendStream[Progress] | None  # while it waits: its Progress, in order
     answer: Generation | Rejected | Lost | Unreadable | None = None  # taken ahead of any progress queued
-    sent_at: float | None = None  # once sent: when (monotonic)
+    sent_at: float | None = None  # once its send began (it may still wait in ZMQ's queue): when
     generation: int = 0  # and on which socket (``AsyncClient._generation``)
     sending: anyio.CancelScope | None = None  # while its send waits
 
@@ -254,7 +254,7 @@ class AsyncClient:
         return len(waiting)
 
     def _sent_on(self, generation_is: Callable[[int], bool]) -> list[str]:
-        """The requests sent on the sockets whose number passes ``generation_is``."""
+        """The requests whose send began on a socket whose number passes ``generation_is``."""
         return [rid for rid, pending in self._pending.items()
                 if pending.sent_at is not None and generation_is(pending.generation)]
 

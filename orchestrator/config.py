@@ -132,9 +132,10 @@ class DaemonConfig(Section):
     # MC_TRANSFER_TIMEOUT (checked when the config loads, within this file, and against
     # each worker's own as it registers: workers go by the daemon's value).
     push_quarantine_s: PositiveFloat = 60.0
-    # Each actor's mailbox holds the mail max_in_flight requests can post at once plus this
-    # many more (orchestrator/daemon.py sizes them); a full one is a sizing bug, and stops
-    # the daemon loudly (MailboxFull) rather than wait or drop mail.
+    # Each actor's mailbox holds the mail max_in_flight requests and one batch of worker
+    # reports can post at once, plus this many more (orchestrator/daemon.py sizes them); a
+    # full one is a sizing bug, and stops the daemon loudly (MailboxFull) rather than wait
+    # or drop mail.
     mailbox_headroom: PositiveInt = 1024
     # Messages queued to one worker before it counts as stuck (ZMQ SNDHWM). At least 64: ZMQ
     # gives send credit back in batches of half of it, so with a few a worker reading its

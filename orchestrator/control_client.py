@@ -35,7 +35,8 @@ class Control:
         # As the other clients: an endpoint no one can connect to is a ValueError saying why,
         # not ZMQ's "Invalid argument" (``*``) or a wait for a daemon that cannot be there.
         self.endpoint = daemon_endpoint(endpoint)
-        self._timeout_ms = poll_ms(timeout_s)
+        self._timeout_s = timeout_s
+        self._timeout_ms = poll_ms(timeout_s)  # at most ZMQ's longest poll, 24.8 days
         self._ctx = ctx or zmq.Context.instance()
 
     def _ask(self, request: ControlRequest) -> ControlReply:
@@ -46,7 +47,7 @@ class Control:
             sock.send(encode(request))
             if not sock.poll(self._timeout_ms):
                 raise TimeoutError(f"no reply from control socket {self.endpoint} "
-                                   f"within {self._timeout_ms / 1000:.1f}s")
+                                   f"within {self._timeout_s:.1f}s")
             body = sock.recv()
         finally:
             sock.close(linger=0)

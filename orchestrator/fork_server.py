@@ -34,6 +34,7 @@ import threading
 import traceback
 import weakref
 from pathlib import Path
+from typing import assert_never
 
 import msgspec
 import setproctitle
@@ -131,6 +132,8 @@ class ForkServer:
                     self._answers[spawn_id] = error
                 case Exited(id=spawn_id, code=code):
                     self._codes[spawn_id] = code
+                case _:
+                    assert_never(event)
             self._changed.notify_all()
 
     def spawn(self, argv: list[str], *, log: Path, append: bool) -> ForkedProcess:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import signal
 import time
 from dataclasses import dataclass
+from typing import assert_never
 
 import zmq
 
@@ -43,6 +44,7 @@ from transfer.protocol import (
     Stopped,
     TensorSpec,
     Work,
+    WorkOrder,
     encode,
 )
 from transfer.reports import group_reports
@@ -64,7 +66,7 @@ class InstantWorker:
     pool_base: int
     outputs: zmq.Socket | None  # a decoder's output connection (its routing id: the key)
 
-    def answer(self, order: object) -> tuple[bytes, list[bytes]] | None:
+    def answer(self, order: WorkOrder) -> tuple[bytes, list[bytes]] | None:
         """The report for ``order`` with its frames, as a real worker with a zero-time stage sends it."""
         match order:
             case Work() | Ready() if self.role == "decoder":
@@ -81,7 +83,10 @@ class InstantWorker:
                 return encode(Probed(instance=instance)), []
             case Abort(request_id=rid, ack=ack) if ack is not None:
                 return encode(Stopped(request_id=rid, ack=ack)), []  # nothing ever runs on here
-        return None  # any other Abort: nothing is held, so there is nothing to free
+            case Abort():
+                return None  # nothing is held, so there is nothing to free
+            case _:
+                assert_never(order)
 
     def take_orders(self) -> None:
         """Answer every order queued on the work socket; the reports leave as a real worker's do."""

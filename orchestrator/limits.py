@@ -77,10 +77,13 @@ def unsatisfiable(limits: StageLimits) -> str | None:
 
 def capped(limits: StageLimits, caps: LimitsConfig) -> StageLimits:
     """``limits`` lowered to the operator's caps (``[model.limits]``; 0 leaves the model's).
-    A ``max_size`` between two multiples of the model's size step becomes the lower one, so
-    the limit a rejection names is a size that is actually taken."""
+    A ``max_size`` between two multiples of the model's size step becomes the lower one, and
+    a ``max_steps`` on a count the scheduler cannot run the next one below it, so the limit
+    a rejection names is one that is actually taken."""
     lowered = {name: min(getattr(limits, name), cap) for name in caps.__struct_fields__
                if (cap := getattr(caps, name))}
     if "max_size" in lowered and lowered["max_size"] >= limits.size_multiple:  # else unsatisfiable says why
         lowered["max_size"] -= lowered["max_size"] % limits.size_multiple
+    while lowered.get("max_steps") in limits.step_gaps:  # below min_steps: unsatisfiable says why
+        lowered["max_steps"] -= 1
     return msgspec.structs.replace(limits, **lowered)

@@ -163,8 +163,8 @@ def _instance_metrics(stats: Stats) -> Iterator[Metric]:
         "failed": CounterMetricFamily("triptych_worker_failed", "Stages that failed on this instance",
                                       labels=INSTANCE_LABELS),
         "suspect": GaugeMetricFamily("triptych_worker_suspect",
-                                     "1 while it gets no new work: not yet reached, silent, or a push into it "
-                                     "failed and not heard from since",
+                                     "1 while it gets no new work: not yet reached, silent, stopping, a push "
+                                     "into it failed and not heard from since, or a push of its is overdue",
                                      labels=INSTANCE_LABELS),
     }
     for inst in stats.instances:

@@ -256,7 +256,8 @@ class InstanceStats(Plain):
     # while it computed: held until the worker says the run is over.
     slots_finishing: int = 0
     # No new work: not yet reached by its Probe, or silent 2 heartbeats, or a push into it
-    # failed, and not heard from since.
+    # failed, and not heard from since; or it said Stopping; or a push of its is overdue,
+    # until it reports one.
     suspect: bool = False
     # What its model takes, as it registered them: the frontend admits only what every
     # registered worker takes, so the tightest of these is what clients may ask for.
@@ -353,9 +354,6 @@ class StageLimits(Plain):
     max_size: Annotated[int, msgspec.Meta(ge=1)] = 4096
     max_steps: Annotated[int, msgspec.Meta(ge=1)] = 1000
     min_steps: Annotated[int, msgspec.Meta(ge=1)] = 1
-    # Counts between those two its scheduler cannot run (sorted): the counts a scheduler
-    # takes need not be one run (orchestrator/stages/diffusion/families.py, step_range).
-    step_gaps: Annotated[tuple[int, ...], msgspec.Meta(max_length=1000)] = ()
     max_images: Annotated[int, msgspec.Meta(ge=1)] = 16
     max_frames: Annotated[int, msgspec.Meta(ge=1)] = 1
     model: str = ""
@@ -363,6 +361,9 @@ class StageLimits(Plain):
     # Compute and memory grow with it, so sizes and counts each inside their bounds can
     # still add up to hours of work.
     max_pixels: Annotated[int, msgspec.Meta(ge=1)] = 4096 * 4096
+    # Counts between min_steps and max_steps its scheduler cannot run (sorted): the counts
+    # a scheduler takes need not be one run (orchestrator/stages/diffusion/families.py).
+    step_gaps: Annotated[tuple[int, ...], msgspec.Meta(max_length=1000)] = ()
 
 
 class LocalMemory(Plain):

@@ -143,7 +143,8 @@ def shared_pool(host: str, role: Role) -> LocalMemory:
 
 
 # The fake workers' Mooncake write timeout: below the shortest push_quarantine_s a test sets,
-# which the daemon refuses a worker's for (a push is still due only PUSH_REPORT_GRACE_S on).
+# which the daemon refuses a worker's for (a push is still due the write's own grace and
+# PUSH_REPORT_GRACE_S on: transfer.engine.write_limit_s).
 WRITE_TIMEOUT_S = 0.01
 
 

@@ -6,6 +6,7 @@ import re
 import threading
 import time
 
+import msgspec
 import pytest
 import torch
 
@@ -237,6 +238,10 @@ def test_the_operators_caps_lower_a_stages_limits_and_its_own_check_applies_them
     assert capped(LIMITS, LimitsConfig(max_size=1 << 20)).max_size == LIMITS.max_size
     # A cap between two sizes the model takes names the lower one: 100 admits 96 at most.
     assert capped(LIMITS, LimitsConfig(max_size=100)).max_size == 96
+    # A step cap on a count the scheduler cannot run names the next one below that it can.
+    gapped = msgspec.structs.replace(LIMITS, step_gaps=(61, 62, 103))
+    assert capped(gapped, LimitsConfig(max_steps=62)).max_steps == 60
+    assert capped(gapped, LimitsConfig(max_steps=64)).max_steps == 64
 
 
 @pytest.mark.parametrize(("caps", "problem"), [
