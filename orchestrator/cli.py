@@ -172,8 +172,8 @@ def _submit(args: argparse.Namespace) -> int:
 def _writable_directory(out: Path) -> Path:
     """``out``, made if missing and found writable before the request is sent: a result
     that cannot be written would be computed (GPU time) and then lost."""
-    out.mkdir(parents=True, exist_ok=True)
     try:
+        out.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=out):
             pass
     except OSError as exc:

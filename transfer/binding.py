@@ -25,9 +25,13 @@ def bind(sock: zmq.Socket, endpoint: str) -> None:
     try:
         sock.bind(endpoint)
     except zmq.ZMQError as exc:
-        # ZMQ's word for a host it cannot resolve to one of this machine's interfaces.
-        why = " (no address or interface of this host by that name)" if exc.errno == errno.ENODEV else ""
-        raise EndpointUnusable(f"{exc.strerror}: {endpoint}{why}") from exc
+        why = {
+            # ZMQ's word for a host it cannot resolve to one of this machine's interfaces.
+            errno.ENODEV: " (no address or interface of this host by that name)",
+            errno.EADDRINUSE: " (another process listens there: a daemon already running?)",
+        }.get(exc.errno, "")
+        # zmq.strerror: the bare reason (newer pyzmq's exc.strerror repeats the address).
+        raise EndpointUnusable(f"{zmq.strerror(exc.errno)}: {endpoint}{why}") from exc
 
 
 def bind_exclusive(sock: zmq.Socket, endpoint: str) -> str:

@@ -117,12 +117,19 @@ def test_submit_refuses_a_timeout_of_zero_as_it_parses(capsys: pytest.CaptureFix
 
 
 @pytest.mark.usefixtures("never_serve")
-def test_submit_into_a_directory_it_cannot_write_says_so_before_sending(capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize("out", ["/proc", "/proc/nope", "FILE"])
+def test_submit_into_a_directory_it_cannot_write_says_so_before_sending(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, out: str
+) -> None:
     """Was found only as the result was written: the request computed, then lost. /proc
-    refuses even root, and nothing listens at the endpoint: the refusal comes first."""
-    assert cli.main(["submit", "--prompt", "p", "--out", "/proc", "--endpoint", "ipc:///nonexistent/client"]) == 1
+    refuses even root, and nothing listens at the endpoint: the refusal comes first. One it
+    cannot make (a file's name, a folder of /proc) said only "[Errno 17] File exists"."""
+    if out == "FILE":
+        (out_path := tmp_path / "a-file").write_text("")
+        out = str(out_path)
+    assert cli.main(["submit", "--prompt", "p", "--out", out, "--endpoint", "ipc:///nonexistent/client"]) == 1
     err = capsys.readouterr().err
-    assert err.startswith("triptych submit: cannot write into --out /proc: ") and err.count("\n") == 1
+    assert err.startswith(f"triptych submit: cannot write into --out {out}: ") and err.count("\n") == 1
 
 
 def test_ids_that_name_files_alike_write_different_files() -> None:

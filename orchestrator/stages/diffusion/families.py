@@ -215,8 +215,9 @@ class FamilyAdapter:
             return  # the embedded tiny model: nothing to find
         root = Path(self.cfg.path)
         if not root.is_dir():
-            raise ModelUnloadable(f"model path {str(root)!r} is not a directory (a relative path is taken from the "
-                                  f"worker's working directory, {Path.cwd()})")
+            relative = "" if root.is_absolute() else f" (a relative path is taken from the worker's working " \
+                                                       f"directory, {Path.cwd()})"
+            raise ModelUnloadable(f"model path {str(root)!r} is not a directory{relative}")
         index = root / "model_index.json"
         if not index.is_file():
             raise ModelUnloadable(f"{root} has no model_index.json: not a diffusers-layout directory")
