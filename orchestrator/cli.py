@@ -272,7 +272,7 @@ def _not_another_socket(control: Control) -> None:
 
     try:
         control.stats()
-    except TimeoutError:
+    except (TimeoutError, ConnectionError):
         pass
     except Rejection as exc:
         if exc.reason == Reason.INVALID:  # the client socket's answer to a control request

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import time
 import uuid
 
 import zmq
@@ -28,8 +27,8 @@ from orchestrator.client_wire import (
     submit_body,
     wait_s,
 )
-from orchestrator.connection_watch import ConnectionWatch
-from orchestrator.deadlines import checked_s, poll_ms
+from orchestrator.connection_watch import ConnectionWatch, exchange
+from orchestrator.deadlines import checked_s
 from orchestrator.rejection import Rejection, answer_as
 from transfer.protocol import Cancelled, GenParams
 
@@ -108,7 +107,7 @@ class Client:
         # daemon answers a Cancel on the connection it came by. Its token proves it ours.
         sock, watch = self._connect()
         try:
-            frames = _exchange(sock, watch, [self._tokens.cancel_frame(request_id)], timeout_s, self.endpoint,
+            frames = exchange(sock, watch, [self._tokens.cancel_frame(request_id)], timeout_s, self.endpoint,
                                f" to the Cancel of {request_id!r}")
         finally:
             watch.close()
@@ -121,7 +120,7 @@ class Client:
                 # All of it inside: a Ctrl-C can land just after the message left (or before
                 # its reply was taken), and the REQ socket then waits for that reply; only a
                 # new socket takes the next request.
-                frames = _exchange(self._sock, self._watch, parts, timeout_s, self.endpoint)
+                frames = exchange(self._sock, self._watch, parts, timeout_s, self.endpoint)
             except BaseException:
                 self._reset()
                 raise
@@ -149,36 +148,3 @@ class Client:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-
-def _exchange(sock: zmq.Socket, watch: ConnectionWatch, parts: list[bytes], timeout_s: float, endpoint: str,
-              what: str = "") -> list[bytes]:
-    """Send ``parts`` on the REQ socket ``sock`` and take its reply's frames; ``TimeoutError``
-    past ``timeout_s``, ``ConnectionError`` as soon as no reply can come (``watch``)."""
-    sent_at = time.monotonic()
-    deadline = sent_at + checked_s(timeout_s)
-    watch.read()
-    closes = watch.closes
-    sock.send_multipart(parts)
-    if not _wait(sock, watch, sent_at, deadline, closes, endpoint):
-        raise TimeoutError(f"no reply from {endpoint}{what} within {timeout_s:.1f}s")
-    return sock.recv_multipart()
-
-
-def _wait(sock: zmq.Socket, watch: ConnectionWatch, sent_at: float, deadline: float, closes: int,
-          endpoint: str) -> bool:
-    """Wait for the reply until ``deadline``; ``ConnectionError`` as soon as none can come."""
-    poller = zmq.Poller()
-    poller.register(sock, zmq.POLLIN)
-    poller.register(watch.monitor, zmq.POLLIN)
-    while True:
-        watch.read()
-        if sock.poll(0):
-            return True  # it came before the connection closed (a daemon that answered, then stopped)
-        if (problem := watch.problem(sent_at, closes, endpoint)) is not None:
-            raise ConnectionError(problem)
-        now = time.monotonic()
-        if now >= deadline:
-            return False
-        until = min(deadline, watch.no_daemon_at(sent_at) or deadline)
-        if sock in dict(poller.poll(poll_ms(max(until - now, 0.001)))):
-            return True

@@ -163,7 +163,7 @@ class LocalCluster:
                 stats = self.control.stats()
                 if sum(not i.suspect for i in stats.instances) >= count:
                     return stats
-            except TimeoutError:
+            except (TimeoutError, ConnectionError):  # the daemon is not up yet
                 pass
             if time.monotonic() > deadline:
                 raise ClusterError(f"{count} workers did not register (and take work) within {timeout_s}s; "

@@ -15,6 +15,8 @@ import time
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
+from orchestrator.deadlines import checked_s, poll_ms
+
 # How long a client waits for a connection to take before it says no daemon is there: as
 # long as the `triptych` commands' own check.
 NO_DAEMON_S = 3.0
@@ -113,3 +115,37 @@ class ConnectionWatch:
             if not self._sock.closed:
                 self._sock.disable_monitor()
             self.monitor.close(linger=0)
+
+
+def exchange(sock: zmq.Socket, watch: ConnectionWatch, parts: list[bytes], timeout_s: float, endpoint: str,
+             what: str = "") -> list[bytes]:
+    """Send ``parts`` on the REQ socket ``sock`` and take its reply's frames; ``TimeoutError``
+    past ``timeout_s``, ``ConnectionError`` as soon as no reply can come (``watch``)."""
+    sent_at = time.monotonic()
+    deadline = sent_at + checked_s(timeout_s)
+    watch.read()
+    closes = watch.closes
+    sock.send_multipart(parts)
+    if not _wait_for_reply(sock, watch, sent_at, deadline, closes, endpoint):
+        raise TimeoutError(f"no reply from {endpoint}{what} within {timeout_s:.1f}s")
+    return sock.recv_multipart()
+
+
+def _wait_for_reply(sock: zmq.Socket, watch: ConnectionWatch, sent_at: float, deadline: float, closes: int,
+                    endpoint: str) -> bool:
+    """Wait for the reply until ``deadline``; ``ConnectionError`` as soon as none can come."""
+    poller = zmq.Poller()
+    poller.register(sock, zmq.POLLIN)
+    poller.register(watch.monitor, zmq.POLLIN)
+    while True:
+        watch.read()
+        if sock.poll(0):
+            return True  # it came before the connection closed (a daemon that answered, then stopped)
+        if (problem := watch.problem(sent_at, closes, endpoint)) is not None:
+            raise ConnectionError(problem)
+        now = time.monotonic()
+        if now >= deadline:
+            return False
+        until = min(deadline, watch.no_daemon_at(sent_at) or deadline)
+        if sock in dict(poller.poll(poll_ms(max(until - now, 0.001)))):
+            return True

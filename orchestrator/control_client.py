@@ -11,7 +11,8 @@ from __future__ import annotations
 import zmq
 
 from orchestrator.client_wire import daemon_endpoint, worker_socket_said
-from orchestrator.deadlines import poll_ms
+from orchestrator.connection_watch import ConnectionWatch, exchange
+from orchestrator.deadlines import checked_s
 from orchestrator.rejection import answer_as
 from transfer.protocol import (
     CONTROL_REPLY,
@@ -35,20 +36,22 @@ class Control:
         # As the other clients: an endpoint no one can connect to is a ValueError saying why,
         # not ZMQ's "Invalid argument" (``*``) or a wait for a daemon that cannot be there.
         self.endpoint = daemon_endpoint(endpoint)
-        self._timeout_s = timeout_s
-        self._timeout_ms = poll_ms(timeout_s)  # at most ZMQ's longest poll, 24.8 days
+        self._timeout_s = checked_s(timeout_s)
         self._ctx = ctx or zmq.Context.instance()
 
     def _ask(self, request: ControlRequest) -> ControlReply:
         sock = self._ctx.socket(zmq.REQ)
         sock.setsockopt(zmq.LINGER, 0)
         try:
-            sock.connect(self.endpoint)
-            sock.send(encode(request))
-            if not sock.poll(self._timeout_ms):
-                raise TimeoutError(f"no reply from control socket {self.endpoint} "
-                                   f"within {self._timeout_s:.1f}s")
-            body = sock.recv()
+            # As the other clients: ConnectionError once no daemon took a connection within
+            # 3 s, or the one the request went by closed; TimeoutError past timeout_s.
+            watch = ConnectionWatch(sock)
+            try:
+                sock.connect(self.endpoint)
+                body = exchange(sock, watch, [encode(request)], self._timeout_s, self.endpoint,
+                                f" to a control request ({type(request).__name__})")[0]
+            finally:
+                watch.close()
         finally:
             sock.close(linger=0)
         try:

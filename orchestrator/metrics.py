@@ -46,10 +46,11 @@ class StatsCollector:
         up = GaugeMetricFamily("triptych_up", "1 if the daemon answered this scrape's stats query")
         try:
             stats = self._read_stats()
-        except (TimeoutError, Rejection, ValueError) as exc:
-            # No answer in time, the daemon too busy to gather one, or something else answering
-            # there (a daemon restarted with other endpoints): down, never an HTTP 500.
-            if not isinstance(exc, TimeoutError):
+        except (TimeoutError, ConnectionError, Rejection, ValueError) as exc:
+            # No answer in time, no daemon, the daemon too busy to gather one, or something
+            # else answering there (a daemon restarted with other endpoints): down, never an
+            # HTTP 500.
+            if not isinstance(exc, TimeoutError | ConnectionError):
                 self._log.warning("metrics.no_stats", error=str(exc))
             up.add_metric([], 0)
             yield up

@@ -242,6 +242,15 @@ def test_a_blocking_submit_where_no_daemon_listens_fails_after_the_wait_for_one(
         client.close()
 
 
+def test_the_control_client_where_no_daemon_listens_fails_after_the_wait_for_one(tmp_path: Path) -> None:
+    """As the other clients: it waited its whole timeout (10 s) and said only that no reply
+    came (a new user's walkthrough of the docs, which promise 'no daemon' within 3 s)."""
+    started = time.monotonic()
+    with pytest.raises(ConnectionError, match="nothing there took a connection"):
+        Control(f"ipc://{tmp_path}/nobody", timeout_s=60).stats()
+    assert NO_DAEMON_S - 0.2 < time.monotonic() - started < NO_DAEMON_S + 1.5
+
+
 async def test_an_async_cancel_where_no_daemon_listens_fails_after_the_wait_for_one(tmp_path: Path) -> None:
     """As its submit, and as the blocking client's cancel: not after its whole timeout."""
     with anyio.fail_after(10):
