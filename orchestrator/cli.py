@@ -6,6 +6,7 @@ import argparse
 import hashlib
 import json
 import os
+import re
 import signal
 import sys
 import tempfile
@@ -146,7 +147,7 @@ def _submit(args: argparse.Namespace) -> int:
     try:
         generation = _generate(endpoint, params, args, rid)
     except Rejection as exc:
-        print(f"rejected ({exc.reason}): {exc.rejected.message}", file=sys.stderr)
+        print(f"rejected ({exc.reason}): {_as_flags(exc.rejected.message)}", file=sys.stderr)
         return 2
     except _Terminated:
         print(f"terminated: request {rid} cancelled", file=sys.stderr)
@@ -167,6 +168,20 @@ def _submit(args: argparse.Namespace) -> int:
               f"{stage.compute_ms:8.2f} ms  transfer {stage.transfer_ms:7.2f} ms  {stage.transfer_bytes} B"
               f"{f' by {stage.via}' if stage.via else ''}")
     return 0
+
+
+# The Submit fields a refusal unsent names (``- at `$.params.steps```) as the flags that set them.
+_FIELD_FLAGS = {"$.timeout_s": "--timeout", "$.request_id": "--request-id", "$.priority": "--priority"}
+
+
+def _as_flags(message: str) -> str:
+    """A refusal's message naming ``submit``'s flags where it names the Submit's fields."""
+    def flag(match: re.Match[str]) -> str:
+        field = match.group(1)
+        name = field.removeprefix("$.params.")
+        return _FIELD_FLAGS.get(field) or ("--" + name.replace("_", "-") if name != field else field)
+
+    return re.sub(r"`?(\$\.[a-z_.]+)`?", flag, message)
 
 
 def _writable_directory(out: Path) -> Path:
@@ -339,8 +354,8 @@ def _parser() -> argparse.ArgumentParser:
     endpoint(p, "control_endpoint")
     p = command("metrics", _metrics, "serve the daemon's stats as Prometheus metrics over HTTP")
     endpoint(p, "control_endpoint")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=_port, default=9464, help="0: any free port")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    p.add_argument("--port", type=_port, default=9464, help="0: any free port (default: %(default)s)")
     p.add_argument("--scrape-timeout", type=positive_seconds, default=2.0,
                    help="seconds to wait for the daemon's stats")
     # Whole programs of their own; everything after the name is passed through.

@@ -76,11 +76,15 @@ async def generate(endpoint: str, requests: list[GenParams],
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="triptych demo", description=__doc__)
-    parser.add_argument("--config", type=Path, default=ROOT / "configs" / "local.toml")
-    parser.add_argument("--requests", type=at_least(1), default=len(PROMPTS))
-    parser.add_argument("--steps", type=at_least(1), default=20)
-    parser.add_argument("--size", type=at_least(1), default=64)
-    parser.add_argument("--out", type=Path, default=Path("out"))
+    parser.add_argument("--config", type=Path, default=ROOT / "configs" / "local.toml",
+                        help="cluster TOML (default: %(default)s)")
+    parser.add_argument("--requests", type=at_least(1), default=len(PROMPTS),
+                        help="images to generate (default: %(default)s)")
+    parser.add_argument("--steps", type=at_least(1), default=20, help="denoising steps each (default: %(default)s)")
+    parser.add_argument("--size", type=at_least(1), default=64,
+                        help="width and height in pixels (default: %(default)s)")
+    parser.add_argument("--out", type=Path, default=Path("out"),
+                        help="directory the PNGs are written to (default: %(default)s)")
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     cfg = load_config(args.config)

@@ -287,7 +287,7 @@ def soak(args: argparse.Namespace, folder: Path) -> Ledger:
     ledger = Ledger()
     torch.set_num_threads(1)  # as the workers: the expected bytes are computed here
     with LocalCluster(path, log_dir=folder / "logs") as cluster:
-        ledger.note(f"cluster up; logs in {cluster.log_dir}")
+        ledger.note(f"cluster up; logs in {cluster.log_dir} (removed after a run with no problems)")
         logs = LogWatch(cluster.log_dir)
         for n in range(args.rounds):
             restart = args.restart_every > 0 and n % args.restart_every == args.restart_every - 1
@@ -303,13 +303,16 @@ def soak(args: argparse.Namespace, folder: Path) -> Ledger:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="triptych soak", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=at_least(1), default=20)
-    parser.add_argument("--round-s", type=positive_seconds, default=55.0, help="traffic and faults per round")
-    parser.add_argument("--rate", type=positive_rate, default=10.0, help="requests per second (a Poisson stream)")
+    parser.add_argument("--rounds", type=at_least(1), default=20, help="rounds to run (default: %(default)s)")
+    parser.add_argument("--round-s", type=positive_seconds, default=55.0,
+                        help="seconds of traffic and faults per round (default: %(default)s)")
+    parser.add_argument("--rate", type=positive_rate, default=10.0,
+                        help="requests per second, a Poisson stream (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=1,
-                        help="the same seed draws the same requests and faults (their timing varies)")
+                        help="the same seed draws the same requests and faults, their timing varies "
+                             "(default: %(default)s)")
     parser.add_argument("--restart-every", type=at_least(0), default=6,
-                        help="restart the daemon in every N-th round (0: never)")
+                        help="restart the daemon in every N-th round, 0: never (default: %(default)s)")
     args = parser.parse_args(argv)
     folder = Path(tempfile.mkdtemp(prefix="triptych-soak-"))
     try:

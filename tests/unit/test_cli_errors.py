@@ -215,3 +215,14 @@ def test_a_reader_that_leaves_early_is_no_error(tmp_path: Path) -> None:
         f"sys.exit(cli.main(['stats']))\" | head -1",
         shell=True, capture_output=True, text=True, timeout=60, cwd=Path(__file__).resolve().parents[2])
     assert done.stdout == "[\n" and done.stderr == ""
+
+
+def test_a_submit_refused_unsent_names_the_flags_not_the_wire_fields() -> None:
+    """A new user typed --steps 5000 and was told of `$.params.steps`, a field of a message
+    they never saw."""
+    assert cli._as_flags("not sent: Expected `int` <= 1000 - at `$.params.steps`") == \
+        "not sent: Expected `int` <= 1000 - at --steps"
+    assert cli._as_flags("not sent: Expected `float` <= 86400.0 - at `$.timeout_s`").endswith("at --timeout")
+    assert cli._as_flags("not sent: Expected `int` >= 1 - at `$.params.num_images`").endswith("at --num-images")
+    said = "steps 1000 exceeds 999 for model 'tiny-sd15'"
+    assert cli._as_flags(said) == said
