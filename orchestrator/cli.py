@@ -212,15 +212,16 @@ def _control_endpoint(args: argparse.Namespace) -> str:
 
 
 def _control(args: argparse.Namespace) -> Control:
-    """The control client, for a daemon that is there."""
+    """The control client (which says "no daemon" itself, within NO_DAEMON_S)."""
     from orchestrator.control_client import Control
 
-    return Control(_daemon_at(_control_endpoint(args)))
+    return Control(_check_endpoint(_control_endpoint(args)))
 
 
 def _daemon_at(endpoint: str) -> str:
     """``endpoint``, once something there took a ZMQ connection (see ``_check_endpoint``)."""
     return _check_endpoint(endpoint, answered_within_s=NO_DAEMON_S)
+
 
 def _stats(args: argparse.Namespace) -> int:
     from orchestrator.tables import stats_table

@@ -27,7 +27,7 @@ from orchestrator.client_wire import (
     submit_body,
     wait_s,
 )
-from orchestrator.connection_watch import ConnectionWatch, exchange
+from orchestrator.connection_watch import ConnectionWatch, exchange, watched_req
 from orchestrator.deadlines import checked_s
 from orchestrator.rejection import Rejection, answer_as
 from transfer.protocol import Cancelled, GenParams
@@ -52,19 +52,7 @@ class Client:
         self._sock, self._watch = self._connect()
 
     def _connect(self) -> tuple[zmq.Socket, ConnectionWatch]:
-        sock = self._ctx.socket(zmq.REQ)
-        sock.setsockopt(zmq.LINGER, 0)
-        try:
-            watch = ConnectionWatch(sock)
-            try:
-                sock.connect(self.endpoint)
-            except BaseException:
-                watch.close()
-                raise
-        except BaseException:
-            sock.close(linger=0)
-            raise
-        return sock, watch
+        return watched_req(self._ctx, self.endpoint)
 
     def submit(self, params: GenParams, *, request_id: str = "", timeout_s: float | None = None,
                priority: int = 0) -> Generation:

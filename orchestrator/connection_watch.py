@@ -117,6 +117,23 @@ class ConnectionWatch:
             self.monitor.close(linger=0)
 
 
+def watched_req(ctx: zmq.Context, endpoint: str) -> tuple[zmq.Socket, ConnectionWatch]:
+    """A REQ socket connected to ``endpoint``, and its watch; on failure neither is left open."""
+    sock = ctx.socket(zmq.REQ)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        watch = ConnectionWatch(sock)
+        try:
+            sock.connect(endpoint)
+        except BaseException:
+            watch.close()
+            raise
+    except BaseException:
+        sock.close(linger=0)
+        raise
+    return sock, watch
+
+
 def exchange(sock: zmq.Socket, watch: ConnectionWatch, parts: list[bytes], timeout_s: float, endpoint: str,
              what: str = "") -> list[bytes]:
     """Send ``parts`` on the REQ socket ``sock`` and take its reply's frames; ``TimeoutError``

@@ -11,7 +11,7 @@ from __future__ import annotations
 import zmq
 
 from orchestrator.client_wire import daemon_endpoint, worker_socket_said
-from orchestrator.connection_watch import ConnectionWatch, exchange
+from orchestrator.connection_watch import exchange, watched_req
 from orchestrator.deadlines import checked_s
 from orchestrator.rejection import answer_as
 from transfer.protocol import (
@@ -40,19 +40,14 @@ class Control:
         self._ctx = ctx or zmq.Context.instance()
 
     def _ask(self, request: ControlRequest) -> ControlReply:
-        sock = self._ctx.socket(zmq.REQ)
-        sock.setsockopt(zmq.LINGER, 0)
+        # As the other clients: ConnectionError once no daemon took a connection within 3 s,
+        # or the one the request went by closed; TimeoutError past timeout_s.
+        sock, watch = watched_req(self._ctx, self.endpoint)
         try:
-            # As the other clients: ConnectionError once no daemon took a connection within
-            # 3 s, or the one the request went by closed; TimeoutError past timeout_s.
-            watch = ConnectionWatch(sock)
-            try:
-                sock.connect(self.endpoint)
-                body = exchange(sock, watch, [encode(request)], self._timeout_s, self.endpoint,
-                                f" to a control request ({type(request).__name__})")[0]
-            finally:
-                watch.close()
+            body = exchange(sock, watch, [encode(request)], self._timeout_s, self.endpoint,
+                            f" to a control request ({type(request).__name__})")[0]
         finally:
+            watch.close()
             sock.close(linger=0)
         try:
             return CONTROL_REPLY.decode(body)
