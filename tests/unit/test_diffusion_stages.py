@@ -205,6 +205,22 @@ def test_the_denoising_loop_reports_each_step_and_stops_before_the_next(family: 
     assert control.steps == [(0, 10), (1, 10)]  # each step reported before it ran
 
 
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # Heun's set_timesteps trips numpy's
+def test_steps_are_reported_in_the_steps_asked_for_with_a_second_order_scheduler(tmp_path) -> None:
+    """Heun runs 2n-1 timesteps for n steps: the client asked for n and hears of n, each
+    count once reached, never of 2n-1 (which read as "step 7 of 5")."""
+    pipe = tiny.build_pipeline("sd15", seed=0)
+    pipe.scheduler = diffusers.HeunDiscreteScheduler.from_config(pipe.scheduler.config)
+    pipe.save_pretrained(tmp_path)
+    cfg = DiffusersConfig(family="sd15", path=str(tmp_path))
+    params = GenParams(prompt="x", width=16, height=16, steps=5)
+    control = StopAtCheck(at=0)  # never stops: only records the steps
+    stage(cfg, "denoiser").run(params, stage(cfg, "encoder").run(params, {}), control=control)
+    assert len(control.steps) == 9, "one report per timestep, 2n-1 of them"
+    assert sorted(set(control.steps)) == [(done, 5) for done in range(5)]
+    assert control.steps == sorted(control.steps)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_each_stage_loads_only_its_components(family: str) -> None:
     cfg = DiffusersConfig(family=family)

@@ -102,7 +102,9 @@ class DiffusionDenoiser(DiffusionStage):
         fail = bool(self.fail_marker) and self.fail_marker in params.prompt
 
         def on_step(i: int, total: int) -> None:
-            control.step(i, total)  # an abandoned request frees the GPU here, not after the loop
+            # ``total`` counts the scheduler's timesteps: 2n-1 for the second-order ones (Heun,
+            # KDPM2). The client asked for ``params.steps`` and hears of those.
+            control.step(i * params.steps // total, params.steps)  # an abandoned request frees the GPU here
             if fail and i == min(1, total - 1):
                 raise StageError(f"prompt contains the fail marker; failed at step {i} of {total}")
 
