@@ -12,7 +12,9 @@ Tensors never go through msgpack. A message that carries tensors is the encoded 
 followed by one raw ZMQ frame per tensor, in the order of its ``TensorSpec`` list.
 
 Schema evolution: new fields are appended with defaults; wire structs do not forbid
-unknown fields, so an older peer skips what it does not know. The protocol version is
+unknown fields, so an older peer skips what it does not know. ``GenParams`` alone forbids
+them (a field that changes what is generated must not be skipped): adding one bumps the
+version. The protocol version is
 checked on the messages that open an exchange (``Submit``, ``Cancel``, ``Register``), not on
 every message.
 """
@@ -104,8 +106,13 @@ Manifest = Annotated[list[TensorSpec], msgspec.Meta(max_length=MAX_TENSORS)]
 # --------------------------------------------------------------------------- client <-> daemon
 
 
-class GenParams(Plain):
-    """What to generate. Validated against the registered models' limits before any work."""
+class GenParams(Plain, forbid_unknown_fields=True):
+    """What to generate. Validated against the registered models' limits before any work.
+
+    The one struct that refuses unknown fields: skipping a field a client set would generate
+    something else than asked for (``"scheduler": "euler"`` on the configured scheduler), so
+    a field added here bumps ``PROTOCOL_VERSION`` instead.
+    """
 
     prompt: Annotated[str, msgspec.Meta(max_length=16384)]
     negative_prompt: Annotated[str, msgspec.Meta(max_length=16384)] = ""

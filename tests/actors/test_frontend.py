@@ -429,6 +429,25 @@ async def test_a_submit_past_the_wires_bounds_on_its_id_or_priority_is_refused_a
                 assert isinstance(admit, Admit) and admit.priority == priority
 
 
+async def test_a_submit_naming_a_generation_parameter_the_daemon_lacks_is_refused(ctx: zmq.asyncio.Context,
+                                                                                tmp_path: Path) -> None:
+    """A client's ``"scheduler": "euler"`` (a field GenParams has not) would be skipped and the
+    configured scheduler run: it is refused as invalid, naming the field, and never admitted.
+    Unknown fields elsewhere in a Submit are skipped (the compatibility rule)."""
+    submit = msgspec.to_builtins(Submit(protocol=PROTOCOL_VERSION, params=PARAMS, request_id="r"))
+    with anyio.fail_after(5):
+        async with running_frontend(ctx, tmp_path) as f:
+            await f.client.send_multipart([b"", msgspec.msgpack.encode(
+                submit | {"params": submit["params"] | {"scheduler": "euler"}})])
+            rejected, _ = await f.reply()
+            assert isinstance(rejected, Rejected) and rejected.reason == Reason.INVALID
+            assert rejected.message == "invalid request: Object contains unknown field `scheduler` - at `$.params`"
+            assert_empty(f.tracker)
+            await f.client.send_multipart([b"", msgspec.msgpack.encode(submit | {"newer": 1})])
+            admit = await f.tracker.receive()
+            assert isinstance(admit, Admit) and admit.params == PARAMS
+
+
 async def test_progress_reaches_its_client_under_its_id_and_leaves_the_request_in_flight(
     ctx: zmq.asyncio.Context, tmp_path: Path
 ) -> None:
