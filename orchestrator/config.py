@@ -382,6 +382,8 @@ def load_config(path: str | Path) -> Config:
     """Decode a TOML file; errors name the file and the offending key (``- at `$.daemon.token```)."""
     try:
         return msgspec.toml.decode(Path(path).read_bytes(), type=Config)
+    except OSError as exc:
+        raise OSError(f"cannot read the config file {path}: {exc.strerror or exc}") from None
     except msgspec.ValidationError as exc:
         raise msgspec.ValidationError(f"{path}: {exc}") from None
     except msgspec.DecodeError as exc:

@@ -19,7 +19,7 @@ from transfer.binding import EndpointUnusable
 
 
 @pytest.mark.parametrize(("argv", "says"), [
-    (["stats", "--config", "/nonexistent/triptych.toml"], "No such file"),
+    (["stats", "--config", "/nonexistent/triptych.toml"], "cannot read the config file /nonexistent/triptych.toml"),
     (["stats", "--config", "MALFORMED"], "MALFORMED: Expected ']'"),
     (["serve", "--config", "CAPACITY0"], "capacity"),
 ])

@@ -107,6 +107,12 @@ def test_malformed_toml_is_a_decode_error(tmp_path: Path) -> None:
         load_config(write(tmp_path, "[daemon\n"))
 
 
+def test_a_config_file_that_cannot_be_read_is_said_to_be_the_config(tmp_path: Path) -> None:
+    """A bare "[Errno 2] No such file or directory: 'x.toml'" did not say which file it was."""
+    with pytest.raises(OSError, match=f"^cannot read the config file {tmp_path}/absent.toml: No such file"):
+        load_config(tmp_path / "absent.toml")
+
+
 @pytest.mark.parametrize(("text", "says"), [
     ('[daemon]\nclient_endpoint = "ipc:///tmp/t"\ncontrol_endpoint = "ipc:///tmp/t"\n',
      "daemon.client_endpoint and daemon.control_endpoint are both ipc:///tmp/t: each of the daemon's sockets needs "

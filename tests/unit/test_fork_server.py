@@ -76,7 +76,7 @@ def test_the_exit_status_and_output_of_a_failing_command_come_back(server: ForkS
     child = server.spawn(command, log=log, append=False)
     assert child.wait(timeout=30) == 1
     output = log.read_text()
-    assert "an earlier cluster's line" not in output and "triptych stats: [Errno 2] No such file" in output
+    assert "an earlier cluster's line" not in output and "triptych stats: cannot read the config file" in output
     again = server.spawn(command, log=log, append=True)
     assert again.wait(timeout=30) == 1
     assert log.read_text().count("No such file") == 2  # a restart's log keeps the story
