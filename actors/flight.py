@@ -63,6 +63,7 @@ class Flight:
     quarantine_ends: float = 0.0  # doomed: when its receiver's memory is freed if no report frees it first
     in_doubt: bool = False  # its push reported a timeout: it may still land, so only the quarantine frees it
     abort_receiver: bool = False  # doomed, and the receiver said it holds more: abort it with its memory
+    stalled_pushes: int = 0  # pushes its sender refused for a stall (Pushed(stood_still)), nothing written
 
     def _move(self, new: FlightState) -> None:
         if new not in ALLOWED[self.state]:

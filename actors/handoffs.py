@@ -73,6 +73,11 @@ log = structlog.get_logger()
 # A sender reports a write by its own deadline (transfer.engine.write_limit_s), done, failed
 # or in doubt; the report's way here gets this much more.
 PUSH_REPORT_GRACE_S = 1.0
+# How many times one hand-off's Push goes again after its sender refused it for a stall
+# (Pushed(stood_still)). An honest sender refuses one only after a real stall; one that
+# refuses each (frozen over and over, or broken) would otherwise be sent the Push in a loop
+# until the request's deadline: the hand-off fails transfer_failed instead, retried elsewhere.
+STALLED_PUSHES_MAX = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -323,10 +328,14 @@ class Handoffs:
             # The sender wrote nothing, its output still staged: while the request lives, the
             # receiver's memory is still its own, so the push goes again, fresh by then; else
             # both ends are freed.
+            flight.stalled_pushes += 1
             if flight.doomed:
                 self._order(flight.role, flight.instance, Abort(request_id=rid))
                 self._release_receiver(flight)
                 del self._flights[rid]
+            elif flight.stalled_pushes > STALLED_PUSHES_MAX:
+                self._fail(flight, Reason.TRANSFER_FAILED, f"{link.instance} stood still at each of "
+                           f"{flight.stalled_pushes} pushes of its output and wrote none")
             else:
                 self._push(flight, after_stall=True)
             return

@@ -143,6 +143,31 @@ async def test_a_push_its_sender_refused_for_a_stall_goes_again_while_the_reques
             assert (await n.stats()).late_reports == 0
 
 
+async def test_a_sender_that_stands_still_at_every_push_fails_the_hand_off_instead_of_a_push_loop(
+    ctx: zmq.asyncio.Context, tmp_path: Path
+) -> None:
+    """A sender refusing each Push for a stall (a broken one, or one frozen over and over)
+    was sent the Push again in a loop, thousands a second, until the request's deadline (an
+    audit): past STALLED_PUSHES_MAX the hand-off fails transfer_failed, retried avoiding
+    both ends, and both ends are freed (nothing was written)."""
+    with anyio.fail_after(5):
+        async with encoder_and_denoiser(ctx, tmp_path, slots=2) as (n, encoder, denoiser):
+            await push_on_fast_path(n, encoder, denoiser, "r1")
+            for _ in range(actors.handoffs.STALLED_PUSHES_MAX):
+                await encoder.report(STOOD_STILL)
+                again = await n.pools["encoder"].receive()
+                assert isinstance(again, Send) and isinstance(again.order, Push) and again.order.after_stall
+            await encoder.report(STOOD_STILL)
+            failed = await n.tracker.receive()
+            assert isinstance(failed, Failed) and failed.reason == Reason.TRANSFER_FAILED
+            assert failed.message == f"{encoder.instance} stood still at each of 4 pushes of its output and wrote none"
+            assert failed.avoid == {encoder.instance, denoiser.instance}
+            assert n.take("encoder") == [released("r1", encoder), aborted("r1", encoder)]
+            assert n.take("denoiser") == [released("r1", denoiser)]
+            stats = await n.stats()
+            assert stats.prealloc[denoiser.instance] == PreallocCounts(2, 2) and stats.handoffs_held == 0
+
+
 async def test_a_push_refused_for_a_stall_after_its_request_ended_frees_both_ends(
     ctx: zmq.asyncio.Context, tmp_path: Path
 ) -> None:
