@@ -273,9 +273,12 @@ class Handoffs:
             self._free_late(link, msg)
             return
         following = next_role(link.role)
-        bad = [s.name for s in msg.manifest if s.offset + s.nbytes > msg.nbytes]
+        # Without its digest a tensor's copy goes unchecked at the receiver, which would then
+        # serve whatever a late write left in that memory (docs/protocol.md §4.4).
+        bad = [s.name for s in msg.manifest if s.offset + s.nbytes > msg.nbytes or s.xxh3 is None]
         if following is None or bad:
-            self._fail(flight, Reason.STAGE_FAILED, f"{link.instance} staged an invalid output {bad}", outcome=False)
+            self._fail(flight, Reason.STAGE_FAILED, f"{link.instance} staged an invalid output {bad} (past its "
+                                                    "block, without its digest, or from the decoder)", outcome=False)
             return
         largest = self._largest.get(following)  # None: no receiver yet, so the request waits for one
         if largest is not None and msg.nbytes > largest:

@@ -16,6 +16,8 @@ import time
 from dataclasses import dataclass
 from typing import assert_never
 
+import msgspec
+import xxhash
 import zmq
 
 from orchestrator.config import Config, transfer_timeout_s
@@ -52,6 +54,7 @@ from transfer.reports import group_reports
 # What every stage "produces": one small tensor, as the benchmark's null stages do.
 OUTPUT = TensorSpec(name="out", dtype="float32", shape=(16,), offset=0, nbytes=64)
 OUTPUT_FRAME = bytes(OUTPUT.nbytes)
+STAGED = msgspec.structs.replace(OUTPUT, xxh3=xxhash.xxh3_64_intdigest(OUTPUT_FRAME))  # a hand-off's carries its digest
 # Fake pool addresses: far apart per worker, never dereferenced by anyone.
 POOL_SPACING = 1 << 32
 REGISTER_TIMEOUT_S = 30.0
@@ -73,7 +76,7 @@ class InstantWorker:
                 done = Done(request_id=order.request_id, ok=True, compute_ms=0.0, outputs=[OUTPUT])
                 return encode(done), [OUTPUT_FRAME]
             case Work() | Ready():
-                return encode(Staged(request_id=order.request_id, nbytes=OUTPUT.nbytes, manifest=[OUTPUT],
+                return encode(Staged(request_id=order.request_id, nbytes=OUTPUT.nbytes, manifest=[STAGED],
                                      compute_ms=0.0)), []
             case Alloc(request_id=rid):
                 return encode(Allocated(request_id=rid, address=self.pool_base)), []

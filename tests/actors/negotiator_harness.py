@@ -55,7 +55,7 @@ from transfer.protocol import (
 PARAMS = GenParams(prompt="p")
 TOKEN = "negotiator-test-token"
 NBYTES = 512
-MANIFEST = [TensorSpec(name="embeds", dtype="float32", shape=(128,), offset=0, nbytes=NBYTES)]
+MANIFEST = [TensorSpec(name="embeds", dtype="float32", shape=(128,), offset=0, nbytes=NBYTES, xxh3=1)]
 POOL_BASE = 1 << 20
 POOL_SIZE = 1 << 20
 SLOT_SIZE = 1024

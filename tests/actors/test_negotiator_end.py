@@ -281,15 +281,22 @@ async def test_failed_stage_at_a_receiver_counts_as_failed_and_frees_its_input(
             n.assert_silent()
 
 
-async def test_invalid_staged_output_fails_the_stage(ctx: zmq.asyncio.Context, tmp_path: Path) -> None:
+@pytest.mark.parametrize("bad", [
+    TensorSpec(name="embeds", dtype="float32", shape=(128,), offset=NBYTES, nbytes=NBYTES, xxh3=1),
+    # Its copy would go unchecked at the receiver (an audit's fake sender, whose Push wrote
+    # nothing, had the receiver compute on what an earlier request left in the slot).
+    msgspec.structs.replace(MANIFEST[0], xxh3=None),
+], ids=["past its block", "without its digest"])
+async def test_invalid_staged_output_fails_the_stage(ctx: zmq.asyncio.Context, tmp_path: Path,
+                                                     bad: TensorSpec) -> None:
     with anyio.fail_after(5):
         async with running_negotiator(ctx, tmp_path) as n, fake_worker(ctx, n, "encoder") as encoder:
             n.inbox.post(Placed(job=job("r1", "encoder"), instance=encoder.instance))
             await n.pools["encoder"].receive()  # Work
-            bad = [TensorSpec(name="embeds", dtype="float32", shape=(128,), offset=NBYTES, nbytes=NBYTES)]
-            await encoder.report(Staged(request_id="r1", nbytes=NBYTES, manifest=bad, compute_ms=1.0))
+            await encoder.report(Staged(request_id="r1", nbytes=NBYTES, manifest=[bad], compute_ms=1.0))
             failed = await n.tracker.receive()
             assert (failed.request_id, failed.reason) == ("r1", Reason.STAGE_FAILED)
+            assert failed.message.startswith(f"{encoder.instance} staged an invalid output ['embeds']")
             assert n.take("encoder") == [released("r1", encoder, ok=False), aborted("r1", encoder)]
             n.assert_silent()  # nothing enqueued for a denoiser
 

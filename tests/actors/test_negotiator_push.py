@@ -479,7 +479,7 @@ async def test_an_input_only_a_slot_can_hold_waits_for_one_instead_of_failing(
 async def stage_and_place(n: Negotiator, encoder: FakeWorker, denoiser: FakeWorker, rid: str, nbytes: int) -> None:
     """``rid``'s encoder staged ``nbytes``, and the denoiser pool placed it at ``denoiser``."""
     n.inbox.post(Placed(job=job(rid, "encoder"), instance=encoder.instance))  # its Work stays in the encoder's mail
-    manifest = [TensorSpec(name="embeds", dtype="uint8", shape=(nbytes,), offset=0, nbytes=nbytes)]
+    manifest = [TensorSpec(name="embeds", dtype="uint8", shape=(nbytes,), offset=0, nbytes=nbytes, xxh3=1)]
     await encoder.report(Staged(request_id=rid, nbytes=nbytes, manifest=manifest, compute_ms=1.0))
     assert (await n.admission.receive()).job.request_id == rid
     n.inbox.post(Placed(job=msgspec.structs.replace(job(rid, "denoiser"), nbytes=nbytes), instance=denoiser.instance))

@@ -80,7 +80,7 @@ from transfer.protocol import Step as StepReport
 QUARANTINE_S = 0.05  # push_quarantine_s: short, so a doomed flight's memory comes back within the example
 BIG = 4 * SLOT_SIZE  # a staged output no preallocated slot holds: the slow path
 ALLOCATION = POOL_BASE + 8 * SLOT_SIZE  # where receivers allocate: inside their pool
-BAD_MANIFEST = [TensorSpec(name="embeds", dtype="float32", shape=(128,), offset=NBYTES, nbytes=NBYTES)]
+BAD_MANIFEST = [TensorSpec(name="embeds", dtype="float32", shape=(128,), offset=NBYTES, nbytes=NBYTES, xxh3=1)]
 # Sent behind every report in the same message: a report about no request, so it counts as
 # late. A message is handled whole and in order, so once the count moves the report before
 # it has been handled, and all the mail it caused has been posted.
