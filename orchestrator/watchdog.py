@@ -4,8 +4,9 @@ A stage is synchronous code on a worker thread, and no thread can be stopped fro
 a stop (``RunControl``) only works at the stage's next step. A run that never gets there, a
 wedged GPU or a deadlocked kernel, would hold its compute thread and its capacity for good,
 and the worker would keep heartbeating and taking work it cannot do. So a run longer than
-``workers.<role>.stage_timeout_s`` ends the process with ``EXIT_STAGE_HUNG``; the daemon
-sees it go silent and starts its requests again elsewhere.
+``workers.<role>.stage_timeout_s`` is reported to the worker (``on_hung``), which fails
+that request and ends the process with ``EXIT_STAGE_HUNG``; the daemon starts its other
+requests again elsewhere.
 
 The watchdog is a thread of its own, not a task on the worker's event loop: a shutdown
 (SIGTERM) cancels every task and then waits for the stage threads, so a task would be gone
@@ -14,7 +15,6 @@ exactly when a hung stage keeps the process from exiting.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -32,10 +32,10 @@ class StageWatchdog:
     """Watches every run from the moment its thread starts it until that thread returns."""
 
     def __init__(self, limit_s: float, *, log: structlog.typing.FilteringBoundLogger,
-                 exit: Callable[[int], object] = os._exit) -> None:
+                 on_hung: Callable[[str], object]) -> None:
         self.limit_s = limit_s
         self._log = log
-        self._exit = exit  # os._exit: a normal exit would wait for the hung thread
+        self._on_hung = on_hung  # called on the watchdog's thread with the run's request id; exits
         self._lock = threading.Lock()  # the runs change on the event loop, are read here
         self._runs: dict[RunControl, str] = {}
 
@@ -54,7 +54,7 @@ class StageWatchdog:
         threading.Thread(target=self._watch, name="stage-watchdog", daemon=True).start()
 
     def check(self, now: float) -> bool:
-        """Exit if a run has outlived the limit at ``now``; True if the exit was called."""
+        """Report a run that has outlived the limit at ``now``; True if one was reported."""
         with self._lock:
             runs = list(self._runs.items())
         for control, request_id in runs:
@@ -62,7 +62,7 @@ class StageWatchdog:
             if started is not None and now - started > self.limit_s:
                 self._log.error("worker.stage_hung", request_id=request_id, ran_s=round(now - started, 1),
                                 limit_s=self.limit_s, exit_status=EXIT_STAGE_HUNG)
-                self._exit(EXIT_STAGE_HUNG)
+                self._on_hung(request_id)
                 return True
         return False
 

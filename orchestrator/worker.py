@@ -40,7 +40,7 @@ from orchestrator.own_addresses import check_own_addresses
 from orchestrator.priority_gate import PriorityGate
 from orchestrator.stages import RunControl, Stage, StageError, StageStopped, build_stage
 from orchestrator.stages.base import StepFn, released
-from orchestrator.watchdog import EXIT_DEVICE_BROKEN, StageWatchdog
+from orchestrator.watchdog import EXIT_DEVICE_BROKEN, EXIT_STAGE_HUNG, StageWatchdog
 from orchestrator.work_socket import bind_work_socket, close_work_socket
 from orchestrator.worker_memory import RequestMemory
 from orchestrator.worker_registration import register, watch_daemon
@@ -81,6 +81,10 @@ from transfer.sockets import PlainPump
 
 log = structlog.get_logger()
 
+# How long a hung stage's exit waits for the event loop to report it and say Leaving
+# (WorkerRuntime._stage_hung): past it the loop is taken to hang too.
+HUNG_EXIT_GRACE_S = LEAVING_LINGER_MS / 1000 + 2.0
+
 
 class WorkerRuntime:
     """Owns one stage, one registered memory pool, one engine, its work socket and its link to the daemon."""
@@ -111,7 +115,8 @@ class WorkerRuntime:
         self._work_address: str | None = None  # once bound
         self._max_message_bytes = cfg.daemon.worker_max_message_bytes  # until the daemon says its own
         self._daemon_link: DaemonLink | None = None  # once created
-        self._watchdog = StageWatchdog(self._wcfg.stage_timeout_s, log=self._log, exit=self._exit_at_once)
+        self._watchdog = StageWatchdog(self._wcfg.stage_timeout_s, log=self._log, on_hung=self._stage_hung)
+        self._loop: asyncio.AbstractEventLoop | None = None  # once running: where the watchdog's thread calls in
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -131,6 +136,7 @@ class WorkerRuntime:
         # it, as SIGTERM must stop a worker at any time, and one that outlives
         # stage_timeout_s ends the process as a hung stage run does (else it sat, silent and
         # unregistered, for good).
+        self._loop = asyncio.get_running_loop()
         self._watchdog.start()
         loading = RunControl()
         loading.started_at = time.monotonic()
@@ -215,6 +221,28 @@ class WorkerRuntime:
         the worker's requests again elsewhere."""
         remove_ipc_file(self._work_address)
         os._exit(status)
+
+    def _stage_hung(self, request_id: str) -> None:
+        """On the watchdog's thread: ``request_id``'s run outlived stage_timeout_s. On the loop,
+        that request fails and the process exits as after a broken device (its reports and
+        Leaving sent first, ``EXIT_STAGE_HUNG``); if the loop does not get to it (it may be
+        what hangs), the process exits from here regardless."""
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._fail_hung, request_id)
+            time.sleep(HUNG_EXIT_GRACE_S)
+        self._exit_at_once(EXIT_STAGE_HUNG)
+
+    def _fail_hung(self, rid: str) -> None:
+        """The hung run's request fails ``stage_failed``, which the daemon does not start again:
+        a request that hangs the stage would hang every worker it was retried on (an audit: one
+        took down both denoisers). The worker's other requests start again elsewhere."""
+        control = self._runs.get(rid)
+        if control is not None and not control.stopped:  # stopped: the daemon expects no Done
+            ran_ms = (time.monotonic() - (control.started_at or time.monotonic())) * 1000
+            self._report(Done(request_id=rid, ok=False, compute_ms=ran_ms, reason=Reason.STAGE_FAILED,
+                              error=f"the stage ran past workers.{self.role}.stage_timeout_s "
+                                    f"({self._wcfg.stage_timeout_s:g} s) and its worker exits"))
+        self._exit_after_reports(EXIT_STAGE_HUNG)
 
     def _exit_after_reports(self, status: int) -> None:
         """``_exit_at_once``, but first send every queued report, then ``Leaving`` if it may

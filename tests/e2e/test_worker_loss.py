@@ -100,7 +100,9 @@ def test_a_dead_receiver_fails_no_request_and_takes_no_more_work(start_cluster: 
 def test_a_hung_stage_takes_its_worker_down_and_nothing_else(start_cluster: StartCluster) -> None:
     """A stage deaf to stops (a wedged GPU) outlives workers.denoiser.stage_timeout_s, though
     its request ended long before: its worker exits with status 70 for a supervisor to
-    replace, the daemon evicts it when it goes silent, and the other denoiser keeps serving."""
+    replace, the daemon evicts it when it goes silent, and the other denoiser keeps serving.
+    A request still waiting when its stage hangs fails stage_failed: started again, it would
+    hang the next denoiser too (an audit: one request took down both)."""
     cluster = start_cluster(**{"workers.denoiser": {"stage_timeout_s": 1.0}, "model.faults": {"hang_prompt": "wedge"}})
     addresses = {i.name: i.address for i in cluster.control.stats().instances}
     with Client(cluster.config.daemon.client_endpoint) as client:
@@ -115,9 +117,23 @@ def test_a_hung_stage_takes_its_worker_down_and_nothing_else(start_cluster: Star
         assert not Path(addresses[name].removeprefix("ipc://")).exists()  # its socket file went with it
         params = GenParams(prompt="an ordinary request", seed=2, output="raw")
         generation = client.submit(params, timeout_s=20)
-    assert torch.equal(generation.outputs["images"], expected_outputs(params, cluster.config.model.null)["images"])
-    stats = wait_for(cluster, lambda s: all_free(s) and len(s.instances) == 3)
-    assert name not in {i.name for i in stats.instances}
+        assert torch.equal(generation.outputs["images"], expected_outputs(params, cluster.config.model.null)["images"])
+        stats = wait_for(cluster, lambda s: all_free(s) and len(s.instances) == 3)
+        assert name not in {i.name for i in stats.instances}
+
+        cluster.start_worker("denoiser", 2)  # as its supervisor would
+        wait_for(cluster, lambda s: all_free(s) and len(s.instances) == 4, timeout_s=60)
+        with pytest.raises(Rejection) as caught:
+            client.submit(GenParams(prompt="wedge it while I wait", seed=3, output="raw"), timeout_s=30)
+        assert caught.value.reason == Reason.STAGE_FAILED
+        assert "the stage ran past workers.denoiser.stage_timeout_s (1 s) and its worker exits" in str(caught.value)
+        stats = wait_for(cluster, lambda s: all_free(s) and len(s.instances) == 3)
+        assert stats.retried == 0
+        [survivor] = [i for i in stats.instances if i.role == "denoiser"]
+        [second] = {"denoiser0", "denoiser1", "denoiser2"} - {name, survivor.name}
+        assert cluster.workers[second].wait(timeout=10) == EXIT_STAGE_HUNG
+        generation = client.submit(params, timeout_s=20)
+        assert survivor.instance in {s.instance for s in generation.result.stages}
 
 
 def test_a_cuda_error_fails_its_request_and_takes_only_its_worker_down(start_cluster: StartCluster) -> None:
