@@ -7,26 +7,11 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 (
 cd "$ROOT"
 
-# nvidia-smi never answers on a machine whose GPU or driver is stuck (fallen off the bus, a
-# reset under way): asked with a deadline, whose end stops the script naming the command.
-gpu=1
-if command -v nvidia-smi >/dev/null 2>&1; then
-  smi_s="${TRIPTYCH_NVIDIA_SMI_S:-30}"
-  timeout -k 5 "$smi_s" nvidia-smi -L >/dev/null 2>&1 || gpu=$?
-  if [ "$gpu" = 124 ] || [ "$gpu" = 137 ]; then
-    echo "triptych: nvidia-smi -L did not answer within ${smi_s}s: the GPU or its driver is stuck (see dmesg);" \
-      "fix it, or take nvidia-smi off the PATH to install the CPU build" >&2
-    exit 1
-  fi
-fi
-if [ "$gpu" = 0 ]; then
-  # torch 2.13.0 from PyPI brings the CUDA 13 runtime. Mooncake's plain CUDA wheel links
-  # libcudart.so.12, which then is nowhere (measured on an H200 with CUDA 13): the -cuda13
-  # build is the same engine for that runtime.
-  MOONCAKE="mooncake-transfer-engine-cuda13==0.3.13.post1"
+# The wheel for this machine; a stuck GPU or driver (nvidia-smi does not answer) stops the script here.
+MOONCAKE="$(bash scripts/_mooncake_build.sh)"
+if [[ "$MOONCAKE" == *-cuda13==* ]]; then
   GPU_LIBS=(ibverbs-providers)  # that build links libmlx5 too
 else
-  MOONCAKE="mooncake-transfer-engine-non-cuda==0.3.13.post1"
   GPU_LIBS=()
 fi
 

@@ -121,9 +121,11 @@ class MooncakeEngine:
         try:
             from mooncake.engine import TransferEngine
         except ImportError as exc:
+            # Not installed, or a library its engine links is missing (libibverbs1 and the like).
             raise EngineUnusable(
-                "the mooncake transfer engine is not installed "
-                "(mooncake-transfer-engine-non-cuda for CPU, mooncake-transfer-engine for CUDA)"
+                f"the mooncake transfer engine cannot be imported ({exc}): scripts/_env.sh installs it "
+                "(mooncake-transfer-engine-non-cuda, or -cuda13 where nvidia-smi sees a GPU) and names the "
+                "Debian libraries it needs"
             ) from exc
 
         self._te = TransferEngine()

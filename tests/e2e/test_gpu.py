@@ -1,13 +1,16 @@
 """The split on a CUDA device, with the Mooncake build for GPU machines moving the hand-offs:
 every image equals the one the monolithic pipeline makes on the same device and dtype, bit
-for bit. Skipped where torch sees no GPU (CI has none); run on a GPU machine. Where there is
-none, a worker put on one still shows it was started as a process of its own, not forked.
+for bit. Skipped where torch sees no GPU (CI has none); run on a GPU machine, where a torch
+that sees none fails instead of skipping. Where there is none, a worker put on one still
+shows it was started as a process of its own, not forked.
 
 On one device both sides run the same kernels on the same shapes (each request unbatched,
 noise from a CPU generator), so equality is exact there too, half precision included."""
 
 from __future__ import annotations
 
+import importlib.metadata
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -22,6 +25,16 @@ from tests.e2e.conftest import StartCluster, cluster_config, wait_for
 from transfer.protocol import GenParams
 
 GPU = torch.cuda.is_available()
+# Asked apart from torch: a CPU build of torch, or a driver too old for its CUDA, sees no
+# GPU on a machine that has one, and every test here would skip or pass without one.
+HAS_GPU = shutil.which("nvidia-smi") is not None and subprocess.run(
+    ["nvidia-smi", "-L"], capture_output=True, timeout=30).returncode == 0
+
+
+@pytest.mark.skipif(not HAS_GPU, reason="nvidia-smi sees no GPU")
+def test_a_gpu_machine_has_a_torch_that_sees_the_gpu_and_mooncakes_gpu_build() -> None:
+    assert GPU, "nvidia-smi sees a GPU, torch does not: a CPU build of torch, or a driver too old for its CUDA"
+    assert importlib.metadata.version("mooncake-transfer-engine-cuda13"), "scripts/_env.sh installs it on a GPU"
 
 REQUESTS = [
     GenParams(prompt="a red fox in snow", negative_prompt="blurry", seed=21, steps=4, width=32, height=32,
