@@ -56,11 +56,23 @@ def released(exc: BaseException) -> BaseException:
         with contextlib.suppress(RuntimeError):  # the frame still running: the caller's own
             tb.tb_frame.clear()
         tb = tb.tb_next
-    if isinstance(exc, torch.OutOfMemoryError):
+    if _out_of_gpu_memory(exc):
         torch.cuda.empty_cache()
         first_line = next(iter(str(exc).splitlines()), "")
         return StageError(f"out of GPU memory for this request: {first_line}".rstrip(": "))
     return exc
+
+
+# Running out of GPU memory outside torch's allocator: cudaMalloc for a kernel's own use (a
+# torch.AcceleratorError, "CUDA error: out of memory"), cuBLAS's or cuDNN's workspace (a
+# plain RuntimeError). None of them poisons the GPU context, as an illegal access does.
+_ALLOCATION_FAILURES = ("CUDA error: out of memory", "CUBLAS_STATUS_ALLOC_FAILED", "CUDNN_STATUS_ALLOC_FAILED")
+
+
+def _out_of_gpu_memory(exc: BaseException) -> bool:
+    if isinstance(exc, torch.OutOfMemoryError):
+        return True
+    return isinstance(exc, RuntimeError) and any(marker in str(exc) for marker in _ALLOCATION_FAILURES)
 
 
 class ModelUnloadable(Exception):

@@ -82,6 +82,24 @@ def test_an_out_of_memory_error_without_a_message_still_fails_plainly() -> None:
     assert isinstance(failure, StageError) and str(failure) == "out of GPU memory for this request"
 
 
+@pytest.mark.parametrize("failure", [
+    torch.AcceleratorError("CUDA error: out of memory\nCompile with TORCH_USE_CUDA_DSA"),  # a kernel's own cudaMalloc
+    RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"),
+    RuntimeError("cuDNN error: CUDNN_STATUS_ALLOC_FAILED"),
+], ids=["cudaMalloc", "cuBLAS", "cuDNN"])
+def test_running_out_of_gpu_memory_outside_torchs_allocator_is_out_of_memory_too(
+    failure: RuntimeError, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A kernel's cudaMalloc failing came as an AcceleratorError, taken for a poisoned context:
+    the worker exited (71) and its request was not retried, over a recoverable failure."""
+    emptied: list[bool] = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(True))
+    released_as = released(failure)
+    assert isinstance(released_as, StageError)
+    assert str(released_as) == f"out of GPU memory for this request: {str(failure).splitlines()[0]}"
+    assert emptied == [True]
+
+
 async def test_a_cuda_error_fails_its_request_and_takes_the_worker_down(logs: list[dict]) -> None:
     """Every later kernel of a poisoned context fails at once, and a worker that fails at once
     looks idlest to the dispatch: it exits instead, as a hung stage does. Its request fails
