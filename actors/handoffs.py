@@ -125,7 +125,11 @@ class Handoffs:
         self._push_failed_into = push_failed_into  # a receiver a write could not reach
         self._slots = SlotBook()
         self._rooms: dict[str, tuple[Role, Room]] = {}  # receiver -> (its role, what it takes)
-        self._largest: dict[Role, int] = {}  # role -> the most any of its receivers takes
+        # role -> the most any of its receivers registered in this daemon's life takes. One that
+        # left may be restarting: an output only it takes waits for it (in the receivers'
+        # pool, until its deadline) rather than fail as no receiver's, which a big receiver's
+        # restart made of every such request (an audit). Only what none ever took fails at once.
+        self._largest: dict[Role, int] = {}
         # Per receiver, its line: the flights in SLOT_WAIT there, first come first served (a
         # large output is never starved by smaller ones). A flight leaves it when it ends.
         self._slot_waits: dict[str, deque[Flight]] = {}
@@ -147,15 +151,14 @@ class Handoffs:
         self._slots.add_instance(link.instance, slots)
         room = Room.of(link, slots)
         self._rooms[link.instance] = link.role, room
-        self._measure(link.role)
+        self._largest[link.role] = max(self._largest.get(link.role, 0), room.largest_fit)
         return room.largest_fit
 
     def worker_lost(self, link: Link, why: str, *, gone: bool) -> None:
         """End every flight ``link`` takes part in. ``gone``: no write of its can still land."""
         self._slots.remove_instance(link.instance)
         self._slot_waits.pop(link.instance, None)  # its flights fail below
-        if self._rooms.pop(link.instance, None) is not None:
-            self._measure(link.role)
+        self._rooms.pop(link.instance, None)
         # Eviction is rare, so a pass over the flights is fine here (never on the hot path).
         for flight in [f for f in self._flights.values() if link.instance in (f.instance, f.receiver)]:
             sender_lost = flight.state == FlightState.PUSHING and flight.instance == link.instance
@@ -284,7 +287,7 @@ class Handoffs:
         if largest is not None and msg.nbytes > largest:
             # Retrying would only compute it again: no receiver registered can ever take it.
             self._fail(flight, Reason.INVALID, f"its {msg.nbytes}-byte output fits no {following}'s memory pool "
-                                               f"(the most one takes is {largest} bytes: "
+                                               f"(the most one ever registered takes is {largest} bytes: "
                                                f"workers.{following}.pool_bytes past its preallocated slots, "
                                                "or prealloc_slot_bytes)", outcome=True)
             return
@@ -421,13 +424,6 @@ class Handoffs:
             self._late(link, msg)  # not an ack this worker owes: repeated or forged
 
     # ------------------------------------------------------------------ ends
-
-    def _measure(self, role: Role) -> None:
-        fits = [room.largest_fit for of_role, room in self._rooms.values() if of_role == role]
-        if fits:
-            self._largest[role] = max(fits)
-        else:
-            self._largest.pop(role, None)
 
     def _end(self, flight: Flight, *, pushing: bool, outcome: bool | None = None) -> None:
         """Free everything ``flight`` holds, as soon as each piece is safe to free.

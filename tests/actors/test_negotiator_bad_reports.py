@@ -165,7 +165,7 @@ async def test_an_output_no_receiver_could_ever_take_is_invalid_and_not_handed_o
             assert await n.tracker.receive() == Failed(
                 request_id="too-big", reason=Reason.INVALID, avoid=frozenset({encoder.instance}),
                 message=f"its {largest + 1}-byte output fits no denoiser's memory pool "
-                        f"(the most one takes is {largest} bytes: workers.denoiser.pool_bytes past its "
+                        f"(the most one ever registered takes is {largest} bytes: workers.denoiser.pool_bytes past its "
                         "preallocated slots, or prealloc_slot_bytes)")
             assert n.take("encoder") == [released("too-big", encoder, ok=True), aborted("too-big", encoder)]
             await staged("fits", largest)
@@ -173,6 +173,31 @@ async def test_an_output_no_receiver_could_ever_take_is_invalid_and_not_handed_o
                                                                                   nbytes=largest))
             n.assert_silent()
             assert (await n.stats()).prealloc[denoiser.instance] == PreallocCounts(2, 2)
+
+
+async def test_an_output_only_a_receiver_that_left_takes_waits_for_it(ctx: zmq.asyncio.Context,
+                                                                       tmp_path: Path) -> None:
+    """The big denoiser is restarting (it said Leaving): an output only it takes goes to the
+    denoisers' queue, where it waits for it, not failed ``invalid`` as no denoiser's (an
+    audit: a big receiver's restart failed every such request, the client told its request
+    was bad). What no denoiser ever registered takes still fails at once."""
+    big = POOL_SIZE - 2 * SLOT_SIZE
+    with anyio.fail_after(5):
+        async with encoder_and_denoiser(ctx, tmp_path, slots=2) as (n, encoder, denoiser):
+            async with fake_worker(ctx, n, "denoiser", name="small", slots=1, pool_size=2 * SLOT_SIZE):
+                await denoiser.sock.send(encode(Leaving()))
+                leave = await n.pools["denoiser"].receive()
+                assert isinstance(leave, Leave) and leave.instance == denoiser.instance
+                for rid, nbytes in (("waits", big), ("never", big + 1)):
+                    n.inbox.post(Placed(job=job(rid, "encoder"), instance=encoder.instance))
+                    await next_order(n, "encoder", Work)
+                    await encoder.report(Staged(request_id=rid, nbytes=nbytes, manifest=MANIFEST, compute_ms=1.0))
+                assert await n.admission.receive() == Enqueue(job=msgspec.structs.replace(job("waits", "denoiser"),
+                                                                                      nbytes=big))
+                failed = await n.tracker.receive()
+                assert isinstance(failed, Failed) and (failed.request_id, failed.reason) == ("never", Reason.INVALID)
+                assert failed.message.startswith(f"its {big + 1}-byte output fits no denoiser's memory pool (the "
+                                                 f"most one ever registered takes is {big} bytes")
 
 
 async def test_a_stuck_worker_is_evicted_once_and_may_still_be_finishing_a_write(

@@ -615,8 +615,9 @@ def test_an_output_no_receiver_can_take_is_invalid_at_once_and_not_retried(start
             client.submit(p(1), timeout_s=20)
     assert caught.value.reason == Reason.INVALID
     assert caught.value.rejected.message == (f"its {4 * 2**20}-byte output fits no denoiser's memory pool "
-                                             f"(the most one takes is {2**20} bytes: workers.denoiser.pool_bytes "
-                                             "past its preallocated slots, or prealloc_slot_bytes)")
+                                             f"(the most one ever registered takes is {2**20} bytes: "
+                                             "workers.denoiser.pool_bytes past its preallocated slots, or "
+                                             "prealloc_slot_bytes)")
     stats = wait_for(cluster, all_free)
     assert (stats.slow_path, stats.fast_path, stats.retried) == ({}, {}, 0)
 
