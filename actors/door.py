@@ -1,10 +1,11 @@
 """DoorLimits: what the frontend admits, from the limits every registered worker sent.
 
-Dispatch does not look at limits (a pick stays O(1)), so a request let in must fit every
-instance it could be sent to: the door checks the limits of every registered worker, of
-every role, and so admits only what the tightest of them takes. Workers of one role given
-different ``[model.limits]`` therefore admit what all of them take, never what the most
-recently registered one happens to take.
+The door checks the limits of every registered worker, of every role, and so admits only
+what the tightest of them takes: a request let in fits every instance it could be sent to.
+Workers of one role given different ``[model.limits]`` therefore admit what all of them
+take, never what the most recently registered one happens to take. (A worker with tighter
+limits may join after a request was let in: the pools send such a request only to workers
+that take it, actors/pools.py.)
 """
 
 from __future__ import annotations

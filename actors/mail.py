@@ -230,6 +230,7 @@ class Join(Mail):
     # The largest input it can ever take in one hand-off (its largest preallocated slot, or
     # its general region); 0 for an encoder, whose inputs come with its orders.
     fits: int = 0
+    limits: StageLimits = StageLimits()  # Register.limits: the requests it takes
 
 
 class Leave(Mail):

@@ -305,7 +305,8 @@ class TransferNegotiator:
         self._by_key[key] = link
         fits = self._handoffs.add_receiver(link, msg.slots) if msg.role != "encoder" else 0
         self._pools[msg.role].post(Join(instance=instance, name=msg.name, work_address=msg.work_address,
-                                         session=msg.session, key=key, capacity=msg.capacity, fits=fits))
+                                         session=msg.session, key=key, capacity=msg.capacity, fits=fits,
+                                         limits=msg.limits))
         self._frontend.post(LimitsChanged(role=msg.role, instance=instance, limits=msg.limits))
         self._reply(routing_id, Registered(instance=instance, key=key, heartbeat_s=self._cfg.heartbeat_s,
                                            push_quarantine_s=self._cfg.push_quarantine_s,

@@ -9,10 +9,12 @@ the negotiator suspects (silent, or a push into it failed) keeps its slots but i
 and so does a new instance until its first order, a ``Probe``, is known to have reached it.
 
 A receiver is offered only jobs whose input its memory can ever hold (``Join.fits``), so
-workers of one role may have pools of different sizes. A job that only busy workers can
-take waits here, its slot of admission's count handed back for other jobs, and takes the
-next slot that frees at one that can: the highest priority first, then the oldest. Finding
-it scans those waiting, which only a pool of unequal workers ever has.
+workers of one role may have pools of different sizes, and an instance only jobs its
+limits admit (``Join.limits``): the door admits what every registered worker takes, but a
+worker with tighter ``[model.limits]`` may join after a request was let in. A job that only
+busy workers can take waits here, its slot of admission's count handed back for other
+jobs, and takes the next slot that frees at one that can: the highest priority first, then
+the oldest. Finding it scans those waiting, which only a pool of unequal workers ever has.
 """
 
 from __future__ import annotations
@@ -52,7 +54,8 @@ from actors.mail import (
     TrackerMail,
 )
 from actors.mailbox import Mailbox, MailboxCounts
-from transfer.protocol import ORDERS_PER_MESSAGE, Abort, Probe, Reason, Role, WorkOrder, encode
+from orchestrator.limits import limits_violation
+from transfer.protocol import ORDERS_PER_MESSAGE, Abort, Probe, Reason, Role, StageLimits, WorkOrder, encode
 from transfer.sockets import NOBLOCK, send_frames
 
 log = structlog.get_logger()
@@ -68,6 +71,7 @@ class Instance:
     capacity: int
     socket: zmq.Socket
     fits: int  # Join.fits: the largest input it can ever take
+    limits: StageLimits  # Join.limits: what requests it takes
     free: int = 0
     finishing: int = 0  # slots held by runs of requests that ended, until those runs end
     served: int = 0
@@ -127,6 +131,9 @@ class PoolActor:
         self._bounced: set[str] = set()  # jobs handed back to admission for lack of an instance
         self._unsent: dict[str, Instance] = {}  # instances with orders waiting for the flush
         self._by_fits: list[tuple[int, str]] = []  # (fits, instance), ascending
+        # The instances by their limits: one entry in all but a pool of unequal workers, so
+        # a job's check against them costs one limits check a dispatch.
+        self._by_limits: dict[StageLimits, set[str]] = {}
         self._waiting: dict[str, Job] = {}  # jobs only a busy instance can hold, oldest first
         self._log = log.bind(actor="pool", role=role)
 
@@ -223,21 +230,29 @@ class PoolActor:
             self._give_slot(inst)
 
     def _pick(self, job: Job) -> str | None:
-        """An instance with a free slot whose memory can hold ``job``'s input, preferring one
-        its failed attempts did not involve; None if none has both."""
-        small = self._too_small(job.nbytes)
-        if not small:
+        """An instance with a free slot that can take ``job`` (its memory, its limits),
+        preferring one its failed attempts did not involve; None if none has both."""
+        unfit = self._unfit(job)
+        if not unfit:
             return self._policy.pick(job.avoid)
-        picked = self._policy.pick(job.avoid | small)
-        if picked in small:  # every one that fits with room is avoided: take one of those
-            picked = self._policy.pick(small)
-        return None if picked in small else picked
+        picked = self._policy.pick(job.avoid | unfit)
+        if picked in unfit:  # every one that fits with room is avoided: take one of those
+            picked = self._policy.pick(unfit)
+        return None if picked in unfit else picked
 
-    def _too_small(self, nbytes: int) -> frozenset[str]:
-        """Instances whose memory can never hold ``nbytes``: none where all are alike."""
-        if not self._by_fits or nbytes <= self._by_fits[0][0]:
-            return frozenset()
-        return frozenset(instance for _, instance in self._by_fits[:bisect.bisect_left(self._by_fits, (nbytes, ""))])
+    def _unfit(self, job: Job) -> frozenset[str]:
+        """Instances that can never take ``job``: their memory cannot hold its input, or their
+        limits refuse it (one that joined after the door let it in). Usually none."""
+        nbytes = job.nbytes
+        small = () if not self._by_fits or nbytes <= self._by_fits[0][0] else (
+            instance for _, instance in self._by_fits[:bisect.bisect_left(self._by_fits, (nbytes, ""))])
+        refused = [names for limits, names in self._by_limits.items() if limits_violation(limits, job.params)]
+        if not refused:
+            return frozenset(small)
+        return frozenset(small).union(*refused)
+
+    def _can_take(self, inst: Instance, job: Job) -> bool:
+        return job.nbytes <= inst.fits and limits_violation(inst.limits, job.params) is None
 
     def _place(self, inst: Instance, job: Job) -> None:
         self._take(inst, job.request_id)
@@ -251,7 +266,7 @@ class PoolActor:
         now = time.monotonic()
         chosen: Job | None = None
         for job in self._waiting.values():
-            if job.nbytes <= inst.fits and job.deadline > now and (chosen is None or job.priority > chosen.priority):
+            if job.deadline > now and (chosen is None or job.priority > chosen.priority) and self._can_take(inst, job):
                 chosen = job
         return chosen
 
@@ -338,9 +353,10 @@ class PoolActor:
         sock.setsockopt(zmq.SNDHWM, self._send_hwm)
         sock.connect(mail.work_address)
         inst = Instance(mail.instance, mail.name, mail.work_address, mail.session, mail.key, mail.capacity, sock,
-                        mail.fits, free=mail.capacity)
+                        mail.fits, mail.limits, free=mail.capacity)
         self._instances[mail.instance] = inst
         bisect.insort(self._by_fits, (mail.fits, mail.instance))
+        self._by_limits.setdefault(mail.limits, set()).add(mail.instance)
         # Offered no work until the negotiator hears the Probe arrived (a Suspect(False)).
         self._policy.update(mail.instance, 0)
         send_frames(sock, [mail.key, encode(Probe(instance=mail.instance))], NOBLOCK)
@@ -353,6 +369,10 @@ class PoolActor:
             return
         self._policy.remove(instance)
         self._by_fits.remove((inst.fits, instance))
+        alike = self._by_limits[inst.limits]
+        alike.discard(instance)
+        if not alike:
+            del self._by_limits[inst.limits]
         self._unsent.pop(instance, None)  # its requests fail below; its socket closes
         if not inst.suspect:  # a suspect's free slots were withdrawn already
             self._admission.post(Credit(role=self.role, delta=-inst.free))

@@ -40,10 +40,23 @@ from actors.mail import (
 from actors.mailbox import Mailbox, Switchboard
 from actors.pools import PoolActor, PoolStats
 from tests.actors.streams import open_stream
-from transfer.protocol import WORK_ORDER, Abort, Alloc, GenParams, Probe, Ready, Reason, Role, Work, WorkOrder
+from transfer.protocol import (
+    WORK_ORDER,
+    Abort,
+    Alloc,
+    GenParams,
+    Probe,
+    Ready,
+    Reason,
+    Role,
+    StageLimits,
+    Work,
+    WorkOrder,
+)
 
 PARAMS = GenParams(prompt="p")
 KEY = b"k" * 16
+ANY_REQUEST = StageLimits()
 
 
 @dataclass
@@ -59,12 +72,12 @@ class Pool:
         return await ask_stats(self.inbox)
 
     async def join(self, address: str, instance: str | None = None, capacity: int = 2, *,
-                   work: Any = None, fits: int = 0) -> str:
+                   work: Any = None, fits: int = 0, limits: StageLimits = ANY_REQUEST) -> str:
         """Join an instance and have it offered work, as once the negotiator hears its Probe
         arrived; ``work``: its work socket, to take the Probe off (tests that read orders)."""
         instance = instance or f"{self.role}-1"
         self.inbox.post(Join(instance=instance, name=f"w-{instance}", work_address=address, session="sess",
-                             key=KEY, capacity=capacity, fits=fits))
+                             key=KEY, capacity=capacity, fits=fits, limits=limits))
         if work is not None:
             assert await next_order(work) == Probe(instance=instance)
         self.inbox.post(Suspect(instance=instance, suspect=False))
@@ -332,6 +345,36 @@ async def test_a_job_only_a_busy_instance_can_hold_waits_for_it_and_its_slot_ser
             assert_empty(pool.admission)
             pool.inbox.post(Release(request_id="large2", instance="decoder-2", ok=True))
             assert await pool.admission.receive() == Credit(role="decoder", delta=1)
+
+
+@pytest.mark.parametrize("policy", ["round_robin", "least_loaded", "power_of_two"])
+async def test_a_job_goes_only_to_an_instance_whose_limits_take_it(policy: str, ctx: zmq.asyncio.Context,
+                                                                   tmp_path: Path) -> None:
+    """A decoder capped at 64 pixels a side joined after 256-pixel requests were let in (the
+    door checks the workers registered then): they were sent to it too, and failed there
+    ``invalid`` though the other decoder took them (an audit). They go to the other one, or
+    wait for one that takes them."""
+    large = msgspec.structs.replace(job("large", "decoder"), params=GenParams(prompt="p", width=256, height=256))
+    with anyio.fail_after(5):
+        async with (
+            fake_worker(ctx, tmp_path, "a") as (address_a, _),
+            fake_worker(ctx, tmp_path, "b") as (address_b, _),
+            running_pool("decoder", ctx, policy=policy) as pool,
+        ):
+            await pool.join(address_a, "decoder-1", capacity=1)
+            await pool.join(address_b, "capped", capacity=3, limits=StageLimits(max_size=64))
+            for i in range(2):
+                rid = f"large{i}"
+                pool.inbox.post(Dispatch(job=msgspec.structs.replace(large, request_id=rid)))
+            assert await pool.negotiator.receive() == Placed(job=msgspec.structs.replace(large, request_id="large0"),
+                                                             instance="decoder-1")
+            # decoder-1 is full: the second waits for it, though "capped" has three free slots.
+            assert await pool.admission.receive() == Credit(role="decoder", delta=1)
+            assert (await pool.stats()).waiting == 1
+            assert await pool.dispatch("small") == "capped"
+            pool.inbox.post(Release(request_id="large0", instance="decoder-1", ok=True))
+            assert await pool.negotiator.receive() == Placed(job=msgspec.structs.replace(large, request_id="large1"),
+                                                             instance="decoder-1")
 
 
 async def test_waiting_jobs_go_by_priority_then_age_and_a_forgotten_one_leaves(
