@@ -8,6 +8,7 @@ import math
 from collections.abc import Callable
 
 from orchestrator.config import dial_problem
+from transfer.protocol import MAX_LABEL
 
 
 def positive_seconds(text: str) -> float:
@@ -43,6 +44,14 @@ def at_least(least: int) -> Callable[[str], int]:
         return value
 
     return parse
+
+
+def worker_name(text: str) -> str:
+    """A worker's name as a Register carries it: 1 to 512 characters (else the daemon refused
+    the registration, naming a wire field)."""
+    if not 1 <= len(text) <= MAX_LABEL:
+        raise argparse.ArgumentTypeError(f"expected 1 to {MAX_LABEL} characters, got {len(text)}")
+    return text
 
 
 def connect_endpoint(endpoint: str) -> str:

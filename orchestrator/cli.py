@@ -19,7 +19,7 @@ import anyio
 import msgspec
 import zmq
 
-from orchestrator.arguments import connect_endpoint, positive_seconds
+from orchestrator.arguments import connect_endpoint, positive_seconds, worker_name
 from orchestrator.config import dial_problem, load_config
 from orchestrator.connection_watch import NO_DAEMON_S, ConnectionWatch
 from transfer.binding import EndpointUnusable
@@ -319,7 +319,8 @@ def _parser() -> argparse.ArgumentParser:
     command("serve", _serve, "run the orchestrator daemon")
     p = command("worker", _worker, "run one stage worker")
     p.add_argument("--role", required=True, choices=["encoder", "denoiser", "decoder"])
-    p.add_argument("--name", default=None, help="stable name; a restart under the same name replaces the old one")
+    p.add_argument("--name", default=None, type=worker_name,
+                   help="stable name; a restart under the same name replaces the old one")
     p = command("instant-workers", _instant_workers,
                 "zero-work workers that answer orders at once, for measuring the daemon alone")
     p.add_argument("--encoders", type=int, default=1)

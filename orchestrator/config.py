@@ -9,14 +9,13 @@ keys are errors that name the exact key, so a typo never silently falls back to 
 from __future__ import annotations
 
 import ipaddress
-import math
 import re
 from pathlib import Path
 from typing import Annotated, Literal
 
 import msgspec
 
-from transfer.protocol import MAX_SLOTS, MAX_SUBMIT_BYTES, Role
+from transfer.protocol import MAX_SLOTS, MAX_SUBMIT_BYTES, Label, Role
 from transfer.specs import align_up
 
 PositiveInt = Annotated[int, msgspec.Meta(gt=0)]
@@ -25,6 +24,10 @@ PositiveInt = Annotated[int, msgspec.Meta(gt=0)]
 Threads = Annotated[int, msgspec.Meta(ge=1, le=1024)]
 # Finite (TOML reads `inf`): every wait has an end.
 PositiveFloat = Annotated[float, msgspec.Meta(gt=0, le=1e9)]
+# What ZMQ takes for a queue's length (a C int) and a frame's size (int64): past them the
+# daemon's socket could not be set up (OverflowError), and the daemon hung in its stop.
+SocketQueue = Annotated[int, msgspec.Meta(le=2**31 - 1)]
+FrameBytes = Annotated[int, msgspec.Meta(le=2**63 - 1)]
 
 DEV_TOKEN = "triptych-local-dev"
 # A worker endpoint other hosts can reach needs a token they cannot guess: whoever
@@ -89,6 +92,8 @@ def listens_beyond_this_host(endpoint: str) -> bool:
     except ValueError:
         return True
 MiB = 1 << 20
+DAY_S = 86400
+DAY_MS = DAY_S * 1000
 
 
 class Section(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -104,7 +109,7 @@ class DaemonConfig(Section):
     worker_endpoint: str = "tcp://127.0.0.1:5557"
     # Shared secret a worker must present to register. With a worker_endpoint other hosts
     # can reach it must be your own, of at least 16 characters (checked at load).
-    token: str = DEV_TOKEN
+    token: Label = DEV_TOKEN  # the wire carries at most 512 characters (Register.token)
     dispatch: Literal["round_robin", "least_loaded", "power_of_two"] = "least_loaded"
     max_in_flight: PositiveInt = 8192  # admitted, unanswered requests; beyond it submits get ``overloaded``
     # Workers registered at once; a newcomer past it is refused (and retries). Each costs the
@@ -140,11 +145,11 @@ class DaemonConfig(Section):
     # Messages queued to one worker before it counts as stuck (ZMQ SNDHWM). At least 64: ZMQ
     # gives send credit back in batches of half of it, so with a few a worker reading its
     # orders can look full for a moment, and be evicted as stuck.
-    worker_send_hwm: Annotated[int, msgspec.Meta(ge=64)] = 1000
+    worker_send_hwm: Annotated[SocketQueue, msgspec.Meta(ge=64)] = 1000
     # Replies ZMQ queues for one client connection (ZMQ_SNDHWM); what it cannot take yet is
     # held (client_held_bytes). Together they bound what a client connection that never
     # reads makes the daemon hold: this many of its replies, client_held_bytes, one more.
-    client_send_hwm: PositiveInt = 32
+    client_send_hwm: Annotated[SocketQueue, msgspec.Meta(gt=0)] = 32
     # Beyond ZMQ's queue, replies one client connection has not taken yet are held by the
     # daemon; once this many bytes are held for it (the replies and the memory holding
     # them takes: actors/client_outbox.py), its next replies are dropped. A burst
@@ -158,9 +163,9 @@ class DaemonConfig(Section):
     # the largest valid Submit takes (MAX_SUBMIT_BYTES: two prompts of 16,384 characters):
     # below it a valid request is cut off and its client learns only that the connection
     # closed. A worker's frames carry the decoder's output (a video can be hundreds of MiB).
-    client_max_message_bytes: Annotated[int, msgspec.Meta(ge=MAX_SUBMIT_BYTES)] = 256 * 1024
+    client_max_message_bytes: Annotated[FrameBytes, msgspec.Meta(ge=MAX_SUBMIT_BYTES)] = 256 * 1024
     # At least what a Register takes (its slots and limits): below it every worker is cut off.
-    worker_max_message_bytes: Annotated[int, msgspec.Meta(ge=MiB)] = 1024 * MiB
+    worker_max_message_bytes: Annotated[FrameBytes, msgspec.Meta(ge=MiB)] = 1024 * MiB
 
     def __post_init__(self) -> None:
         keys = ("client_endpoint", "control_endpoint", "worker_endpoint")
@@ -250,9 +255,10 @@ class WorkersConfig(Section):
 class NullStageConfig(Section):
     """Simulated stages: a fixed time and a deterministic output of a fixed size."""
 
-    encoder_ms: Annotated[float, msgspec.Meta(ge=0)] = 5.0
-    denoiser_ms: Annotated[float, msgspec.Meta(ge=0)] = 20.0
-    decoder_ms: Annotated[float, msgspec.Meta(ge=0)] = 5.0
+    # At most a day: time.sleep refuses what it cannot count (inf, 1e300), failing every request.
+    encoder_ms: Annotated[float, msgspec.Meta(ge=0, le=DAY_MS)] = 5.0
+    denoiser_ms: Annotated[float, msgspec.Meta(ge=0, le=DAY_MS)] = 20.0
+    decoder_ms: Annotated[float, msgspec.Meta(ge=0, le=DAY_MS)] = 5.0
     embed_shape: Annotated[tuple[PositiveInt, ...], msgspec.Meta(min_length=1)] = (1, 77, 64)
     # The null decoder shows three of the latent channels as an image's red, green and blue.
     latent_channels: Annotated[int, msgspec.Meta(ge=3)] = 4
@@ -318,8 +324,9 @@ def transfer_timeout_s(value: str | None) -> float:
 
 
 def _is_seconds(value: str) -> bool:
+    """Positive, and at most a day: a worker's Register carries it (write_timeout_s), bounded so."""
     try:
-        return 0 < float(value) < math.inf
+        return 0 < float(value) <= DAY_S
     except ValueError:
         return False
 
@@ -336,6 +343,14 @@ class TransferConfig(Section):
     # Workers on one host copy hand-offs into each other's shared pools (transfer/shm.py)
     # instead of going through Mooncake's loopback transport, about 7x slower.
     same_host_copy: bool = True
+
+    def __post_init__(self) -> None:
+        # os.environ refuses these as the worker starts its engine, after its model loaded.
+        for name, value in self.env.items():
+            if not name or "=" in name or "\0" in name:
+                raise ValueError(f"transfer.env names {name!r}, which no environment variable can be called")
+            if "\0" in value:
+                raise ValueError(f"transfer.env.{name} holds a NUL character, which no environment variable can")
 
     @property
     def local_host(self) -> str:
@@ -363,7 +378,8 @@ class Config(Section):
         # quarantine longer than any write can last keeps that memory from being corrupted.
         given = self.transfer.env.get("MC_TRANSFER_TIMEOUT")
         if given is not None and not _is_seconds(given):
-            raise ValueError(f"transfer.env.MC_TRANSFER_TIMEOUT ({given!r}) must be a positive number of seconds")
+            raise ValueError(f"transfer.env.MC_TRANSFER_TIMEOUT ({given!r}) must be a positive number of seconds, "
+                             f"at most {DAY_S} (a day)")
         timeout_s = transfer_timeout_s(given)
         if self.daemon.push_quarantine_s <= timeout_s:
             raise ValueError(f"daemon.push_quarantine_s ({self.daemon.push_quarantine_s:g}) must exceed the "

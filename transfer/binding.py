@@ -82,12 +82,14 @@ def bound_router(ctx: zmq.Context, endpoint: str, *, send_hwm: int, max_message_
     high-water mark) raise instead.
     """
     sock = zmq.Socket(ctx, zmq.ROUTER) if plain else ctx.socket(zmq.ROUTER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.SNDHWM, send_hwm)
-    sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
-    if mandatory:
-        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
     try:
+        # Closed on any failure, an option's too: a plain socket left open keeps the
+        # context's term() waiting for ever.
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, send_hwm)
+        sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+        if mandatory:
+            sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         bound = bind_exclusive(sock, endpoint)
     except BaseException:
         sock.close(linger=0)  # and the endpoint's file, if any, is another process's: left

@@ -41,7 +41,8 @@ Millis = Annotated[float, msgspec.Meta(ge=0, le=1e9)]
 # What a worker registers and the daemon relays in its orders to other workers (names,
 # addresses, Mooncake sessions): bounded, with the tensor headers below, so that no order
 # can outgrow the frame limit of a work socket (ORDER_MAX_MESSAGE_BYTES), which would drop it.
-Label = Annotated[str, msgspec.Meta(max_length=512)]
+MAX_LABEL = 512
+Label = Annotated[str, msgspec.Meta(max_length=MAX_LABEL)]
 # A worker's account of a failure, relayed to the client: an exception's text can hold a
 # whole tensor's printout.
 MAX_ERROR_TEXT = 4096

@@ -116,6 +116,16 @@ def test_submit_refuses_a_timeout_of_zero_as_it_parses(capsys: pytest.CaptureFix
             and "argument --timeout: expected a positive number of seconds" in capsys.readouterr().err)
 
 
+@pytest.mark.parametrize("name", ["", "n" * 513])
+def test_a_worker_name_no_registration_carries_is_a_usage_error(name: str,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """Past 512 characters the worker loaded its model, then every registration was refused."""
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["worker", "--role", "encoder", "--name", name])
+    assert (exited.value.code == 2
+            and f"argument --name: expected 1 to 512 characters, got {len(name)}" in capsys.readouterr().err)
+
+
 @pytest.mark.usefixtures("never_serve")
 @pytest.mark.parametrize("out", ["/proc", "/proc/nope", "FILE"])
 def test_submit_into_a_directory_it_cannot_write_says_so_before_sending(

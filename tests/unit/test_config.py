@@ -95,6 +95,13 @@ def test_unknown_key_names_its_path(tmp_path: Path, text: str, where: str) -> No
         ("[daemon]\nheartbeat_s = 0.001\n", "$.daemon.heartbeat_s"),  # every tick would read as a stall
         # Past TOML's 64-bit integers (which Python's TOML reader still takes) torch cannot seed.
         ("[model.diffusers]\nseed = 18446744073709551616\n", "$.model.diffusers.seed"),
+        # Past what ZMQ takes: the daemon's socket could not be set up, and its stop hung.
+        ("[daemon]\nworker_send_hwm = 2147483648\n", "$.daemon.worker_send_hwm"),
+        ("[daemon]\nclient_send_hwm = 2147483648\n", "$.daemon.client_send_hwm"),
+        ("[daemon]\nworker_max_message_bytes = 9223372036854775808\n", "$.daemon.worker_max_message_bytes"),
+        # Longer than a Register carries: every worker was refused as it registered.
+        (f'[daemon]\ntoken = "{"t" * 513}"\n', "$.daemon.token"),
+        ("[model.null]\ndenoiser_ms = inf\n", "$.model.null.denoiser_ms"),  # every request failed in time.sleep
     ],
 )
 def test_bad_value_names_its_path(tmp_path: Path, text: str, path: str) -> None:
@@ -185,13 +192,26 @@ def test_the_push_quarantine_must_outlast_a_transfer(tmp_path: Path, section: st
         assert load_config(path).daemon.push_quarantine_s == 6.0
 
 
-@pytest.mark.parametrize("value", ["-5", "0", "nan", "inf", "soon"])
+@pytest.mark.parametrize("value", ["-5", "0", "nan", "inf", "soon", "86401"])
 def test_a_transfer_timeout_that_is_no_wait_is_refused(tmp_path: Path, value: str) -> None:
     """Negative, it made every write in doubt at once; NaN, a write to a hung peer was polled
-    for ever."""
+    for ever; past a day, no Register could carry it (every worker was refused)."""
     with pytest.raises(msgspec.ValidationError, match=r"transfer\.env\.MC_TRANSFER_TIMEOUT .* must be a positive "
-                                                      r"number of seconds"):
+                                                      r"number of seconds, at most 86400"):
         load_config(write(tmp_path, f'[transfer.env]\nMC_TRANSFER_TIMEOUT = "{value}"\n'))
+
+
+@pytest.mark.parametrize(("entry", "says"), [
+    ('"A=B" = "1"', "transfer.env names 'A=B', which no environment variable can be called"),
+    ('"" = "1"', "transfer.env names '', which no environment variable can be called"),
+    ('MC_LOG_LEVEL = "WARN\\u0000"', "transfer.env.MC_LOG_LEVEL holds a NUL character"),
+])
+def test_an_environment_entry_no_process_can_have_is_refused_at_load(tmp_path: Path, entry: str,
+                                                                     says: str) -> None:
+    """os.environ refused it as each worker started its engine, after its model had loaded: a
+    traceback per worker."""
+    with pytest.raises(msgspec.ValidationError, match=re.escape(says)):
+        load_config(write(tmp_path, f"[transfer.env]\n{entry}\n"))
 
 
 @pytest.mark.parametrize("pool_bytes", [1 << 20, 2 << 20])
