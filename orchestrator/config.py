@@ -38,7 +38,9 @@ MIN_NETWORK_TOKEN_CHARS = 16
 # What the daemon binds and its peers dial from other processes: tcp://host:port (an IPv4
 # address, a host or interface name, or *; the port a number or * for any) or ipc://path.
 # No IPv6: no socket here turns on ZMQ_IPV6, so such an endpoint would fail at its bind.
-_ENDPOINT = re.compile(r"tcp://[^\s:\[\]/]+:(\d+|\*)|ipc://\S+")
+_ENDPOINT = re.compile(r"tcp://[^\s:\[\]/]+:([0-9]+|\*)|ipc://(\S+)")
+# The longest path a Unix socket's address holds (sun_path, less its NUL), on Linux.
+MAX_IPC_PATH_BYTES = 107
 
 
 WILDCARD_HOSTS = frozenset({"0.0.0.0", "*", "::"})
@@ -50,10 +52,13 @@ def endpoint_problem(endpoint: str) -> str | None:
         return "an IPv6 endpoint, which Triptych's sockets do not enable: give an IPv4 address or a host name"
     if (match := _ENDPOINT.fullmatch(endpoint)) is None:
         return "not tcp://host:port or ipc://path"
-    port = match.group(1)
+    port, path = match.groups()
     if port is not None and port != "*" and not 1 <= int(port) <= 65535:
         # ZMQ would bind port 0 and one past 65535 to a random port, where no peer looks.
         return f"port {port}, not 1-65535 (or * for any)"
+    if path is not None and len(path.encode()) > MAX_IPC_PATH_BYTES:
+        return (f"an ipc path of {len(path.encode())} bytes, past the {MAX_IPC_PATH_BYTES} a Unix socket's "
+                "address holds: give a shorter one")
     return None
 
 
@@ -67,6 +72,8 @@ def dial_problem(endpoint: str) -> str | None:
         host, port = endpoint.removeprefix("tcp://").rsplit(":", 1)
         if "*" in (host, port):
             return "an address for the daemon to bind, not one to connect to: name the daemon's host and port"
+    if endpoint == "ipc://*":
+        return "an address for the daemon to bind (a path of ZMQ's choosing), not one to connect to: name the path"
     return None
 
 

@@ -137,6 +137,10 @@ def test_contradictory_daemon_settings_are_refused(tmp_path: Path, text: str, sa
     ("tcp://0.0.0.0:5557", None),  # Linux connects it to this host
     ("tcp://daemon-host:*", "an address for the daemon to bind, not one to connect to"),
     ("tcp://daemon-host:99999", "port 99999, not 1-65535"),
+    ("ipc://*", "an address for the daemon to bind (a path of ZMQ's choosing), not one to connect to"),
+    ("tcp://daemon-host:\u0665\u0665\u0665\u0665", "not tcp://host:port"),  # Arabic-Indic digits, which int() reads
+    ("ipc:///tmp/" + "p" * 102, None),  # 107 bytes: the most it takes
+    ("ipc:///tmp/" + "p" * 103, "an ipc path of 108 bytes, past the 107 a Unix socket's address holds"),
 ])
 def test_what_a_peer_can_connect_to(endpoint: str, problem: str | None) -> None:
     """The daemon may bind a wildcard (its config loads); a worker or a command must dial a real address."""
