@@ -338,6 +338,13 @@ def _is_seconds(value: str) -> bool:
         return False
 
 
+# protocol -> the variable that would force the other transport, that transport, the remedy.
+_CONTRADICTING = {
+    "tcp": ("MC_FORCE_HCA", "RDMA", "drop it"),
+    "rdma": ("MC_FORCE_TCP", "TCP", 'drop it, and set MC_FORCE_HCA = "1" to fail rather than fall back to TCP'),
+}
+
+
 class TransferConfig(Section):
     """The data plane: Mooncake, and copies between workers of one host."""
 
@@ -358,6 +365,12 @@ class TransferConfig(Section):
                 raise ValueError(f"transfer.env names {name!r}, which no environment variable can be called")
             if "\0" in value:
                 raise ValueError(f"transfer.env.{name} holds a NUL character, which no environment variable can")
+        # Mooncake picks its transport from the machine and these variables, never from
+        # `protocol`: one they contradict would silently run over the other.
+        forced, other, fix = _CONTRADICTING[self.protocol]
+        if self.env.get(forced, "") not in ("", "0"):
+            raise ValueError(f"transfer.protocol is {self.protocol!r}, but transfer.env.{forced} forces {other} "
+                             f"(Mooncake goes by the environment): {fix}")
 
     @property
     def local_host(self) -> str:

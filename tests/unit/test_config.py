@@ -205,6 +205,17 @@ def test_a_transfer_timeout_that_is_no_wait_is_refused(tmp_path: Path, value: st
         load_config(write(tmp_path, f'[transfer.env]\nMC_TRANSFER_TIMEOUT = "{value}"\n'))
 
 
+@pytest.mark.parametrize(("text", "says"), [
+    ('[transfer]\nprotocol = "rdma"\n', "transfer.protocol is 'rdma', but transfer.env.MC_FORCE_TCP forces TCP"),
+    ('[transfer.env]\nMC_FORCE_HCA = "1"\n', "transfer.protocol is 'tcp', but transfer.env.MC_FORCE_HCA forces RDMA"),
+])
+def test_a_protocol_the_environment_overrides_is_refused(tmp_path: Path, text: str, says: str) -> None:
+    """Mooncake picks its transport from the environment, not from `protocol`: an "rdma"
+    config with the default MC_FORCE_TCP ran over TCP, saying nothing (a config audit)."""
+    with pytest.raises(msgspec.ValidationError, match=re.escape(says)):
+        load_config(write(tmp_path, text))
+
+
 @pytest.mark.parametrize(("entry", "says"), [
     ('"A=B" = "1"', "transfer.env names 'A=B', which no environment variable can be called"),
     ('"" = "1"', "transfer.env names '', which no environment variable can be called"),
