@@ -19,7 +19,7 @@ import anyio
 import msgspec
 import zmq
 
-from orchestrator.arguments import connect_endpoint, positive_seconds, worker_name
+from orchestrator.arguments import at_least, connect_endpoint, positive_seconds, worker_name
 from orchestrator.config import dial_problem, load_config
 from orchestrator.connection_watch import NO_DAEMON_S, ConnectionWatch
 from transfer.binding import EndpointUnusable
@@ -303,7 +303,9 @@ def _port(text: str) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="triptych", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="triptych", description="Serve diffusion models disaggregated: run the daemon and its workers, "
+                                     "submit work, inspect, drain, export metrics.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     def command(name: str, func, help: str, epilog: str | None = None) -> argparse.ArgumentParser:
@@ -323,9 +325,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="stable name; a restart under the same name replaces the old one")
     p = command("instant-workers", _instant_workers,
                 "zero-work workers that answer orders at once, for measuring the daemon alone")
-    p.add_argument("--encoders", type=int, default=1)
-    p.add_argument("--denoisers", type=int, default=2)
-    p.add_argument("--decoders", type=int, default=1)
+    p.add_argument("--encoders", type=at_least(1), default=1, help="(default: %(default)s)")
+    p.add_argument("--denoisers", type=at_least(1), default=2, help="(default: %(default)s)")
+    p.add_argument("--decoders", type=at_least(1), default=1, help="(default: %(default)s)")
     p = command("submit", _submit, "generate and write the outputs",
                 epilog="Exit status: 0 written; 2 the daemon refused or failed the request, or the command "
                        "line is wrong (either way the reason is printed); 1 another error (no daemon, a "

@@ -186,6 +186,10 @@ class DaemonConfig(Section):
                 if getattr(self, key) == getattr(self, other) and not getattr(self, key).endswith("*"):
                     raise ValueError(f"daemon.{key} and daemon.{other} are both {getattr(self, key)}: each of the "
                                      "daemon's sockets needs an endpoint of its own")
+        if self.client_held_bytes > self.client_held_total_bytes:
+            raise ValueError(f"daemon.client_held_bytes ({self.client_held_bytes}) is more than "
+                             f"daemon.client_held_total_bytes ({self.client_held_total_bytes}), which bounds all "
+                             "client connections together: one connection could never hold it")
         if listens_beyond_this_host(self.worker_endpoint) and (
             self.token == DEV_TOKEN or self.token.lower().startswith("change-me")
             or len(self.token.strip()) < MIN_NETWORK_TOKEN_CHARS

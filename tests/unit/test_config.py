@@ -124,7 +124,9 @@ def test_a_config_file_that_cannot_be_read_is_said_to_be_the_config(tmp_path: Pa
     ('[daemon]\nclient_endpoint = "ipc:///tmp/t"\ncontrol_endpoint = "ipc:///tmp/t"\n',
      "daemon.client_endpoint and daemon.control_endpoint are both ipc:///tmp/t: each of the daemon's sockets needs "
      "an endpoint of its own"),
-], ids=["one endpoint for two sockets"])
+    ("[daemon]\nclient_held_bytes = 2048\nclient_held_total_bytes = 1024\n",
+     "daemon.client_held_bytes (2048) is more than daemon.client_held_total_bytes (1024)"),
+], ids=["one endpoint for two sockets", "a connection's share past the total"])
 def test_contradictory_daemon_settings_are_refused(tmp_path: Path, text: str, says: str) -> None:
     with pytest.raises(msgspec.ValidationError, match=re.escape(says)):
         load_config(write(tmp_path, text))
