@@ -62,6 +62,8 @@ from transfer.protocol import (
     Rejected,
     Submit,
     encode,
+    other_version,
+    stated_request_id,
     wrong_socket,
 )
 from transfer.sockets import EVENTS, POLLIN, PlainPump, recv_head
@@ -213,11 +215,16 @@ class FrontendActor:
         try:
             msg = CLIENT_REQUEST.decode(frames[2])
         except DECODE_ERRORS as exc:
-            self._refuse(identity, "", Reason.INVALID, wrong_socket("client", frames[2]) or f"invalid request: {exc}")
+            # Another version's request may not decode here (a GenParams field added since):
+            # its sender hears of the version, under its request's id.
+            if (version := other_version(frames[2])) is not None:
+                self._refuse_version(identity, stated_request_id(frames[2]), version)
+            else:
+                self._refuse(identity, "", Reason.INVALID,
+                             wrong_socket("client", frames[2]) or f"invalid request: {exc}")
             return
         if msg.protocol != PROTOCOL_VERSION:
-            self._refuse(identity, msg.request_id, Reason.UNSUPPORTED,
-                         f"protocol {msg.protocol}; this daemon speaks {PROTOCOL_VERSION}")
+            self._refuse_version(identity, msg.request_id, msg.protocol)
             return
         match msg:
             case Submit():
@@ -271,6 +278,9 @@ class FrontendActor:
         """Refuse a request at the door (never admitted), and count it by reason."""
         self._refused[reason] = self._refused.get(reason, 0) + 1
         self._send(identity, Rejected(request_id=rid, reason=reason, message=message), awaited=awaited)
+
+    def _refuse_version(self, identity: bytes, rid: str, version: int | None) -> None:
+        self._refuse(identity, rid, Reason.UNSUPPORTED, f"protocol {version}; this daemon speaks {PROTOCOL_VERSION}")
 
     def _admit(self, asked: Asked, timeout_s: float, *, again: bool = False) -> None:
         key = f"{asked.request_id}#{next(self._keys)}"

@@ -124,7 +124,7 @@ class Handoffs:
         self._tracker = tracker
         self._push_failed_into = push_failed_into  # a receiver a write could not reach
         self._slots = SlotBook()
-        self._rooms: dict[str, tuple[Role, Room]] = {}  # receiver -> (its role, what it takes)
+        self._rooms: dict[str, Room] = {}  # receiver -> what it takes
         # role -> the most any of its receivers registered in this daemon's life takes. One that
         # left may be restarting: an output only it takes waits for it (in the receivers'
         # pool, until its deadline) rather than fail as no receiver's, which a big receiver's
@@ -150,7 +150,7 @@ class Handoffs:
         """Book ``link``'s memory; returns the most it can take in one hand-off."""
         self._slots.add_instance(link.instance, slots)
         room = Room.of(link, slots)
-        self._rooms[link.instance] = link.role, room
+        self._rooms[link.instance] = room
         self._largest[link.role] = max(self._largest.get(link.role, 0), room.largest_fit)
         return room.largest_fit
 
@@ -210,7 +210,7 @@ class Handoffs:
         # A free slot is not taken past the flights waiting there: the first of them needs a
         # larger one, which would otherwise go to every smaller input that comes after it.
         slot = None if self._slot_waits.get(instance) else self._slots.take(instance, flight.nbytes)
-        _, room = self._rooms.get(instance, (job.role, None))  # None: evicted since its pool placed this
+        room = self._rooms.get(instance)  # None: evicted since its pool placed this
         now = time.monotonic()
         if slot is not None:
             flight.reserve(instance, slot=slot, address=slot.address, at=now)

@@ -99,7 +99,7 @@ class InstanceSlots(msgspec.Struct, frozen=True):
 class PoolStats(msgspec.Struct, frozen=True):
     role: str
     instances: list[InstanceSlots]
-    waiting: int  # jobs waiting for a worker whose memory can hold their input
+    waiting: int  # jobs waiting for a worker that can take them (its memory, its limits)
     mailbox: MailboxCounts
 
 
@@ -198,8 +198,8 @@ class PoolActor:
         if picked is not None:
             self._place(self._instances[picked], job)
         elif self._policy.has_room():
-            # Free slots, but none at a worker that can hold its input: it waits for one
-            # here, and the slot goes back to admission for a job that fits it.
+            # Free slots, but none at a worker that can take it (its input, its limits): it
+            # waits for one here, and the slot goes back to admission for a job that fits it.
             self._waiting[job.request_id] = job
             self._admission.post(Credit(role=self.role, delta=1))
             if job.progress:

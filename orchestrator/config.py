@@ -9,6 +9,7 @@ keys are errors that name the exact key, so a typo never silently falls back to 
 from __future__ import annotations
 
 import ipaddress
+import math
 import re
 from pathlib import Path
 from typing import Annotated, Literal
@@ -229,10 +230,11 @@ class WorkerConfig(Section):
     # lost, and its request computed again elsewhere.
     stop_flush_s: PositiveFloat = 10.0
     # A stage run longer than this is hung (a wedged GPU, a deadlocked kernel): no thread can
-    # be stopped from outside, so the worker logs worker.stage_hung and exits with status 70
-    # for its supervisor to start a fresh process; the daemon sees it go silent, and its
-    # requests start again elsewhere (daemon.retries). The default is the longest deadline
-    # a request can have: no run past it can serve anyone.
+    # be stopped from outside, so the worker logs worker.stage_hung, fails that run's request
+    # (stage_failed: retried, it would hang the next worker), says Leaving and exits with
+    # status 70 for its supervisor to start a fresh process; its other requests start again
+    # elsewhere (daemon.retries). The default is the longest deadline a request can have: no
+    # run past it can serve anyone.
     stage_timeout_s: PositiveFloat = 3600.0
 
     def __post_init__(self) -> None:
@@ -329,9 +331,14 @@ MOONCAKE_DEFAULT_TIMEOUT_S = 30.0  # MC_TRANSFER_TIMEOUT when unset
 
 def transfer_timeout_s(value: str | None) -> float:
     """An MC_TRANSFER_TIMEOUT value in seconds: how long a write is waited for before it is
-    in doubt. Mooncake's default when unset or not a positive finite number (the config
-    refuses those; from the shell, the longer wait is the safe one)."""
-    return float(value) if value and _is_seconds(value) else MOONCAKE_DEFAULT_TIMEOUT_S
+    in doubt. Mooncake's default when unset or not a positive number (the config refuses
+    those; from the shell, the longer wait is the safe one); a day at most, what a Register
+    carries (the config refuses more; from the shell, cut to it)."""
+    try:
+        seconds = float(value) if value else math.nan
+    except ValueError:
+        seconds = math.nan
+    return min(seconds, DAY_S) if seconds > 0 else MOONCAKE_DEFAULT_TIMEOUT_S
 
 
 def _is_seconds(value: str) -> bool:
@@ -372,7 +379,7 @@ class TransferConfig(Section):
         # Mooncake picks its transport from the machine and these variables, never from
         # `protocol`: one they contradict would silently run over the other.
         forced, other, fix = _CONTRADICTING[self.protocol]
-        if self.env.get(forced, "") not in ("", "0"):
+        if forced in self.env:  # Mooncake asks only whether it is set: "0" forces too
             raise ValueError(f"transfer.protocol is {self.protocol!r}, but transfer.env.{forced} forces {other} "
                              f"(Mooncake goes by the environment): {fix}")
 

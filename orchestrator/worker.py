@@ -227,10 +227,12 @@ class WorkerRuntime:
         that request fails and the process exits as after a broken device (its reports and
         Leaving sent first, ``EXIT_STAGE_HUNG``); if the loop does not get to it (it may be
         what hangs), the process exits from here regardless."""
-        if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._fail_hung, request_id)
-            time.sleep(HUNG_EXIT_GRACE_S)
-        self._exit_at_once(EXIT_STAGE_HUNG)
+        try:
+            if self._loop is not None:
+                self._loop.call_soon_threadsafe(self._fail_hung, request_id)
+                time.sleep(HUNG_EXIT_GRACE_S)
+        finally:  # a loop already closed (RuntimeError) must not keep the process from exiting
+            self._exit_at_once(EXIT_STAGE_HUNG)
 
     def _fail_hung(self, rid: str) -> None:
         """The hung run's request fails ``stage_failed``, which the daemon does not start again:
@@ -450,16 +452,17 @@ class WorkerRuntime:
 
     def _step_reporter(self, rid: str) -> StepFn:
         """For a run whose client asked for progress: called on the stage's thread before
-        each step, it hands a ``Step`` to the loop at most every ``progress_interval_s``."""
+        each step, it hands a ``Step`` to the loop at most every ``progress_interval_s``, and
+        only one that moves on (a second-order scheduler runs two timesteps a step)."""
         loop = asyncio.get_running_loop()
         interval_s = self._wcfg.progress_interval_s
-        last = -math.inf
+        last, last_done = -math.inf, -1
 
         def on_step(done: int, total: int) -> None:
-            nonlocal last
+            nonlocal last, last_done
             now = time.monotonic()
-            if now - last >= interval_s:
-                last = now
+            if done != last_done and now - last >= interval_s:
+                last, last_done = now, done
                 loop.call_soon_threadsafe(self._report, Step(request_id=rid, step=done, steps=total))
 
         return on_step

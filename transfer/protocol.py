@@ -31,7 +31,8 @@ PROTOCOL_VERSION = 4
 Role = Literal["encoder", "denoiser", "decoder"]
 ROLES: tuple[Role, ...] = ("encoder", "denoiser", "decoder")
 
-RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
+MAX_REQUEST_ID = 128
+RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_REQUEST_ID)]
 CancelToken = Annotated[str, msgspec.Meta(max_length=64)]
 Dim = Annotated[int, msgspec.Meta(ge=1, le=16384)]
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
@@ -641,22 +642,37 @@ DECODE_ERRORS = (msgspec.DecodeError, RecursionError)
 _REQUESTS_BY_SOCKET = (("client", CLIENT_REQUEST), ("control", CONTROL_REQUEST), ("worker", WORKER_MESSAGE))
 
 
-class _Versioned(msgspec.Struct):
+class _Head(msgspec.Struct):
+    """What any version's opening message states, read whatever else it holds."""
+
     protocol: int | None = None
+    request_id: str = ""
 
 
-_VERSION_OF = msgspec.msgpack.Decoder(_Versioned)
+_HEAD_OF = msgspec.msgpack.Decoder(_Head)
+
+
+def _head(body: bytes) -> _Head | None:
+    try:
+        return _HEAD_OF.decode(body)
+    except DECODE_ERRORS:
+        return None
 
 
 def other_version(body: bytes) -> int | None:
     """The protocol version ``body`` states, if it states one other than this build's: its
-    other fields may not decode here at all (one added since is missing), and the version
-    is then what to tell its sender. None for this version, or no readable one."""
-    try:
-        stated = _VERSION_OF.decode(body).protocol
-    except DECODE_ERRORS:
-        return None
+    other fields may not decode here at all (one added since is missing, or one this build
+    lacks: GenParams refuses those), and the version is then what to tell its sender. None
+    for this version, or no readable one."""
+    head = _head(body)
+    stated = head.protocol if head is not None else None
     return stated if stated not in (None, PROTOCOL_VERSION) else None
+
+
+def stated_request_id(body: bytes) -> str:
+    """The request id ``body`` states, if it is one a reply can carry; else ""."""
+    head = _head(body)
+    return head.request_id if head is not None and 0 < len(head.request_id) <= MAX_REQUEST_ID else ""
 
 
 def wrong_socket(here: str, body: bytes) -> str | None:

@@ -644,7 +644,11 @@ async def test_an_async_client_used_outside_its_context_says_so() -> None:
     unopened = AsyncClient("ipc:///nonexistent/daemon")
     with pytest.raises(RuntimeError, match="inside `async with"):
         await unopened.submit(PARAMS)
-    malformed = AsyncClient("ipc:///tmp/" + "x" * 200)  # past a Unix socket path's length: its connect fails
+    too_long = "ipc:///tmp/" + "x" * 200  # past a Unix socket path's length
+    with pytest.raises(ValueError, match="is an ipc path of 205 bytes, past the 107"):
+        AsyncClient(too_long)
+    malformed = AsyncClient("ipc:///nonexistent/daemon")
+    malformed.endpoint = too_long  # past the constructor's check: its connect fails
     with pytest.raises(zmq.ZMQError, match="File name too long"):
         await malformed.__aenter__()
     with pytest.raises(RuntimeError, match="opened before"):  # what it opened was closed on the failure

@@ -433,7 +433,8 @@ async def test_a_submit_naming_a_generation_parameter_the_daemon_lacks_is_refuse
                                                                                 tmp_path: Path) -> None:
     """A client's ``"scheduler": "euler"`` (a field GenParams has not) would be skipped and the
     configured scheduler run: it is refused as invalid, naming the field, and never admitted.
-    Unknown fields elsewhere in a Submit are skipped (the compatibility rule)."""
+    Unknown fields elsewhere in a Submit are skipped (the compatibility rule), and a newer
+    client's GenParams field is its version's, refused unsupported."""
     submit = msgspec.to_builtins(Submit(protocol=PROTOCOL_VERSION, params=PARAMS, request_id="r"))
     with anyio.fail_after(5):
         async with running_frontend(ctx, tmp_path) as f:
@@ -446,6 +447,13 @@ async def test_a_submit_naming_a_generation_parameter_the_daemon_lacks_is_refuse
             await f.client.send_multipart([b"", msgspec.msgpack.encode(submit | {"newer": 1})])
             admit = await f.tracker.receive()
             assert isinstance(admit, Admit) and admit.params == PARAMS
+            # A newer client's field is one of its version's: it hears of the version, under its id.
+            newer = submit | {"protocol": PROTOCOL_VERSION + 1, "request_id": "r2",
+                              "params": submit["params"] | {"strength": 0.5}}
+            await f.client.send_multipart([b"", msgspec.msgpack.encode(newer)])
+            rejected, _ = await f.reply()
+            says = f"protocol {PROTOCOL_VERSION + 1}; this daemon speaks {PROTOCOL_VERSION}"
+            assert rejected == Rejected(request_id="r2", reason=Reason.UNSUPPORTED, message=says)
 
 
 async def test_progress_reaches_its_client_under_its_id_and_leaves_the_request_in_flight(

@@ -210,6 +210,9 @@ def test_a_transfer_timeout_that_is_no_wait_is_refused(tmp_path: Path, value: st
 @pytest.mark.parametrize(("text", "says"), [
     ('[transfer]\nprotocol = "rdma"\n', "transfer.protocol is 'rdma', but transfer.env.MC_FORCE_TCP forces TCP"),
     ('[transfer.env]\nMC_FORCE_HCA = "1"\n', "transfer.protocol is 'tcp', but transfer.env.MC_FORCE_HCA forces RDMA"),
+    # Mooncake asks only whether the variable is set.
+    ('[transfer]\nprotocol = "rdma"\n[transfer.env]\nMC_FORCE_TCP = "0"\n',
+     "transfer.protocol is 'rdma', but transfer.env.MC_FORCE_TCP forces TCP"),
 ])
 def test_a_protocol_the_environment_overrides_is_refused(tmp_path: Path, text: str, says: str) -> None:
     """Mooncake picks its transport from the environment, not from `protocol`: an "rdma"

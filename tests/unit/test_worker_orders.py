@@ -262,6 +262,17 @@ async def test_steps_are_reported_only_when_asked_and_at_most_every_interval(pro
         assert steps == []
 
 
+async def test_a_step_that_does_not_move_on_is_not_reported() -> None:
+    """A second-order scheduler runs two timesteps a step, each reported as the same step: the
+    second spent the interval, and the daemon dropped it as not moving on."""
+    cfg = Config(workers=WorkersConfig(denoiser=WorkerConfig(progress_interval_s=1e-9)))
+    async with worker(cfg=cfg) as w:
+        on_step = w._step_reporter("r1")
+        for done in (0, 0, 1, 1, 2):
+            on_step(done, 3)
+        assert [(r.step, r.steps) for r in await reports(w, 3)] == [(0, 3), (1, 3), (2, 3)]
+
+
 async def test_a_flood_of_orders_without_the_key_costs_a_few_log_lines(logs: list[dict]) -> None:
     """Anyone who reaches a tcp work socket can send it junk; each is dropped, and the log
     says so a few times, not once per message."""
