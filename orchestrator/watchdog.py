@@ -31,9 +31,10 @@ EXIT_DEVICE_BROKEN = 71  # EX_OSERR: a CUDA error left the GPU context unusable 
 class StageWatchdog:
     """Watches every run from the moment its thread starts it until that thread returns."""
 
-    def __init__(self, limit_s: float, *, log: structlog.typing.FilteringBoundLogger,
+    def __init__(self, limit_s: float, *, setting: str, log: structlog.typing.FilteringBoundLogger,
                  on_hung: Callable[[str], object]) -> None:
         self.limit_s = limit_s
+        self._setting = setting  # the key that sets limit_s, for the operator reading the log
         self._log = log
         self._on_hung = on_hung  # called on the watchdog's thread with the run's request id; exits
         self._lock = threading.Lock()  # the runs change on the event loop, are read here
@@ -61,7 +62,7 @@ class StageWatchdog:
             started = control.started_at
             if started is not None and now - started > self.limit_s:
                 self._log.error("worker.stage_hung", request_id=request_id, ran_s=round(now - started, 1),
-                                limit_s=self.limit_s, exit_status=EXIT_STAGE_HUNG)
+                                limit_s=self.limit_s, setting=self._setting, exit_status=EXIT_STAGE_HUNG)
                 self._on_hung(request_id)
                 return True
         return False

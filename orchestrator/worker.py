@@ -115,7 +115,8 @@ class WorkerRuntime:
         self._work_address: str | None = None  # once bound
         self._max_message_bytes = cfg.daemon.worker_max_message_bytes  # until the daemon says its own
         self._daemon_link: DaemonLink | None = None  # once created
-        self._watchdog = StageWatchdog(self._wcfg.stage_timeout_s, log=self._log, on_hung=self._stage_hung)
+        self._watchdog = StageWatchdog(self._wcfg.stage_timeout_s, setting=f"workers.{role}.stage_timeout_s",
+                                       log=self._log, on_hung=self._stage_hung)
         self._loop: asyncio.AbstractEventLoop | None = None  # once running: where the watchdog's thread calls in
 
     # ------------------------------------------------------------------ lifecycle

@@ -12,7 +12,8 @@ from orchestrator.watchdog import EXIT_STAGE_HUNG, StageWatchdog
 
 
 def watchdog(hung: list[str], limit_s: float = 10.0) -> StageWatchdog:
-    return StageWatchdog(limit_s, log=structlog.get_logger(), on_hung=hung.append)
+    return StageWatchdog(limit_s, setting="workers.encoder.stage_timeout_s", log=structlog.get_logger(),
+                         on_hung=hung.append)
 
 
 def test_a_run_past_the_limit_is_reported_once_with_its_request() -> None:
@@ -25,7 +26,8 @@ def test_a_run_past_the_limit_is_reported_once_with_its_request() -> None:
         assert dog.check(110.1)
     assert hung == ["r1"]
     assert logs == [{"event": "worker.stage_hung", "log_level": "error", "request_id": "r1", "ran_s": 10.1,
-                     "limit_s": 10.0, "exit_status": EXIT_STAGE_HUNG}]
+                     "limit_s": 10.0, "setting": "workers.encoder.stage_timeout_s",
+                     "exit_status": EXIT_STAGE_HUNG}]
 
 
 def test_a_stopped_run_is_still_watched_until_its_thread_returns() -> None:
