@@ -48,6 +48,7 @@ from actors.mailbox import Mailbox, MailboxCounts
 from actors.recent import RecentIds
 from orchestrator.config import DaemonConfig
 from orchestrator.limits import raw_output_violation
+from orchestrator.log import Throttled
 from transfer.binding import FLUSH_ON_CLOSE_MS, bound_router
 from transfer.protocol import (
     CLIENT_REQUEST,
@@ -144,6 +145,9 @@ class FrontendActor:
         self._refused: dict[str, int] = {}  # by reason: submits refused at the door
         self._unsent: list[tuple[list, bool]] = []  # replies waiting for the flush, and whether awaited
         self._log = log.bind(actor="frontend")
+        # Refusals come in floods (a client past max_in_flight, a buggy one): a few lines each
+        # window, the rest counted on the next.
+        self._refusals_log = Throttled(self._log)
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[str] = anyio.TASK_STATUS_IGNORED) -> None:
         # Replies already handed to ZMQ get a bounded moment to leave on shutdown.
@@ -275,8 +279,9 @@ class FrontendActor:
                           self._cfg.retries, msg.cancel_token), timeout_s)
 
     def _refuse(self, identity: bytes, rid: str, reason: Reason, message: str, *, awaited: bool = True) -> None:
-        """Refuse a request at the door (never admitted), and count it by reason."""
+        """Refuse a request at the door (never admitted): count it by reason, and log it."""
         self._refused[reason] = self._refused.get(reason, 0) + 1
+        self._refusals_log.warning("request.refused", request_id=rid, reason=str(reason), message=message)
         self._send(identity, Rejected(request_id=rid, reason=reason, message=message), awaited=awaited)
 
     def _refuse_version(self, identity: bytes, rid: str, version: int | None) -> None:

@@ -430,7 +430,8 @@ async def test_a_submit_past_the_wires_bounds_on_its_id_or_priority_is_refused_a
 
 
 async def test_a_submit_naming_a_generation_parameter_the_daemon_lacks_is_refused(ctx: zmq.asyncio.Context,
-                                                                                tmp_path: Path) -> None:
+                                                                                tmp_path: Path,
+                                                                                logs: list[dict]) -> None:
     """A client's ``"scheduler": "euler"`` (a field GenParams has not) would be skipped and the
     configured scheduler run: it is refused as invalid, naming the field, and never admitted.
     Unknown fields elsewhere in a Submit are skipped (the compatibility rule), and a newer
@@ -454,6 +455,9 @@ async def test_a_submit_naming_a_generation_parameter_the_daemon_lacks_is_refuse
             rejected, _ = await f.reply()
             says = f"protocol {PROTOCOL_VERSION + 1}; this daemon speaks {PROTOCOL_VERSION}"
             assert rejected == Rejected(request_id="r2", reason=Reason.UNSUPPORTED, message=says)
+    # Each refusal is a line of the log too (none was: only counted).
+    assert [(e["request_id"], e["reason"]) for e in logs if e["event"] == "request.refused"] == [
+        ("", "invalid"), ("r2", "unsupported")]
 
 
 async def test_progress_reaches_its_client_under_its_id_and_leaves_the_request_in_flight(
