@@ -26,13 +26,15 @@ from actors.states import ACTIVE_BY_ROLE
 from orchestrator.early_signals import STOP_SIGNALS
 from orchestrator.log import Throttled
 from orchestrator.rejection import Rejection
-from transfer.protocol import LATENCY_BOUNDS_MS, Latency, Stats
+from transfer.protocol import LATENCY_BOUNDS_MS, ROLES, Latency, Reason, Stats, hop_name, next_role
 
 log = structlog.get_logger()
 
 SERVER_STOP_S = 5.0  # for the HTTP server's thread to end its last scrape
 
 INSTANCE_LABELS = ["instance", "role", "name"]
+NO_REASONS = {str(reason): 0 for reason in Reason}
+NO_HOPS = {hop_name(role, following): 0 for role in ROLES if (following := next_role(role)) is not None}
 
 
 class StatsCollector:
@@ -79,13 +81,15 @@ def _daemon_metrics(stats: Stats) -> Iterator[Metric]:
     yield _gauge("triptych_uptime_seconds", "Seconds since the daemon started", stats.uptime_s)
     yield _gauge("triptych_draining", "1 while the daemon drains and refuses new requests", int(stats.draining))
     yield CounterMetricFamily("triptych_requests_completed", "Requests answered with a result", value=stats.completed)
+    # Every reason and hop from the start, 0 until its first event: a series that first
+    # appears at 1 is missed by an alert on its increase (a daemon's first worker_lost).
     yield _labelled(CounterMetricFamily, "triptych_requests_failed",
                     "Failed attempts of requests by reason: an end in an error, and each attempt retried",
-                    "reason", stats.failed_by_reason)
+                    "reason", NO_REASONS | stats.failed_by_reason)
     yield _labelled(CounterMetricFamily, "triptych_requests_refused",
                     "Client messages refused at the door: submits never admitted (overloaded, draining...), "
                     "unreadable ones, by reason", "reason",
-                    stats.refused)
+                    NO_REASONS | stats.refused)
     yield CounterMetricFamily("triptych_requests_retried",
                               "Requests started again after a lost worker or a failed hand-off",
                               value=stats.retried)
@@ -103,7 +107,7 @@ def _daemon_metrics(stats: Stats) -> Iterator[Metric]:
     handoffs = CounterMetricFamily("triptych_handoffs", "Hand-offs made, by hop and path (fast: a preallocated slot)",
                                    labels=["hop", "path"])
     for path, counts in (("fast", stats.fast_path), ("slow", stats.slow_path)):
-        for hop, count in sorted(counts.items()):
+        for hop, count in sorted((NO_HOPS | counts).items()):
             handoffs.add_metric([hop, path], count)
     yield handoffs
     yield CounterMetricFamily("triptych_late_reports",
@@ -145,7 +149,7 @@ def _latency_metrics(stats: Stats) -> Iterator[Metric]:
     yield from (request, stages, hops)
     yield _labelled(CounterMetricFamily, "triptych_handoff_bytes",
                     "Bytes written worker to worker, by hop (over the hop's duration: its bandwidth)", "hop",
-                    stats.handoff_bytes)
+                    NO_HOPS | stats.handoff_bytes)
 
 
 def _instance_metrics(stats: Stats) -> Iterator[Metric]:

@@ -97,6 +97,21 @@ def test_an_idle_daemon_shows_every_state_at_zero() -> None:
             } <= scrape(lambda: idle)
 
 
+def test_a_fresh_daemon_shows_every_reason_and_hop_at_zero() -> None:
+    """They first appeared at their first event, at 1: an alert on a counter's increase missed
+    a daemon's first worker_lost (an observability audit)."""
+    fresh = msgspec.structs.replace(STATS, failed_by_reason={}, refused={}, fast_path={}, slow_path={},
+                                    handoff_bytes={})
+    lines = scrape(lambda: fresh)
+    for reason in ("worker_lost", "timed_out", "overloaded"):
+        assert {f'triptych_requests_failed_total{{reason="{reason}"}} 0.0',
+                f'triptych_requests_refused_total{{reason="{reason}"}} 0.0'} <= lines
+    for hop in ("encoder->denoiser", "denoiser->decoder"):
+        assert {f'triptych_handoffs_total{{hop="{hop}",path="fast"}} 0.0',
+                f'triptych_handoffs_total{{hop="{hop}",path="slow"}} 0.0',
+                f'triptych_handoff_bytes_total{{hop="{hop}"}} 0.0'} <= lines
+
+
 def test_buckets_of_other_bounds_than_these_are_left_out_not_mislabelled() -> None:
     other = msgspec.structs.replace(STATS, latency={"request": Latency(counts=[1, 2], total_ms=3.0)})
     assert not any("duration_seconds" in line for line in scrape(lambda: other))
