@@ -34,6 +34,7 @@ from actors.client_outbox import ClientOutbox
 from actors.door import DoorLimits
 from actors.mail import (
     BY_THE_CLIENT,
+    CLIENT_GONE,
     RETRIED,
     Admit,
     CancelRequest,
@@ -340,9 +341,10 @@ class FrontendActor:
                     if asked.cancelled and isinstance(message, Rejected) and message.reason in RETRIED:
                         message = Rejected(request_id=key, reason=Reason.CANCELLED, message=asked.cancelled)
                     if not self._retry(asked, message, avoid):
-                        # A client that cancelled its request may have closed its connection.
+                        # A client that cancelled its request may have closed its connection;
+                        # one whose connection closed has none: neither reply counts as dropped.
                         self._send(asked.identity, self._explained(message, asked.request_id), frames,
-                                   awaited=asked.cancelled != BY_THE_CLIENT)
+                                   awaited=asked.cancelled not in (BY_THE_CLIENT, CLIENT_GONE))
             case SetDraining():
                 self._draining = True
             case LimitsChanged(role=role, instance=instance, limits=None):
@@ -365,12 +367,12 @@ class FrontendActor:
 
     def _connection_gone(self, identity: bytes) -> None:
         """A reply found no way to ``identity``: cancel what that connection still waits for
-        (each ends as any cancel does, its reply dropped and counted)."""
+        (each ends as any cancel does, its reply dropped: not counted, the daemon knows)."""
         keys = self._of_connection.pop(identity, ())
         if keys:
             self._log.info("client.gone", cancelled=sorted(self._clients[key].request_id for key in keys))
         for key in keys:
-            self._cancel(key, "its client's connection closed")
+            self._cancel(key, CLIENT_GONE)
 
     def _cancel(self, key: str, why: str) -> None:
         """End admitted request ``key``. A failure of it may be on its way here already

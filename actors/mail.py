@@ -143,6 +143,7 @@ class Failed(Mail):
 
 
 BY_THE_CLIENT = "cancelled by the client"
+CLIENT_GONE = "its client's connection closed"  # the daemon cancelled it: its reply has nowhere to go
 
 # Failures that a fresh attempt can mend (daemon.retries). The retry avoids the instances
 # the failure implicated (Deliver.avoid) wherever others have room.

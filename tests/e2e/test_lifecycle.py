@@ -249,8 +249,9 @@ def test_a_client_that_vanishes_while_watching_progress_has_its_request_cancelle
     gone = time.monotonic()
     stats = wait_for(cluster, all_free, timeout_s=2.5)  # progress_interval_s, and a step of the 3 s denoise
     assert time.monotonic() - gone < 2.5
-    # Dropped: the step report that found it gone, and the request's Rejected(cancelled).
-    assert (stats.completed, stats.failed_by_reason, stats.replies_dropped) == (0, {"cancelled": 1}, 2)
+    # Dropped: the step report that found it gone; the Rejected(cancelled) of the daemon's own
+    # cancel is not counted (it knew the connection closed: an observability audit).
+    assert (stats.completed, stats.failed_by_reason, stats.replies_dropped) == (0, {"cancelled": 1}, 1)
     assert "client.gone" in cluster.log_of("daemon")
     stopped = [json.loads(line) for line in cluster.log_of("denoiser0").splitlines() if "worker.stage_stopped" in line]
     assert len(stopped) == 1 and stopped[0]["ran_ms"] < 2500
