@@ -171,8 +171,16 @@ class AsyncClient:
     async def __aexit__(self, *exc: object) -> None:
         assert self._tg is not None and self._ctx is not None and self._sock is not None
         self._tg.cancel_scope.cancel()
-        await self._tg.__aexit__(None, None, None)
-        assert self._watch is not None
+        try:
+            await self._tg.__aexit__(None, None, None)
+        finally:
+            # The owner task's own cancellation (Ctrl-C under asyncio.run, a failing sibling)
+            # surfaces above, once its reader has ended: the client still closes, or its
+            # waiting submits would hang to their deadlines, unread, and its sockets leak.
+            await self._close()
+
+    async def _close(self) -> None:
+        assert self._ctx is not None and self._sock is not None and self._watch is not None
         self._watch.close()
         sock, self._sock = self._sock, None
         for pending in self._pending.values():

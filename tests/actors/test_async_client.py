@@ -370,6 +370,41 @@ async def test_closing_the_client_cancels_its_waiting_requests_at_the_daemon(fak
                                                    cancel_token=submit.cancel_token)
 
 
+async def test_a_client_whose_owner_task_is_cancelled_still_closes(fake_daemon: FakeDaemon) -> None:
+    """Ctrl-C under asyncio.run, or a failing sibling, cancels the task inside ``async with``:
+    the cancellation surfaced in the middle of the close, which it cut short. Waiting submits
+    hung to their deadlines, their requests ran on at the daemon and the sockets leaked (a
+    client audit). Now they end at once, cancelled at the daemon, and the sockets close."""
+    daemon, endpoint = fake_daemon
+    opened = anyio.Event()
+    clients: list[AsyncClient] = []
+
+    async def owner() -> None:
+        async with AsyncClient(endpoint) as client:
+            clients.append(client)
+            opened.set()
+            await anyio.sleep_forever()
+
+    with anyio.fail_after(5):
+        async with anyio.create_task_group() as tg:
+            task = asyncio.get_running_loop().create_task(owner())
+            await opened.wait()
+
+            async def wait() -> None:
+                with pytest.raises(ConnectionError, match="was closed"):
+                    await clients[0].submit(PARAMS, request_id="orphan", timeout_s=60)
+
+            tg.start_soon(wait)
+            _, _, body = await daemon.recv_multipart()
+            assert CLIENT_REQUEST.decode(body).request_id == "orphan"
+            task.cancel()  # once, as asyncio.run does on Ctrl-C
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        _, _, cancel = await daemon.recv_multipart()
+    assert isinstance(CLIENT_REQUEST.decode(cancel), Cancel) and CLIENT_REQUEST.decode(cancel).request_id == "orphan"
+    assert clients[0]._sock is None
+
+
 async def test_closing_the_client_under_a_waiting_cancel_raises_connection_error(fake_daemon: FakeDaemon) -> None:
     """Not CancelledError: the caller's task was not cancelled, and would take it for that."""
     daemon, endpoint = fake_daemon
