@@ -49,6 +49,20 @@ PROGRESS_BACKLOG = 16
 WATCH_S = 0.25
 
 
+class _AbandonableContext(zmq.asyncio.Context):
+    """The context of a client never closed (opened in a startup hook whose shutdown hook
+    never ran, say) is collected with its sockets, in an order of the collector's choosing:
+    pyzmq's own finalizer then finds no socket left to close and waits in ``term()`` for
+    ever for those not collected yet, freezing the process at a random collection (a client
+    audit). This one ends on a thread of its own, done once the sockets' own finalizers
+    have closed them, and warns as pyzmq's does."""
+
+    def __del__(self) -> None:
+        if not self.closed:
+            threading.Thread(target=zmq.asyncio.Context.__del__, args=(self,), name="triptych-client-abandoned",
+                             daemon=True).start()
+
+
 async def _cancel_at_daemon(sock: zmq.asyncio.Socket, request_ids: list[str], tokens: CancelTokens) -> int:
     """Send a ``Cancel`` for each of ``request_ids`` given up on, whatever cancels the caller,
     within ``CANCEL_SEND_S``; how many left. Nothing awaits the answers."""
@@ -143,7 +157,7 @@ class AsyncClient:
         if self._ctx is not None:
             raise RuntimeError("this AsyncClient was opened before: make a new one")
         self._loop = asyncio.get_running_loop()
-        self._ctx = zmq.asyncio.Context()
+        self._ctx = _AbandonableContext()
         try:
             self._sock, self._watch = self._connect()  # a malformed endpoint raises here
             self._tg = anyio.create_task_group()

@@ -7,6 +7,8 @@ import asyncio
 import math
 import pickle
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
@@ -403,6 +405,40 @@ async def test_a_client_whose_owner_task_is_cancelled_still_closes(fake_daemon: 
         _, _, cancel = await daemon.recv_multipart()
     assert isinstance(CLIENT_REQUEST.decode(cancel), Cancel) and CLIENT_REQUEST.decode(cancel).request_id == "orphan"
     assert clients[0]._sock is None
+
+
+# A client opened and never closed, its loop ended: the collector reaps it with its context
+# and sockets, in an order of its own choosing (gc.collect() here, any collection in a server).
+NEVER_CLOSED = """
+import asyncio, gc, os, sys, time
+from orchestrator.client import AsyncClient
+
+async def forget():
+    client = AsyncClient(sys.argv[1])
+    await client.__aenter__()
+    await asyncio.sleep(0.05)
+
+gc.disable()
+before = len(os.listdir("/proc/self/fd"))
+for _ in range(3):
+    asyncio.run(forget())
+gc.collect()
+for _ in range(100):
+    if len(os.listdir("/proc/self/fd")) == before:
+        break
+    time.sleep(0.05)
+print(len(os.listdir("/proc/self/fd")) - before)
+"""
+
+
+def test_a_client_never_closed_is_collected_without_freezing_the_process(tmp_path: Path) -> None:
+    """pyzmq's context finalizer found no socket left to close and waited in term() for ever
+    for those not collected yet: a collection froze the process (a client audit). Now it
+    ends, and every descriptor the clients held comes back."""
+    done = subprocess.run([sys.executable, "-W", "ignore::ResourceWarning", "-c", NEVER_CLOSED,
+                           f"ipc://{tmp_path}/nobody"], capture_output=True, text=True, timeout=30,
+                          cwd=Path(__file__).parents[2])
+    assert (done.returncode, done.stdout.strip()) == (0, "0"), done.stderr
 
 
 async def test_closing_the_client_under_a_waiting_cancel_raises_connection_error(fake_daemon: FakeDaemon) -> None:
