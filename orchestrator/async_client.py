@@ -126,7 +126,7 @@ class AsyncClient:
     and closed in one task: its reader runs in an anyio task group, which belongs to the
     task that opened it (in a web app, open it in the lifespan context, not in separate
     startup and shutdown hooks), and serves that task's event loop only (one per thread
-    that runs a loop). A closed client cannot be opened again.
+    that runs a loop), an asyncio one (not trio). A closed client cannot be opened again.
     """
 
     def __init__(self, endpoint: str) -> None:
@@ -156,7 +156,11 @@ class AsyncClient:
     async def __aenter__(self) -> AsyncClient:
         if self._ctx is not None:
             raise RuntimeError("this AsyncClient was opened before: make a new one")
-        self._loop = asyncio.get_running_loop()
+        try:
+            self._loop = asyncio.get_running_loop()
+        except RuntimeError:  # trio, under anyio or not
+            raise RuntimeError("AsyncClient runs on asyncio (its sockets are pyzmq's asyncio ones): under anyio, "
+                               "run the asyncio backend") from None
         self._ctx = _AbandonableContext()
         try:
             self._sock, self._watch = self._connect()  # a malformed endpoint raises here

@@ -50,6 +50,7 @@ class Client:
         # other: a ZMQ socket is used by one thread at a time).
         self._lock = threading.Lock()
         self._sock, self._watch = self._connect()
+        self._closed = False
 
     def _connect(self) -> tuple[zmq.Socket, ConnectionWatch]:
         return watched_req(self._ctx, self.endpoint)
@@ -65,6 +66,7 @@ class Client:
         daemon's worker socket says so). A wait that ends without an answer, or is interrupted
         (Ctrl-C), cancels the request at the daemon, taking up to 1 s more; the client stays
         usable after any of them."""
+        self._check_open()
         rid = request_id or uuid.uuid4().hex  # known here, so an interrupted wait can cancel it
         body = submit_body(params, rid, timeout_s, priority, self._tokens)
         try:
@@ -90,6 +92,7 @@ class Client:
         request's ``submit`` waits (which then raises ``Rejection(cancelled)``). Raises
         ``PermissionError`` for a request another client submitted, ``TimeoutError`` if the
         daemon does not answer within ``timeout_s``, ``ConnectionError`` as ``submit``."""
+        self._check_open()
         checked_s(timeout_s)
         # A one-shot socket: the client's own may be waiting for a submit's answer, and the
         # daemon answers a Cancel on the connection it came by. Its token proves it ours.
@@ -104,6 +107,7 @@ class Client:
 
     def _request(self, parts: list[bytes], timeout_s: float) -> Reply:
         with self._lock:
+            self._check_open()  # (closed by another thread meanwhile: no new socket for it)
             try:
                 # All of it inside: a Ctrl-C can land just after the message left (or before
                 # its reply was taken), and the REQ socket then waits for that reply; only a
@@ -124,7 +128,12 @@ class Client:
         """Close the socket once no call is in flight (a ``submit`` another thread waits on
         ends first, with its answer or its timeout)."""
         with self._lock:
+            self._closed = True
             self._close_socket()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this Client was closed: make a new one")
 
     def _close_socket(self) -> None:
         self._watch.close()

@@ -617,6 +617,11 @@ def test_closing_a_blocking_client_waits_for_the_submit_another_thread_waits_on(
     waiting.join(5)
     playing.join(5)
     assert outcome == [3.0]
+    # Closed, it says so; it raised a bare ZMQError and opened a new socket (a client audit).
+    for call in (partial(client.submit, PARAMS), partial(client.cancel, "r")):
+        with pytest.raises(RuntimeError, match="this Client was closed: make a new one"):
+            call()
+    assert client._sock.closed
 
 
 def test_a_blocking_clients_timed_out_wait_cancels_its_request(blocking_daemon: BlockingDaemon, monkeypatch) -> None:
@@ -728,6 +733,14 @@ async def test_an_async_client_used_outside_its_context_says_so() -> None:
         pass
     with pytest.raises(RuntimeError, match="inside `async with"):
         await closed.submit(PARAMS)
+
+
+def test_an_async_client_outside_asyncio_says_it_needs_asyncio() -> None:
+    """Under trio (anyio's other backend) it failed with "no running event loop". Its
+    __aenter__ is stepped here without any loop, as trio runs it."""
+    opening = AsyncClient("ipc:///nonexistent/daemon").__aenter__()
+    with pytest.raises(RuntimeError, match="AsyncClient runs on asyncio .*run the asyncio backend"):
+        opening.send(None)
 
 
 def test_a_rejection_survives_pickling() -> None:
