@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import inspect
 import math
+import sys
 import threading
 import time
 import uuid
@@ -58,9 +59,10 @@ class _AbandonableContext(zmq.asyncio.Context):
     have closed them, and warns as pyzmq's does."""
 
     def __del__(self) -> None:
-        if not self.closed:
-            threading.Thread(target=zmq.asyncio.Context.__del__, args=(self,), name="triptych-client-abandoned",
-                             daemon=True).start()
+        if self.closed or sys.is_finalizing():
+            return  # (no new thread at the interpreter's end, whose exit closes everything)
+        threading.Thread(target=zmq.asyncio.Context.__del__, args=(self,), name="triptych-client-abandoned",
+                         daemon=True).start()
 
 
 async def _cancel_at_daemon(sock: zmq.asyncio.Socket, request_ids: list[str], tokens: CancelTokens) -> int:
