@@ -331,14 +331,14 @@ MOONCAKE_DEFAULT_TIMEOUT_S = 30.0  # MC_TRANSFER_TIMEOUT when unset
 
 def transfer_timeout_s(value: str | None) -> float:
     """An MC_TRANSFER_TIMEOUT value in seconds: how long a write is waited for before it is
-    in doubt. Mooncake's default when unset or not a positive number (the config refuses
-    those; from the shell, the longer wait is the safe one); a day at most, what a Register
-    carries (the config refuses more; from the shell, cut to it)."""
+    in doubt. Mooncake's default when unset or not a positive finite number (the config
+    refuses those; from the shell, the longer wait is the safe one); a day at most, what a
+    Register carries (the config refuses more; from the shell, cut to it)."""
     try:
         seconds = float(value) if value else math.nan
     except ValueError:
         seconds = math.nan
-    return min(seconds, DAY_S) if seconds > 0 else MOONCAKE_DEFAULT_TIMEOUT_S
+    return min(seconds, DAY_S) if 0 < seconds < math.inf else MOONCAKE_DEFAULT_TIMEOUT_S
 
 
 def _is_seconds(value: str) -> bool:

@@ -431,8 +431,10 @@ def test_deadline_follows_mc_transfer_timeout(pair: Pair) -> None:
     assert transfer_timeout_s(None) == 30.0  # Mooncake's default
     assert transfer_timeout_s("soon") == 30.0
     assert transfer_timeout_s("2.5") == 2.5
-    # From the shell (the config refuses these): Mooncake's default, the safe side.
+    # From the shell (the config refuses these): Mooncake's default, the safe side; past a
+    # day, what a Register carries, a day (it was Mooncake's 30 s: shorter than asked).
     assert transfer_timeout_s("-5") == transfer_timeout_s("nan") == transfer_timeout_s("inf") == 30.0
+    assert transfer_timeout_s("1e9") == 86400
 
 
 def test_unknown_session_raises(pair: Pair) -> None:
