@@ -330,8 +330,11 @@ class FrontendActor:
         match mail:
             case Deliver(request_id=key, message=Progress() as progress):
                 asked = self._clients.get(key)
-                if asked is not None:
-                    self._send(asked.identity, msgspec.structs.replace(progress, request_id=asked.request_id))
+                # Cancelled: its client's connection is gone (nothing to send), or its client
+                # cancelled it and may have left (a reply nobody waits for: not counted lost).
+                if asked is not None and asked.cancelled != CLIENT_GONE:
+                    self._send(asked.identity, msgspec.structs.replace(progress, request_id=asked.request_id),
+                               awaited=not asked.cancelled)
             case Deliver(request_id=key, message=message, frames=frames, avoid=avoid):
                 asked = self._clients.pop(key, None)
                 if asked is not None:
