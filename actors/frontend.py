@@ -236,16 +236,19 @@ class FrontendActor:
                 self._submit(identity, msg)
             case Cancel(request_id=rid, cancel_token=token):
                 key = self._in_flight.get(rid)
+                # A Cancel's answer is no request's end, and its client may not wait for it (a
+                # closing AsyncClient sends its Cancels and leaves): one that finds the client
+                # gone is not counted lost.
                 if key is not None and not self._may_cancel(self._clients[key], token):
-                    # A Cancel's answer, not a request's end: a client whose own Cancel of an
-                    # id crossed its end and another client's Submit of the id gets this too.
-                    self._send(identity, Cancelled(request_id=rid, found=False, refused=True))
+                    # A client whose own Cancel of an id crossed its end and another client's
+                    # Submit of the id gets this too.
+                    self._send(identity, Cancelled(request_id=rid, found=False, refused=True), awaited=False)
                     return
                 if key is not None:
                     self._cancel(key, BY_THE_CLIENT)
                 elif not self._just_ended.holds(rid, now := time.monotonic()):
                     self._foreseen.add((rid, token), now)
-                self._send(identity, Cancelled(request_id=rid, found=key is not None))
+                self._send(identity, Cancelled(request_id=rid, found=key is not None), awaited=False)
             case _:
                 assert_never(msg)
 
