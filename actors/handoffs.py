@@ -285,7 +285,7 @@ class Handoffs:
             return
         largest = self._largest.get(following)  # None: no receiver yet, so the request waits for one
         if largest is not None and msg.nbytes > largest:
-            # Retrying would only compute it again: no receiver registered can ever take it.
+            # Retrying would only compute it again: no receiver ever registered can take it.
             self._fail(flight, Reason.INVALID, f"its {msg.nbytes}-byte output fits no {following}'s memory pool "
                                                f"(the most one ever registered takes is {largest} bytes: "
                                                f"workers.{following}.pool_bytes past its preallocated slots, "
