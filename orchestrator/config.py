@@ -78,6 +78,22 @@ def dial_problem(endpoint: str) -> str | None:
     return None
 
 
+_LOOPBACK_NAMES = {"localhost": "127.0.0.1"}
+
+
+def _same_address(a: str, b: str) -> bool:
+    """Whether binding ``a`` and ``b`` would take one address: the same endpoint however its
+    host is spelt (localhost is 127.0.0.1), or one port on a wildcard host and any other.
+    (Each "any port" or "any path" endpoint binds one of its own.)"""
+    if a.endswith("*") or b.endswith("*"):
+        return False
+    if not (a.startswith("tcp://") and b.startswith("tcp://")):
+        return a == b
+    (host_a, port_a), (host_b, port_b) = (e.removeprefix("tcp://").rsplit(":", 1) for e in (a, b))
+    host_a, host_b = (_LOOPBACK_NAMES.get(h, h) for h in (host_a, host_b))
+    return port_a == port_b and (host_a == host_b or WILDCARD_HOSTS & {host_a, host_b} != set())
+
+
 def is_ip(host: str) -> bool:
     """Whether ``host`` is an IP address, not a name (which would need looking up)."""
     try:
@@ -183,10 +199,10 @@ class DaemonConfig(Section):
                 raise ValueError(f"daemon.{key} ({getattr(self, key)}) is {problem}")
         for i, key in enumerate(keys):
             for other in keys[i + 1:]:
-                # (Each "any port" or "any path" endpoint binds one of its own.)
-                if getattr(self, key) == getattr(self, other) and not getattr(self, key).endswith("*"):
-                    raise ValueError(f"daemon.{key} and daemon.{other} are both {getattr(self, key)}: each of the "
-                                     "daemon's sockets needs an endpoint of its own")
+                if _same_address(getattr(self, key), getattr(self, other)):
+                    raise ValueError(f"daemon.{key} ({getattr(self, key)}) and daemon.{other} "
+                                     f"({getattr(self, other)}) are one address: each of the daemon's sockets needs "
+                                     "an endpoint of its own")
         if self.client_held_bytes > self.client_held_total_bytes:
             raise ValueError(f"daemon.client_held_bytes ({self.client_held_bytes}) is more than "
                              f"daemon.client_held_total_bytes ({self.client_held_total_bytes}), which bounds all "

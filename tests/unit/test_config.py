@@ -122,11 +122,19 @@ def test_a_config_file_that_cannot_be_read_is_said_to_be_the_config(tmp_path: Pa
 
 @pytest.mark.parametrize(("text", "says"), [
     ('[daemon]\nclient_endpoint = "ipc:///tmp/t"\ncontrol_endpoint = "ipc:///tmp/t"\n',
-     "daemon.client_endpoint and daemon.control_endpoint are both ipc:///tmp/t: each of the daemon's sockets needs "
-     "an endpoint of its own"),
+     "daemon.client_endpoint (ipc:///tmp/t) and daemon.control_endpoint (ipc:///tmp/t) are one address: each of "
+     "the daemon's sockets needs an endpoint of its own"),
+    # Spelt apart, one address: the second bind failed, hinting at "a daemon already running?".
+    ('[daemon]\nclient_endpoint = "tcp://127.0.0.1:5555"\ncontrol_endpoint = "tcp://localhost:5555"\n',
+     "daemon.client_endpoint (tcp://127.0.0.1:5555) and daemon.control_endpoint (tcp://localhost:5555) are one "
+     "address"),
+    ('[daemon]\nclient_endpoint = "tcp://0.0.0.0:5555"\nworker_endpoint = "tcp://127.0.0.1:5555"\n',
+     "daemon.client_endpoint (tcp://0.0.0.0:5555) and daemon.worker_endpoint (tcp://127.0.0.1:5555) are one "
+     "address"),
     ("[daemon]\nclient_held_bytes = 2048\nclient_held_total_bytes = 1024\n",
      "daemon.client_held_bytes (2048) is more than daemon.client_held_total_bytes (1024)"),
-], ids=["one endpoint for two sockets", "a connection's share past the total"])
+], ids=["one endpoint for two sockets", "one endpoint in two spellings", "a wildcard over another",
+        "a connection's share past the total"])
 def test_contradictory_daemon_settings_are_refused(tmp_path: Path, text: str, says: str) -> None:
     with pytest.raises(msgspec.ValidationError, match=re.escape(says)):
         load_config(write(tmp_path, text))
@@ -290,7 +298,7 @@ def test_an_ipv6_endpoint_is_refused_at_load_saying_why(tmp_path: Path) -> None:
         load_config(write(tmp_path, '[daemon]\nclient_endpoint = "tcp://[::1]:5555"\n'))
 
 
-@pytest.mark.parametrize("endpoint", ["tcp://127.0.0.1:6000", "tcp://*:5555", "tcp://*:*", "tcp://eth0:5555",
+@pytest.mark.parametrize("endpoint", ["tcp://127.0.0.1:6000", "tcp://*:5556", "tcp://*:*", "tcp://eth0:5555",
                                       "tcp://gpu-host-3.example:7000", "ipc:///tmp/triptych/c", "ipc://@abstract"])
 def test_the_endpoints_operators_write_load(tmp_path: Path, endpoint: str) -> None:
     assert (load_config(write(tmp_path, f'[daemon]\ncontrol_endpoint = "{endpoint}"\n')).daemon.control_endpoint
