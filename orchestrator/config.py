@@ -91,7 +91,7 @@ def _same_address(a: str, b: str) -> bool:
         return a == b
     (host_a, port_a), (host_b, port_b) = (e.removeprefix("tcp://").rsplit(":", 1) for e in (a, b))
     host_a, host_b = (_LOOPBACK_NAMES.get(h, h) for h in (host_a, host_b))
-    return port_a == port_b and (host_a == host_b or WILDCARD_HOSTS & {host_a, host_b} != set())
+    return port_a == port_b and (host_a == host_b or not WILDCARD_HOSTS.isdisjoint({host_a, host_b}))
 
 
 def is_ip(host: str) -> bool:
@@ -350,19 +350,21 @@ def transfer_timeout_s(value: str | None) -> float:
     in doubt. Mooncake's default when unset or not a positive finite number (the config
     refuses those; from the shell, the longer wait is the safe one); a day at most, what a
     Register carries (the config refuses more; from the shell, cut to it)."""
-    try:
-        seconds = float(value) if value else math.nan
-    except ValueError:
-        seconds = math.nan
+    seconds = _seconds(value)
     return min(seconds, DAY_S) if 0 < seconds < math.inf else MOONCAKE_DEFAULT_TIMEOUT_S
 
 
 def _is_seconds(value: str) -> bool:
     """Positive, and at most a day: a worker's Register carries it (write_timeout_s), bounded so."""
+    return 0 < _seconds(value) <= DAY_S
+
+
+def _seconds(value: str | None) -> float:
+    """``value`` read as seconds; NaN if it is none or no number."""
     try:
-        return 0 < float(value) <= DAY_S
+        return float(value) if value else math.nan
     except ValueError:
-        return False
+        return math.nan
 
 
 # protocol -> the variable that would force the other transport, that transport, the remedy.
