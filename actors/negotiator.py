@@ -204,6 +204,7 @@ class TransferNegotiator:
 
     def _heard_from(self, link: Link) -> None:
         link.last_seen = time.monotonic()
+        link.push_failed_at = None  # alive: a failed push into it was not its death, even if it stays suspect
         if link.suspect and link.reached and not link.pushing_late:
             self._trust(link)  # it is alive: no longer quiet, and a failed push was not its death
 
@@ -463,7 +464,7 @@ class TransferNegotiator:
     def _trust(self, link: Link) -> None:
         if link.stopping:
             return  # alive, but it asked for no new work
-        link.suspect, link.push_failed_at = False, None
+        link.suspect = False
         self._pools[link.role].post(Suspect(instance=link.instance, suspect=False))
 
     def _check_liveness(self, now: float, *, stalled_s: float = 0.0) -> None:

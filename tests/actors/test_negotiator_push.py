@@ -57,6 +57,7 @@ from transfer.protocol import (
     RegisterRefused,
     SlotInfo,
     Staged,
+    Stopping,
     TensorSpec,
     encode,
 )
@@ -804,3 +805,26 @@ async def test_a_sender_with_a_short_write_timeout_is_overdue_behind_a_push_due_
             assert await n.pools["encoder"].receive() == Suspect(instance=hasty.instance, suspect=True)
             await n.stats()
             n.assert_silent()  # the patient one is not due for half a minute
+
+async def test_a_stopping_receiver_that_still_heartbeats_is_not_evicted_for_a_failed_push(
+    ctx: zmq.asyncio.Context, tmp_path: Path
+) -> None:
+    """Stopping keeps it suspect (no new work), but its heartbeats say it is alive: evicting
+    it would fail what it holds as worker_lost in the middle of a rolling restart."""
+    with anyio.fail_after(5):
+        async with encoder_and_denoiser(ctx, tmp_path, slots=2, heartbeat_s=0.2) as (n, encoder, denoiser):
+            await denoiser.report(Stopping())
+            assert await n.pools["denoiser"].receive() == suspected(denoiser)
+            await push_on_fast_path(n, encoder, denoiser, "r1")
+            await encoder.report(Pushed(request_id="r1", ok=False, transfer_ms=0.0, error="peer unreachable"))
+            assert isinstance(await n.tracker.receive(), Failed)
+            n.take("encoder")
+            n.take("denoiser")
+            for _ in range(4):  # 3.2 heartbeats after the failure, heard from every 0.8
+                await anyio.sleep(0.16)
+                await speak(n, denoiser)
+                await speak(n, encoder)
+                n.inbox.post(Tick())
+            await n.stats()
+            n.assert_silent()
+            assert denoiser.instance in (await n.stats()).prealloc
