@@ -11,10 +11,12 @@ whose routing id is the decoder's key, so its heartbeats never wait behind them.
 
 A worker whose ``Probe`` has not yet come back, one silent for two heartbeats, or a
 receiver a push just failed to reach, is a suspect: it gets no new work until it is
-reached or speaks again. A suspect whose push failed is evicted if it stays silent for two
-more heartbeats, so a dead receiver costs one request instead of every request dispatched
-to it until its heartbeats are missed. A sender whose push is unreported past its due time
-is a suspect until it reports one: work sent there would wait behind that write.
+reached or speaks again. A receiver a push failed to reach is evicted unless heard from
+within two heartbeats of the failure, so a dead receiver costs one request instead of every
+request dispatched to it until its heartbeats are missed. Any message counts, even from one
+that is stopping or pushing late: it stays a suspect, but is not evicted. A sender whose
+push is unreported past its due time is a suspect until it reports one: work sent there
+would wait behind that write.
 
 A worker is identified by its ROUTER connection, which only a registration carrying the
 shared token creates; a report about a request counts only if it comes from the instance
