@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import re
 import threading
 import time
@@ -122,6 +123,46 @@ def test_decoder_output_changes_with_its_input() -> None:
 def test_expected_outputs_match_the_stage_chain(output: str) -> None:
     p = params(output=output, num_images=2)
     assert same(expected_outputs(p, CFG), chain(p))
+
+
+# Golden digests of what each null stage returns for two fixed requests, computed once from the
+# code at the time (torch 2.13): they pin the null stages' bytes, which the comparison above
+# cannot, as both its sides run the same functions. Clients and the e2e tests trust
+# expected_outputs to be what workers computed, so a change to any of these bytes (a seed's
+# salt, the latent factor, the decoder's rounding or low bit) must be deliberate: then
+# recompute them. Every tensor is kept under 16 elements before the decoder, so torch's CPU
+# randn and sigmoid take their scalar paths: larger tensors take vectorised ones whose low bits
+# differ between CPUs (AVX2 and the DEFAULT dispatch disagree), and so would these digests.
+GOLDEN_CFG = NullStageConfig(encoder_ms=0, denoiser_ms=0, decoder_ms=0, embed_shape=(3, 5))
+GOLDEN = [
+    (GenParams(prompt="a cat", seed=7, width=16, height=8, output="raw"), {
+        "embeds": ((3, 5), "5a3d578c826206568bdae0b94453dca2"),
+        "latents": ((1, 4, 1, 2), "5ee3327e2e1d80a73a55fc7b1b4a4782"),
+        "images": ((1, 8, 16, 3), "5a1bdb55d13fea9a497ec1c1472a6071"),
+    }),
+    (GenParams(prompt="a red bicycle", seed=123456789, width=8, height=8, num_images=3, output="raw"), {
+        "embeds": ((3, 5), "fa0b331ea4ee23feae80210a7d1795d8"),
+        "latents": ((3, 4, 1, 1), "3af18523376944c6444020c3adbedda8"),
+        "images": ((3, 8, 8, 3), "bd94d2423b39ee7c7c0be3684fde092e"),
+    }),
+]
+
+
+def fingerprint(outputs: dict[str, torch.Tensor]) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Each tensor's shape and a digest of its bytes, in order."""
+    return {name: (tuple(t.shape), hashlib.blake2b(t.numpy().tobytes(), digest_size=16).hexdigest())
+            for name, t in outputs.items()}
+
+
+@pytest.mark.parametrize(("p", "golden"), GOLDEN, ids=["one-image", "three-images"])
+def test_the_null_stages_bytes_match_their_golden_digests(
+    p: GenParams, golden: dict[str, tuple[tuple[int, ...], str]]
+) -> None:
+    embeds = NullEncoder(GOLDEN_CFG).run(p, {})
+    latents = NullDenoiser(GOLDEN_CFG).run(p, embeds)
+    images = NullDecoder(GOLDEN_CFG).run(p, latents)
+    assert fingerprint(embeds | latents | images) == golden
+    assert fingerprint(expected_outputs(p, GOLDEN_CFG)) == {"images": golden["images"]}
 
 
 def test_png_outputs_decode_to_the_raw_images() -> None:
