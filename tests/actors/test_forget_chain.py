@@ -49,7 +49,7 @@ class Chain:
     to_pools: dict[Role, MemoryObjectReceiveStream[Any]]  # what admission posts to each pool
     pool: Mailbox[Any]  # the real encoder pool's inbox
     pool_to_admission: MemoryObjectReceiveStream[Any]
-    pool_to_tracker: MemoryObjectReceiveStream[Any]
+    pool_to_tracker: MemoryObjectReceiveStream[Any]  # what the pool (and admission) post to the tracker
     pool_to_negotiator: MemoryObjectReceiveStream[Any]
 
     async def carry(self, src: MemoryObjectReceiveStream[Any], dst: Mailbox[Any]) -> list[Any]:
@@ -105,7 +105,10 @@ async def test_a_bounced_dispatch_does_not_restart_a_forgotten_request(
             assert await c.carry(c.to_pools["encoder"], c.pool) == [Dispatch(job=job("r#0", "encoder")),
                                                                     Forget(request_id="r#0")]
             # The pool bounced the Dispatch (Enqueue front + its credit back) and passed the Forget on.
+            # It told the tracker nothing: the evicted encoder held no slot for "r#0", so there is
+            # no Failed(worker_lost) to report, and a bounced job is requeued, not failed.
             await c.carry(c.pool_to_admission, c.admission)
+            assert queued(c.pool_to_tracker) == []
             assert await c.carry(c.pool_to_negotiator, n.inbox) == [Forget(request_id="r#0")]
 
             # A new encoder joins (the restarted worker): its credit reaches admission.
@@ -121,3 +124,4 @@ async def test_a_bounced_dispatch_does_not_restart_a_forgotten_request(
             assert Send(instance=encoder.instance, order=Work(request_id="r#0", params=PARAMS)) not in ordered
             assert [m for m in placed if isinstance(m, Placed)] == []
             assert (await settle_stats(c)).queue_depths["encoder"] == 0
+            assert queued(c.pool_to_tracker) == []  # nor is it reported on (queued, failed)

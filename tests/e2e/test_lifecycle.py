@@ -44,12 +44,6 @@ def p(i: int) -> GenParams:
     return GenParams(prompt=f"slow {i}", seed=i, output="raw")
 
 
-def rejected_reason(client: Client, params: GenParams, **kw: object) -> Reason:
-    with pytest.raises(Rejection) as caught:
-        client.submit(params, **kw)
-    return caught.value.reason
-
-
 def with_finished_runs(stats: Stats) -> Stats:
     """``stats`` as if every run of an ended request still computing were over."""
     return msgspec.structs.replace(stats, instances=[
