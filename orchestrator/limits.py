@@ -52,7 +52,7 @@ def oversized_frame(name: str, nbytes: int, limit: int, *, foreseen: bool = Fals
 def raw_output_violation(params: GenParams, limit: int) -> str | None:
     """Why a ``raw`` request's output (one uint8 tensor of N x H x W x 3 bytes, its size
     known from the request) cannot reach the client, or None. A PNG's size is known only
-    once encoded: the decoder checks it (orchestrator/worker.py)."""
+    once encoded: the decoder checks it (orchestrator/stage_runner.py)."""
     if params.output != "raw":
         return None
     return oversized_frame("images", params.pixels * 3, limit, foreseen=True)

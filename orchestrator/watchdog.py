@@ -25,7 +25,7 @@ import structlog
 from orchestrator.stages import RunControl
 
 EXIT_STAGE_HUNG = 70  # EX_SOFTWARE
-EXIT_DEVICE_BROKEN = 71  # EX_OSERR: a CUDA error left the GPU context unusable (orchestrator/worker.py)
+EXIT_DEVICE_BROKEN = 71  # EX_OSERR: a CUDA error left the GPU context unusable (orchestrator/stage_runner.py)
 
 
 class StageWatchdog:

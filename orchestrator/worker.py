@@ -2,7 +2,8 @@
 
 Three paths that never wait on each other:
 
-* compute: the stage's synchronous torch code, in ``compute_threads`` worker threads;
+* compute: the stage's synchronous torch code, in ``compute_threads`` worker threads
+  (orchestrator/stage_runner.py);
 * transfer: Mooncake writes, in one push thread of their own, or a plain copy when the
   receiver shares this host (orchestrator/worker_memory.py, which owns what the worker
   holds for requests);
@@ -16,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import math
 import os
 import secrets
 import signal
@@ -34,20 +34,17 @@ import zmq.asyncio
 from orchestrator.config import Config, dial_problem
 from orchestrator.daemon_link import LEAVING_LINGER_MS, DaemonLink
 from orchestrator.early_signals import STOP_SIGNALS
-from orchestrator.limits import oversized_frame
 from orchestrator.log import Throttled
 from orchestrator.own_addresses import check_own_addresses
-from orchestrator.priority_gate import PriorityGate
-from orchestrator.stages import RunControl, Stage, StageError, StageStopped, build_stage
-from orchestrator.stages.base import StepFn, released
-from orchestrator.watchdog import EXIT_DEVICE_BROKEN, EXIT_STAGE_HUNG, StageWatchdog
+from orchestrator.stage_runner import StageRunner
+from orchestrator.stages import RunControl, build_stage
+from orchestrator.watchdog import EXIT_STAGE_HUNG
 from orchestrator.work_socket import bind_work_socket, close_work_socket
 from orchestrator.worker_memory import RequestMemory
 from orchestrator.worker_registration import register, watch_daemon
-from transfer import frames
 from transfer.binding import EndpointUnusable, remove_ipc_file
 from transfer.engine import Engine, MooncakeEngine
-from transfer.pool import MemoryPool, PoolError, PoolTooSmall, PoolUnallocatable, physical_memory
+from transfer.pool import MemoryPool, PoolUnallocatable, physical_memory
 from transfer.protocol import (
     DECODE_ERRORS,
     ORDERS_PER_MESSAGE,
@@ -66,13 +63,10 @@ from transfer.protocol import (
     Registered,
     RegisterRefused,
     Role,
-    Step,
     Stopped,
     Stopping,
-    TensorSpec,
     Work,
     WorkOrder,
-    brief,
     encode,
 )
 from transfer.reports import ReportOutbox
@@ -87,7 +81,7 @@ HUNG_EXIT_GRACE_S = LEAVING_LINGER_MS / 1000 + 2.0
 
 
 class WorkerRuntime:
-    """Owns one stage, one registered memory pool, one engine, its work socket and its link to the daemon."""
+    """Owns one stage runner, one registered memory pool, one engine, its work socket and its link to the daemon."""
 
     def __init__(self, role: Role, cfg: Config, *, name: str | None = None, engine: Engine | None = None) -> None:
         self.role = role
@@ -97,7 +91,6 @@ class WorkerRuntime:
         # host's network (and so its hostname) each have their own pid 1.
         self.name = name or f"{role}@{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
         self._engine = engine
-        self._stage: Stage | None = None
         self._pool: MemoryPool | None = None
         # Same-host copies (transfer.same_host_copy): the pool in shared memory, advertised.
         self._region: SharedRegion | None = None
@@ -105,61 +98,24 @@ class WorkerRuntime:
         self._outbox = ReportOutbox()  # for the main connection to the daemon
         self._outputs = ReportOutbox()  # a decoder's, for its output connection (orchestrator/daemon_link.py)
         self._key = b""
-        self._compute = PriorityGate(self._wcfg.compute_threads)  # the runs it holds wait by priority
-        self._threads = anyio.CapacityLimiter(self._wcfg.compute_threads)  # never behind anyio's shared 40
         self._scopes: dict[str, anyio.CancelScope] = {}  # compute and alloc tasks, by request
         self._runs: dict[str, RunControl] = {}  # stage runs, by request: stopped, they end at their next step
         self._owed: dict[anyio.CancelScope, Stopped] = {}  # said once the task of that scope has ended
         self._log = log.bind(role=role, worker=self.name)
         self._peer_log = Throttled(self._log)  # what anyone reaching the work socket can make it say
         self._work_address: str | None = None  # once bound
-        self._max_message_bytes = cfg.daemon.worker_max_message_bytes  # until the daemon says its own
         self._daemon_link: DaemonLink | None = None  # once created
-        self._watchdog = StageWatchdog(self._wcfg.stage_timeout_s, setting=f"workers.{role}.stage_timeout_s",
-                                       log=self._log, on_hung=self._stage_hung)
+        self._runner = StageRunner(role, self._wcfg, log=self._log,
+                                   max_message_bytes=cfg.daemon.worker_max_message_bytes, report=self._report,
+                                   on_hung=self._stage_hung, exit_after_reports=self._exit_after_reports)
         self._loop: asyncio.AbstractEventLoop | None = None  # once running: where the watchdog's thread calls in
 
     # ------------------------------------------------------------------ lifecycle
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[str] = anyio.TASK_STATUS_IGNORED) -> None:
-        if (problem := dial_problem(endpoint := self._cfg.daemon.worker_endpoint)) is not None:
-            # Said before the model loads: the daemon may bind `*`, which no peer can connect to.
-            raise EndpointUnusable(f"daemon.worker_endpoint ({endpoint}) is {problem}")
-        check_own_addresses(self.role, self._wcfg, self._cfg.transfer)
-        if self._wcfg.pool_bytes > (memory := physical_memory()):
-            # Said before the model loads; a pool only near the machine's size fails to
-            # allocate (PoolUnallocatable), or the kernel ends the worker as it is touched.
-            raise PoolUnallocatable(f"workers.{self.role}.pool_bytes ({self._wcfg.pool_bytes}) is more than this "
-                                    f"machine's memory ({memory} bytes)")
-        torch.set_num_threads(self._wcfg.torch_threads)
-        # A load cannot be interrupted, and may take minutes (real weights) or never end (a
-        # wedged GPU): a stop leaves its thread to end with the process rather than wait for
-        # it, as SIGTERM must stop a worker at any time, and one that outlives
-        # stage_timeout_s ends the process as a hung stage run does (else it sat, silent and
-        # unregistered, for good).
-        self._loop = asyncio.get_running_loop()
-        self._watchdog.start()
-        loading = RunControl()
-        loading.started_at = time.monotonic()
-        with self._watchdog.watching(loading, "(the model's load)"):
-            self._stage = await anyio.to_thread.run_sync(
-                lambda: build_stage(self.role, self._cfg.model, torch_threads=self._wcfg.torch_threads),
-                abandon_on_cancel=True,
-            )
-        receives = self.role != "encoder"
-        slot_sizes = [self._wcfg.prealloc_slot_bytes] * self._wcfg.prealloc_slots if receives else []
-        writers = None
-        if self._cfg.transfer.same_host_copy:
-            self._region = shared_region(self._wcfg.pool_bytes)
-            # Without a region of its own it is not told of peers' regions either (the daemon
-            # pairs shared memory only when both ends have it).
-            writers = (LocalWriter(), LocalWriter()) if self._region else None
-        pool = MemoryPool(self._wcfg.pool_bytes, slot_sizes=slot_sizes,
-                          memory=self._region.tensor if self._region else None)
-        if self._engine is None:
-            self._engine = MooncakeEngine(self._cfg.transfer)
-        self._engine.register(pool.base, pool.size)
-        self._use_pool(pool, writers)
+        self._check_settings()
+        await self._load_stage()
+        self._make_memory()
         link = self._daemon_link = DaemonLink(self._cfg.daemon.worker_endpoint)
         work = link.ctx.socket(zmq.PULL, socket_class=zmq.Socket)  # plain: read by a PlainPump
         work.setsockopt(zmq.LINGER, 0)
@@ -183,15 +139,52 @@ class WorkerRuntime:
                 await self._leave(link, registered)
             self._engine.close()
 
+    def _check_settings(self) -> None:
+        """Check, before the model loads (minutes, with real weights), the settings that would
+        fail later: the daemon's endpoint, this worker's own addresses, the pool's size."""
+        if (problem := dial_problem(endpoint := self._cfg.daemon.worker_endpoint)) is not None:
+            # The daemon may bind `*`, which no peer can connect to.
+            raise EndpointUnusable(f"daemon.worker_endpoint ({endpoint}) is {problem}")
+        check_own_addresses(self.role, self._wcfg, self._cfg.transfer)
+        if self._wcfg.pool_bytes > (memory := physical_memory()):
+            # A pool only near the machine's size fails to allocate (PoolUnallocatable), or
+            # the kernel ends the worker as it is touched.
+            raise PoolUnallocatable(f"workers.{self.role}.pool_bytes ({self._wcfg.pool_bytes}) is more than this "
+                                    f"machine's memory ({memory} bytes)")
+
+    async def _load_stage(self) -> None:
+        """Load the stage (``StageRunner.load``: watched, and left to its thread by a stop)."""
+        torch.set_num_threads(self._wcfg.torch_threads)
+        self._loop = asyncio.get_running_loop()  # before the load starts the watchdog
+        await self._runner.load(lambda: build_stage(self.role, self._cfg.model, torch_threads=self._wcfg.torch_threads))
+
+    def _make_memory(self) -> None:
+        """The pool, in shared memory for same-host copies where this host allows it,
+        registered with the engine (Mooncake's, unless the worker was given one)."""
+        receives = self.role != "encoder"
+        slot_sizes = [self._wcfg.prealloc_slot_bytes] * self._wcfg.prealloc_slots if receives else []
+        writers = None
+        if self._cfg.transfer.same_host_copy:
+            self._region = shared_region(self._wcfg.pool_bytes)
+            # Without a region of its own it is not told of peers' regions either (the daemon
+            # pairs shared memory only when both ends have it).
+            writers = (LocalWriter(), LocalWriter()) if self._region else None
+        pool = MemoryPool(self._wcfg.pool_bytes, slot_sizes=slot_sizes,
+                          memory=self._region.tensor if self._region else None)
+        if self._engine is None:
+            self._engine = MooncakeEngine(self._cfg.transfer)
+        self._engine.register(pool.base, pool.size)
+        self._use_pool(pool, writers)
+
     def _adopt(self, registered: Registered) -> None:
         """Take on what the daemon's answer says. Its settings, not this worker's config's:
         each host's copy may differ."""
         assert self._memory is not None
         self._key = registered.key
-        # Its socket cuts off a larger frame.
-        self._max_message_bytes = registered.max_message_bytes or self._cfg.daemon.worker_max_message_bytes
         self._log = log.bind(role=self.role, worker=self.name, instance=registered.instance)
         self._peer_log = Throttled(self._log)
+        self._runner.registered(self._log,
+                                registered.max_message_bytes or self._cfg.daemon.worker_max_message_bytes)
         self._memory.registered(self._log, registered.heartbeat_s, registered.push_quarantine_s)
 
     async def _leave(self, link: DaemonLink, registered: Registered | None) -> None:
@@ -322,14 +315,15 @@ class WorkerRuntime:
         """Register: within ``connect_timeout_s`` at start (a daemon that never comes is a
         setup mistake), for as long as it takes when rejoining (a worker waits out its
         daemon's restart, as it does a silent daemon)."""
-        assert self._pool is not None and self._stage is not None and self._engine is not None
+        stage = self._runner.stage
+        assert self._pool is not None and stage is not None and self._engine is not None
         hello = Register(
             protocol=PROTOCOL_VERSION, token=self._cfg.daemon.token, role=self.role, name=self.name,
             work_address=work_address, session=self._engine.session, pool_base=self._pool.base,
             pool_size=self._pool.size, slots=self._pool.slots, capacity=self._wcfg.capacity,
             write_timeout_s=self._engine.write_timeout_s,
             local=self._region.describe(self._pool.base, self._pool.size) if self._region else None,
-            limits=self._stage.limits(), model_digest=self._stage.model_digest(),
+            limits=stage.limits(), model_digest=stage.model_digest(),
         )
         patience = None if patient else (self._wcfg.connect_timeout_s, f"workers.{self.role}.connect_timeout_s")
         return await register(dealer, hello, self._cfg.daemon.worker_endpoint, patience=patience, log=self._log)
@@ -383,9 +377,9 @@ class WorkerRuntime:
         match order:
             case Work() | Ready():
                 rid = order.request_id
-                control = self._runs[rid] = RunControl(self._step_reporter(rid) if order.progress else None)
-                tg.start_soon(self._guarded, rid, self._cancel_scope(rid), partial(self._run_stage, control=control),
-                              order)
+                control = self._runs[rid] = RunControl(self._runner.step_reporter(rid) if order.progress else None)
+                tg.start_soon(self._guarded, rid, self._cancel_scope(rid),
+                              partial(self._run_stage, control=control, memory=memory), order)
             case Alloc():
                 tg.start_soon(self._guarded, order.request_id, self._cancel_scope(order.request_id),
                               memory.alloc, order)
@@ -397,6 +391,14 @@ class WorkerRuntime:
                 self._abort(rid, ack)
             case _:
                 assert_never(order)
+
+    async def _run_stage(self, order: Work | Ready, *, control: RunControl, memory: RequestMemory) -> None:
+        """``StageRunner.run``; the run's control is dropped once it ends."""
+        try:
+            await self._runner.run(order, control, memory)
+        finally:
+            if self._runs.get(order.request_id) is control:  # not a later run's, let in by an Abort
+                del self._runs[order.request_id]
 
     def _busy_with(self, order: WorkOrder) -> bool:
         """Whether ``order``'s request already has work or memory here that it would clash
@@ -451,23 +453,6 @@ class WorkerRuntime:
         output connection."""
         (self._outputs if buffers else self._outbox).put(encode(msg), buffers or ())
 
-    def _step_reporter(self, rid: str) -> StepFn:
-        """For a run whose client asked for progress: called on the stage's thread before
-        each step, it hands a ``Step`` to the loop at most every ``progress_interval_s``, and
-        only one that moves on (a second-order scheduler runs two timesteps a step)."""
-        loop = asyncio.get_running_loop()
-        interval_s = self._wcfg.progress_interval_s
-        last, last_done = -math.inf, -1
-
-        def on_step(done: int, total: int) -> None:
-            nonlocal last, last_done
-            now = time.monotonic()
-            if done != last_done and now - last >= interval_s:
-                last, last_done = now, done
-                loop.call_soon_threadsafe(self._report, Step(request_id=rid, step=done, steps=total))
-
-        return on_step
-
     @staticmethod
     async def _send(outbox: ReportOutbox, sock: zmq.asyncio.Socket) -> None:
         """The one writer on ``sock`` once registered: everything ``outbox`` is given."""
@@ -475,115 +460,6 @@ class WorkerRuntime:
             for message in await outbox.take():
                 await sock.send_multipart(message, copy=False)
 
-    # ------------------------------------------------------------------ compute path
-
-    def _check_sendable(self, specs: list[TensorSpec]) -> None:
-        """The daemon disconnects, unread, a worker that sends it a frame over its
-        worker_max_message_bytes (and then takes it for dead): an output that large fails its
-        request here instead, saying why."""
-        for spec in specs:
-            if (problem := oversized_frame(spec.name, spec.nbytes, self._max_message_bytes)) is not None:
-                raise StageError(problem, Reason.INVALID)
-
-    async def _run_stage(self, order: Work | Ready, *, control: RunControl) -> None:
-        rid = order.request_id
-        started = time.perf_counter()
-        compute_ms = 0.0
-        try:
-            assert self._memory is not None
-            inputs = self._memory.take_inputs(order) if isinstance(order, Ready) else {}
-            outputs, compute_ms = await self._compute_on_thread(rid, order, inputs, control)
-            try:
-                await anyio.lowlevel.checkpoint()
-            except anyio.get_cancelled_exc_class():
-                # Aborted while it ran (a one-pass stage cannot stop early): the daemon
-                # expects nothing, so nothing is staged or reported.
-                self._log.info("worker.output_dropped", request_id=rid, compute_ms=round(compute_ms))
-                raise
-            if self.role == "decoder":
-                specs, buffers = frames.to_frames(outputs)
-                self._check_sendable(specs)
-                self._report(Done(request_id=rid, ok=True, compute_ms=compute_ms, outputs=specs), buffers)
-            else:
-                await self._memory.stage_output(rid, outputs, compute_ms)
-        except StageStopped:
-            # The daemon ended the request and freed its slot: it expects no report.
-            self._log.info("worker.stage_stopped", request_id=rid, ran_ms=round((time.perf_counter() - started) * 1000))
-        except torch.AcceleratorError as exc:
-            # A CUDA error (an illegal access, a device-side assert) often leaves the process's
-            # GPU context unusable, and torch cannot say which do: every later request would
-            # fail here at once, and a worker that fails at once looks idlest to the dispatch.
-            # The request fails rather than being started again elsewhere: if it is what
-            # faults the device, it would take down worker after worker (daemon.retries).
-            self._log.error("worker.device_broken", request_id=rid, error=str(exc), exit_status=EXIT_DEVICE_BROKEN)
-            if not control.stopped:  # else the request is over: the daemon expects no Done
-                self._report(Done(request_id=rid, ok=False, compute_ms=compute_ms, reason=Reason.STAGE_FAILED,
-                                  error=brief(f"the device failed and its worker exits: {exc}")))
-            self._exit_after_reports(EXIT_DEVICE_BROKEN)
-        except Exception as exc:  # one request's failure must not kill the worker
-            if control.stopped:
-                # Aborted while it ran, then it failed: the daemon expects no report but the
-                # Stopped its Abort asked for.
-                self._log.info("worker.stage_stopped", request_id=rid, error=str(exc),
-                               ran_ms=round((time.perf_counter() - started) * 1000))
-            else:
-                self._report(self._failed(rid, exc, compute_ms))
-        finally:
-            if self._runs.get(rid) is control:
-                del self._runs[rid]
-
-    def _failed(self, rid: str, exc: Exception, compute_ms: float) -> Done:
-        """The report of a run that raised ``exc``."""
-        reason = Reason.STAGE_FAILED
-        match exc:
-            case StageError():
-                reason, error = exc.reason, str(exc)
-            case PoolTooSmall():
-                # Never, on this worker: the setting to raise, for the operator.
-                reason, error = Reason.TRANSFER_FAILED, (f"no room to stage its output: {exc} "
-                                                         f"(workers.{self.role}.pool_bytes)")
-            case PoolError():
-                # No room to stage the output for its hand-off: a failed hand-off, as when the
-                # receiver has none, and like it started again on the workers left (daemon.retries).
-                reason, error = Reason.TRANSFER_FAILED, f"no room to stage its output: {exc}"
-            case frames.ChecksumMismatch():
-                # Its input was written over after it landed (transfer/frames.py): a failed
-                # hand-off, started again on the workers left (daemon.retries).
-                self._log.warning("worker.input_corrupted", request_id=rid, error=str(exc))
-                reason, error = Reason.TRANSFER_FAILED, str(exc)
-            case ValueError():
-                error = str(exc)
-            case _:
-                self._log.exception("worker.stage_crashed", request_id=rid)  # called in its except block
-                error = f"{type(exc).__name__}: {exc}"
-        return Done(request_id=rid, ok=False, compute_ms=compute_ms, reason=reason, error=brief(error))
-
-    async def _compute_on_thread(self, rid: str, order: Work | Ready, inputs: dict[str, torch.Tensor],
-                                 control: RunControl) -> tuple[dict[str, torch.Tensor], float]:
-        """The stage's outputs, and its compute time in ms: from when a compute thread took
-        the run, so that a wait for one (more requests held than threads) counts as the
-        stage's queueing, not as its compute."""
-        stage = self._stage
-        assert stage is not None
-
-        def run() -> tuple[dict[str, torch.Tensor], float]:
-            control.started_at = time.monotonic()  # not before: waiting for a compute thread is no hang
-            began = time.perf_counter()
-            try:
-                outputs = stage.run(order.params, inputs, control=control)
-            except BaseException as exc:
-                if (failure := released(exc)) is exc:
-                    raise
-                raise failure from None
-            # Here, not on the loop: moving a GPU tensor waits for every kernel queued on its
-            # device, the next request's included.
-            return {name: t.detach().cpu() for name, t in outputs.items()}, (time.perf_counter() - began) * 1000
-
-        # Watched until the thread returns, stopped or not: not cancellable, this await
-        # outlasts even the request's end.
-        async with self._compute.slot(order.priority):
-            with self._watchdog.watching(control, rid):
-                return await anyio.to_thread.run_sync(run, limiter=self._threads)
 
 async def run_worker(role: Role, cfg: Config, name: str | None = None, *,
                      early: list[signal.Signals] | None = None) -> None:

@@ -54,7 +54,7 @@ async def test_a_failed_runs_tensors_are_freed_when_it_ends(failure: BaseExcepti
     future kept the traceback: a stopped request held its GPU memory until a collection."""
     stage = Failing(failure)
     async with worker("encoder") as w:
-        w._stage = stage
+        w._runner.stage = stage
         w.send(Work(request_id="r1", params=PARAMS))
         done = await reports(w, 0 if isinstance(failure, StageStopped) else 1)
         w.tg.cancel_scope.cancel()
@@ -67,7 +67,7 @@ async def test_running_out_of_gpu_memory_fails_the_request_plainly(logs: list[di
     emptied: list[bool] = []
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(True))
     async with worker("encoder") as w:
-        w._stage = Failing(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB\nmore lines"))
+        w._runner.stage = Failing(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB\nmore lines"))
         w.send(Work(request_id="r1", params=PARAMS))
         [done] = await reports(w, 1)
         w.tg.cancel_scope.cancel()
@@ -108,7 +108,7 @@ async def test_a_cuda_error_fails_its_request_and_takes_the_worker_down(logs: li
     exits: list[int] = []
     async with worker("encoder") as w:
         w._exit_at_once = exits.append  # type: ignore[method-assign]
-        w._stage = Failing(torch.AcceleratorError("CUDA error: an illegal memory access was encountered"))
+        w._runner.stage = Failing(torch.AcceleratorError("CUDA error: an illegal memory access was encountered"))
         w.send(Work(request_id="r1", params=PARAMS))
         [done] = await reports(w, 1)
         w.tg.cancel_scope.cancel()
@@ -136,7 +136,7 @@ async def test_a_worker_whose_device_broke_gets_its_reports_out_before_it_exits(
             w._daemon_link = link
             if writing:
                 w._memory._pushing.add("r0")
-            w._stage = Failing(torch.AcceleratorError("CUDA error: an illegal memory access was encountered"))
+            w._runner.stage = Failing(torch.AcceleratorError("CUDA error: an illegal memory access was encountered"))
             w._report(Stopped(request_id="r0", ack=1))  # queued before the fault
             w.send(Work(request_id="r1", params=PARAMS))
             with anyio.fail_after(5):
@@ -176,7 +176,7 @@ async def test_outputs_the_wire_refuses_fail_their_request_saying_why(role: str,
     """Reported as they are, the daemon would drop the report unread and the request would
     wait out its deadline. (``reports`` decodes as the daemon does.)"""
     async with worker(role) as w:
-        w._stage = Returning(outputs)
+        w._runner.stage = Returning(outputs)
         w.send(Work(request_id="r1", params=PARAMS))
         [done] = await reports(w, 1)
         w.tg.cancel_scope.cancel()
@@ -187,7 +187,7 @@ async def test_a_failure_with_a_huge_message_reaches_the_daemon_cut_short() -> N
     """An exception's text can hold a whole tensor's printout; the wire bounds what the
     daemon relays to the client, and a report past it would be dropped unread."""
     async with worker("encoder") as w:
-        w._stage = Failing(StageError("bad prompt: " + "x" * 100_000))
+        w._runner.stage = Failing(StageError("bad prompt: " + "x" * 100_000))
         w.send(Work(request_id="r1", params=PARAMS))
         [done] = await reports(w, 1)  # decoded as the daemon does
         w.tg.cancel_scope.cancel()
@@ -202,8 +202,8 @@ async def test_a_decoder_output_up_to_the_daemons_frame_limit_is_sent_and_one_pa
     (sent in Registered), and then takes it for dead: that request fails here instead."""
     limit = 4096
     async with worker("decoder") as w:
-        w._max_message_bytes = limit
-        w._stage = Returning({"images": torch.zeros(limit + over, dtype=torch.uint8)})
+        w._runner._max_message_bytes = limit
+        w._runner.stage = Returning({"images": torch.zeros(limit + over, dtype=torch.uint8)})
         w.send(Work(request_id="r1", params=PARAMS))
         [done] = await reports(w, 1)
         w.tg.cancel_scope.cancel()

@@ -72,7 +72,7 @@ async def worker(role: str = "denoiser", engine: SlowEngine | None = None, cfg: 
     stage, and a task group its orders run in."""
     w = WorkerRuntime(role, cfg, name="orders-test", engine=engine or SlowEngine())  # type: ignore[arg-type]
     w._use_pool(MemoryPool(1 << 16, slot_sizes=[SLOT, SLOT] if role != "encoder" else []))
-    w._stage = build_stage(role, cfg.model, torch_threads=1)  # type: ignore[arg-type]
+    w._runner.stage = build_stage(role, cfg.model, torch_threads=1)  # type: ignore[arg-type]
     async with anyio.create_task_group() as tg:
         w.tg = tg
         w.send = lambda *orders: w._on_orders([w._key, *map(encode, orders)], tg)
@@ -267,7 +267,7 @@ async def test_a_step_that_does_not_move_on_is_not_reported() -> None:
     second spent the interval, and the daemon dropped it as not moving on."""
     cfg = Config(workers=WorkersConfig(denoiser=WorkerConfig(progress_interval_s=1e-9)))
     async with worker(cfg=cfg) as w:
-        on_step = w._step_reporter("r1")
+        on_step = w._runner.step_reporter("r1")
         for done in (0, 0, 1, 1, 2):
             on_step(done, 3)
         assert [(r.step, r.steps) for r in await reports(w, 3)] == [(0, 3), (1, 3), (2, 3)]

@@ -31,7 +31,7 @@ async def test_only_a_deferral_is_logged_and_named_when_the_worker_gives_up(
     logged as deferrals they were false alarms (seen in a soak after every SIGSTOP)."""
     w = WorkerRuntime("encoder", CFG, name="w", engine=Engine())  # type: ignore[arg-type]
     w._use_pool(MemoryPool(1 << 16))
-    w._stage = build_stage("encoder", CFG.model, torch_threads=1)
+    w._runner.stage = build_stage("encoder", CFG.model, torch_threads=1)
     ctx = zmq.asyncio.Context()
     try:
         daemon, dealer = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
@@ -64,7 +64,7 @@ async def test_a_worker_that_hears_nothing_at_a_tcp_endpoint_names_what_it_may_b
     """ZMQ never says a host name is unknown: the worker gave up saying only "no answer"."""
     w = WorkerRuntime("encoder", CFG, name="w", engine=Engine())  # type: ignore[arg-type]
     w._use_pool(MemoryPool(1 << 16))
-    w._stage = build_stage("encoder", CFG.model, torch_threads=1)
+    w._runner.stage = build_stage("encoder", CFG.model, torch_threads=1)
     ctx = zmq.asyncio.Context()
     try:
         dealer = ctx.socket(zmq.DEALER)
