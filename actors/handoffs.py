@@ -128,7 +128,7 @@ class Handoffs:
         # role -> the most any of its receivers registered in this daemon's life takes. One that
         # left may be restarting: an output only it takes waits for it (in the receivers'
         # pool, until its deadline) rather than fail as no receiver's, which a big receiver's
-        # restart made of every such request (an audit). Only what none ever took fails at once.
+        # restart made of every such request. Only what none ever took fails at once.
         self._largest: dict[Role, int] = {}
         # Per receiver, its line: the flights in SLOT_WAIT there, first come first served (a
         # large output is never starved by smaller ones). A flight leaves it when it ends.
@@ -136,7 +136,7 @@ class Handoffs:
         self._flights: dict[str, Flight] = {}
         self.fast: dict[str, int] = {}  # hand-offs made, by hop
         self.slow: dict[str, int] = {}
-        self.late = 0  # reports about requests that had already ended: counted, then dropped
+        self.late = 0  # reports late, repeated or not the sender's to make (_late): counted, then dropped
         # (release at, request id) of doomed flights. Ids, not flights: one released by its
         # Pushed meanwhile (most are) is gone at once, prompts and all, not push_quarantine_s later.
         self._quarantine: deque[tuple[float, str]] = deque()
@@ -324,48 +324,57 @@ class Handoffs:
             else:
                 self._late(link, msg)
             return
-        rid = flight.request_id
-        if self._pushing.get(rid) is flight:
-            del self._pushing[rid]
+        if self._pushing.get(flight.request_id) is flight:
+            del self._pushing[flight.request_id]
         if flight.in_doubt:
             self._late(link, msg)  # its push has reported already: a repeat
-            return
-        if msg.stood_still:
-            # The sender wrote nothing, its output still staged: while the request lives, the
-            # receiver's memory is still its own, so the push goes again, fresh by then; else
-            # both ends are freed.
-            flight.stalled_pushes += 1
-            if flight.doomed:
-                self._order(flight.role, flight.instance, Abort(request_id=rid))
-                self._release_receiver(flight)
-                del self._flights[rid]
-            elif flight.stalled_pushes > STALLED_PUSHES_MAX:
-                self._fail(flight, Reason.TRANSFER_FAILED, f"{link.instance} stood still at each of "
-                           f"{flight.stalled_pushes} pushes of its output and wrote none")
-            else:
-                self._push(flight, after_stall=True)
-            return
+        elif msg.stood_still:
+            self._push_stood_still(link, flight)
+        elif flight.doomed:
+            self._pushed_after_end(flight, msg)
+        elif not msg.ok:
+            self._push_failed(flight, msg)
+        else:
+            self._handed_over(flight, msg)
+
+    def _push_stood_still(self, link: Link, flight: Flight) -> None:
+        """The sender wrote nothing, its output still staged: while the request lives, the
+        receiver's memory is still its own, so the push goes again, fresh by then; else both
+        ends are freed."""
+        flight.stalled_pushes += 1
         if flight.doomed:
-            # The request ended mid-push. A push that ended wrote all it will: only now is the
-            # receiver's memory safe to reuse. One in doubt (timed out) may still land: that
-            # memory waits out a quarantine from now.
-            if msg.in_doubt:
-                flight.in_doubt = True
-                self._start_quarantine(flight)
-                return
+            self._order(flight.role, flight.instance, Abort(request_id=flight.request_id))
             self._release_receiver(flight)
-            del self._flights[rid]
+            del self._flights[flight.request_id]
+        elif flight.stalled_pushes > STALLED_PUSHES_MAX:
+            self._fail(flight, Reason.TRANSFER_FAILED, f"{link.instance} stood still at each of "
+                       f"{flight.stalled_pushes} pushes of its output and wrote none")
+        else:
+            self._push(flight, after_stall=True)
+
+    def _pushed_after_end(self, flight: Flight, msg: Pushed) -> None:
+        """The request ended mid-push. A push that ended wrote all it will: only now is the
+        receiver's memory safe to reuse. One in doubt (timed out) may still land: that memory
+        waits out a quarantine from now."""
+        if msg.in_doubt:
+            flight.in_doubt = True
+            self._start_quarantine(flight)
             return
-        if not msg.ok:
-            receiver = self._links.get(flight.receiver or "")
-            if receiver is not None:
-                self._push_failed_into(receiver)
-            # A push that ended in failure wrote nothing more: the receiver's memory is free at
-            # once. One in doubt (timed out) may still land: that memory waits out the quarantine.
-            flight.in_doubt = msg.in_doubt
-            self._fail(flight, Reason.TRANSFER_FAILED, f"{flight.instance} -> {flight.receiver}: {msg.error}",
-                       outcome=False, pushing=msg.in_doubt)
-            return
+        self._release_receiver(flight)
+        del self._flights[flight.request_id]
+
+    def _push_failed(self, flight: Flight, msg: Pushed) -> None:
+        """A push that ended in failure wrote nothing more: the receiver's memory is free at
+        once. One in doubt (timed out) may still land: that memory waits out the quarantine."""
+        receiver = self._links.get(flight.receiver or "")
+        if receiver is not None:
+            self._push_failed_into(receiver)
+        flight.in_doubt = msg.in_doubt
+        self._fail(flight, Reason.TRANSFER_FAILED, f"{flight.instance} -> {flight.receiver}: {msg.error}",
+                   outcome=False, pushing=msg.in_doubt)
+
+    def _handed_over(self, flight: Flight, msg: Pushed) -> None:
+        rid = flight.request_id
         self._pools[flight.role].post(Release(request_id=rid, instance=flight.instance, ok=True))
         # Counted once it happened: a receiver reserved for a push that then failed, timed
         # out or was never made is no hand-off (the latency and bytes count only these too).
