@@ -50,6 +50,11 @@ class Link:
     def holds(self, address: int, nbytes: int) -> bool:
         return self.pool_base <= address and address + nbytes <= self.pool_base + self.pool_size
 
+    def same_worker_as(self, msg: Register) -> bool:
+        """Whether ``msg`` comes from this worker, restarted or repeated: same name, session
+        or shared pool."""
+        return msg.name == self.name or msg.session == self.session or self.shares_memory(msg)
+
     def shares_memory(self, msg: Register) -> bool:
         """Whether ``msg`` advertises the shared pool this worker registered: one file of one
         kernel (the path differs by process, the file's identity does not)."""

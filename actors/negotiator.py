@@ -285,8 +285,7 @@ class TransferNegotiator:
             self._peer_log.warning("worker.refused", name=msg.name, why=refusal.message)
             self._reply(routing_id, refusal)
             return
-        for stale in [old for old in self._links.values()
-                      if msg.name == old.name or msg.session == old.session or old.shares_memory(msg)]:
+        for stale in [old for old in self._links.values() if old.same_worker_as(msg)]:
             # Same name, session or shared pool, new connection: a restart, whose old process is dead,
             # or (same name) a second live process under the name. One silent for a while
             # is taken for the dead one of a restart, and what it was pushing into is freed
@@ -361,8 +360,7 @@ class TransferNegotiator:
     def _full(self, msg: Register) -> RegisterRefused | None:
         """Refuse a newcomer past ``max_workers`` (one replacing its own stale link is no
         newcomer). It retries: it gets in once another leaves."""
-        replacing = any(msg.name == old.name or msg.session == old.session or old.shares_memory(msg)
-                        for old in self._links.values())
+        replacing = any(old.same_worker_as(msg) for old in self._links.values())
         if replacing or len(self._links) < self._cfg.max_workers:
             return None
         return RegisterRefused(rejoin=True, deferred=True, message=(
