@@ -169,19 +169,11 @@ class TrackerActor:
         if entry is None or entry.state != ACTIVE_BY_ROLE[mail.role]:
             return  # late news about a request that already ended
         now = time.monotonic()
-        wall_ms = (now - entry.stage_started) * 1000
-        timing = StageTiming(
-            role=mail.role,
-            instance=mail.instance,
-            queued_ms=max(0.0, wall_ms - mail.compute_ms - mail.transfer_ms - mail.waited_ms) + entry.carried_ms,
-            compute_ms=mail.compute_ms,
-            transfer_ms=mail.transfer_ms,
-            transfer_bytes=mail.nbytes,
-            fast_path=mail.fast_path,
-            via=mail.via,
-        )
-        entry.stages.append(timing)
-        self._latency.stage(timing)
+        self._record_stage(entry, StageTiming(
+            role=mail.role, instance=mail.instance,
+            queued_ms=self._queued_ms(entry, now, mail.compute_ms + mail.transfer_ms + mail.waited_ms),
+            compute_ms=mail.compute_ms, transfer_ms=mail.transfer_ms, transfer_bytes=mail.nbytes,
+            fast_path=mail.fast_path, via=mail.via))
         if mail.role == "encoder":
             self._pace.encoded(mail.compute_ms, mail.transfer_ms)
         else:
@@ -191,6 +183,16 @@ class TrackerActor:
         self._move(entry, ACTIVE_BY_ROLE[following])
         entry.stage_started, entry.carried_ms = now, mail.waited_ms
         self._tell_progress(mail.request_id, entry, now)
+
+    @staticmethod
+    def _queued_ms(entry: Entry, now: float, busy_ms: float) -> float:
+        """What of the stage's wall time was not ``busy_ms`` (its compute, transfer and wait
+        for room), plus the wait for room carried over from the stage before."""
+        return max(0.0, (now - entry.stage_started) * 1000 - busy_ms) + entry.carried_ms
+
+    def _record_stage(self, entry: Entry, timing: StageTiming) -> None:
+        entry.stages.append(timing)
+        self._latency.stage(timing)
 
     @staticmethod
     def _news(entry: Entry, now: float, done: int) -> bool:
@@ -228,12 +230,9 @@ class TrackerActor:
         if entry is None or entry.state != RequestState.DECODING:
             return
         now = time.monotonic()
-        wall_ms = (now - entry.stage_started) * 1000
-        timing = StageTiming(role="decoder", instance=mail.instance,
-                             queued_ms=max(0.0, wall_ms - mail.compute_ms) + entry.carried_ms,
-                             compute_ms=mail.compute_ms)
-        entry.stages.append(timing)
-        self._latency.stage(timing)
+        self._record_stage(entry, StageTiming(role="decoder", instance=mail.instance,
+                                              queued_ms=self._queued_ms(entry, now, mail.compute_ms),
+                                              compute_ms=mail.compute_ms))
         self._pace.decoded(mail.compute_ms, px=entry.px)
         self._move(entry, RequestState.DONE)
         del self._table[rid]
