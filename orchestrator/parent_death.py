@@ -16,8 +16,8 @@ PR_SET_PDEATHSIG = 1
 PARENT_ENV = "TRIPTYCH_END_WITH"
 
 
-def end_with_parent(parent: int, sig: signal.Signals = signal.SIGTERM) -> bool:
-    """Have ``sig`` sent to this process when ``parent`` ends; False if it already has
+def end_with_parent(parent: int) -> bool:
+    """Have SIGTERM sent to this process when ``parent`` ends; False if it already has
     (before the request took effect), when nothing will be sent."""
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, sig)
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     return os.getppid() == parent

@@ -71,28 +71,24 @@ class _Waiter:
 class MemoryPool:
     """Owns one contiguous CPU region: its prealloc slots, free list and waiter queue."""
 
-    def __init__(self, size: int, *, slot_sizes: Sequence[int] = (), alignment: int = ALIGNMENT,
-                 memory: torch.Tensor | None = None) -> None:
+    def __init__(self, size: int, *, slot_sizes: Sequence[int] = (), memory: torch.Tensor | None = None) -> None:
         """``memory``: a uint8 tensor of at least ``size`` bytes, aligned, to live in (shared
         memory, say); by default the pool allocates its own."""
         if size <= 0:
             raise ValueError(f"pool size must be positive, got {size}")
-        if alignment <= 0 or alignment & (alignment - 1):
-            raise ValueError(f"alignment must be a power of two, got {alignment}")
         if any(s <= 0 for s in slot_sizes):
             raise ValueError(f"slot sizes must be positive, got {list(slot_sizes)}")
-        self._alignment = alignment
         if memory is None:
             # Over-allocate so the region itself starts on an aligned address: offsets are then
             # aligned absolutely, not only relative to the base (torch's CPU allocator gives 64).
             try:
-                raw = torch.empty(size + alignment, dtype=torch.uint8)
+                raw = torch.empty(size + ALIGNMENT, dtype=torch.uint8)
             except RuntimeError as exc:  # torch's "can't allocate memory"
                 raise PoolUnallocatable(f"a pool of {size} bytes cannot be allocated: {exc}") from None
-            pad = -raw.data_ptr() % alignment
+            pad = -raw.data_ptr() % ALIGNMENT
             self.buffer = raw[pad : pad + size]
         else:
-            if memory.dtype != torch.uint8 or memory.numel() < size or memory.data_ptr() % alignment:
+            if memory.dtype != torch.uint8 or memory.numel() < size or memory.data_ptr() % ALIGNMENT:
                 raise ValueError(f"pool memory must be {size} aligned uint8 bytes at least")
             self.buffer = memory[:size]
         # Touch every page now, so the first transfer into the pool does not page-fault
@@ -105,13 +101,13 @@ class MemoryPool:
         end = 0
         for slot_id, slot_size in enumerate(slot_sizes):
             self.slots.append(SlotInfo(slot_id=slot_id, address=self.base + end, size=slot_size))
-            end += align_up(slot_size, alignment)
+            end += align_up(slot_size, ALIGNMENT)
         if end > size:
             raise ValueError(f"prealloc slots need {end} bytes (aligned), pool has {size}")
 
         # The general region, trimmed to whole alignment units so every block fits in it.
         self._start = end
-        self._capacity = (size - end) // alignment * alignment
+        self._capacity = (size - end) // ALIGNMENT * ALIGNMENT
         # Sorted by offset, never two adjacent entries (coalesced on free).
         self._free: list[tuple[int, int]] = [(end, self._capacity)] if self._capacity else []
         self._allocated: dict[int, int] = {}  # offset -> reserved size
@@ -172,7 +168,7 @@ class MemoryPool:
         if nbytes < 0:
             raise ValueError(f"nbytes must be >= 0, got {nbytes}")
         # A zero-byte request still gets a real block: callers free what they alloc.
-        need = max(align_up(nbytes, self._alignment), self._alignment)
+        need = max(align_up(nbytes, ALIGNMENT), ALIGNMENT)
         if need > self._capacity:
             raise PoolTooSmall(
                 f"{nbytes} bytes can never fit: the allocatable region is {self._capacity} bytes "
