@@ -1,4 +1,4 @@
-# Sourced by scripts/demo, scripts/test and scripts/bench: make .venv ready, idempotently.
+# Sourced by scripts/demo, test, bench, bench-handoff and soak: make .venv ready, idempotently.
 # Installs the project with torch 2.13.0 and the Mooncake wheel that fits this machine
 # (its CUDA 13 build where nvidia-smi sees a GPU, the -non-cuda build elsewhere).
 # Leaves the caller where it stands: paths it was given are its own.
