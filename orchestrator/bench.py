@@ -27,32 +27,26 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import shutil
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
 
 import anyio
-import zmq
 
 from actors.mailbox import Mailbox, Switchboard
 from orchestrator import bench_perf
+from orchestrator.bench_peers import echo_floor, stand_in
 from orchestrator.client import AsyncClient
 from orchestrator.cluster import LocalCluster, ipc_config
-from orchestrator.instant_workers import OUTPUT
-from orchestrator.parent_death import end_with_parent
-from transfer.protocol import CLIENT_REQUEST, ROLES, GenParams, Result, StageTiming, encode
+from orchestrator.proc_stats import CLK_TCK, RssPeak, context_switches, cpu_seconds, main_thread_user_seconds, rss_mib
+from transfer.protocol import GenParams, StageTiming
 
-ROOT = Path(__file__).resolve().parent.parent
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 MIN_REQUESTS = 300  # a third of them at concurrency 1 still spend several clock ticks
 
 # The design Triptych replaces ("the reference head"), as published for a 2-core machine
@@ -61,40 +55,6 @@ REFERENCE_CPU_MS = {"1": 0.685, "16": 0.50, "64": 0.51, "backlog 2048": 0.92}
 REFERENCE_ADDED_P50_MS = 1.0
 BUDGET_CPU_MS = 0.15
 BUDGET_ADDED_P50_MS = 0.3
-
-
-def _user_system(stat: Path) -> tuple[float, float]:
-    fields = stat.read_text().rsplit(")", 1)[1].split()
-    return int(fields[11]) / CLK_TCK, int(fields[12]) / CLK_TCK  # utime, stime
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU of every thread of ``pid``, the exited ones included."""
-    return sum(_user_system(Path(f"/proc/{pid}/stat")))
-
-
-def main_thread_user_seconds(pid: int) -> float:
-    """User CPU of ``pid``'s main thread: the daemon's own work (its Python, codecs, ZMQ's
-    API), without the kernel's part: system calls and waking other threads, which a VM
-    makes dear."""
-    return _user_system(Path(f"/proc/{pid}/task/{pid}/stat"))[0]
-
-
-def context_switches(pid: int) -> int:
-    """Voluntary switches of every live thread of ``pid``: each is a sleep, so each is a wake-up."""
-    total = 0
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        for line in (task / "status").read_text().splitlines():
-            if line.startswith("voluntary_ctxt_switches:"):
-                total += int(line.split()[1])
-    return total
-
-
-def rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmRSS")
 
 
 def params(i: int) -> GenParams:
@@ -120,10 +80,6 @@ async def closed_loop(endpoint: str, concurrency: int, total: int) -> tuple[list
     return latencies, stages
 
 
-PEER_START_S = 10.0  # a stand-in process starts Python, imports this module (no torch: ~0.3 s) and binds
-ECHO_REPLY_S = 5.0
-
-
 @contextlib.contextmanager
 def kept_on_failure(prefix: str) -> Iterator[Path]:
     """A scratch folder for a run's configs, sockets and logs: removed after a run that
@@ -137,100 +93,12 @@ def kept_on_failure(prefix: str) -> Iterator[Path]:
     shutil.rmtree(tmp, ignore_errors=True)
 
 
-@contextlib.contextmanager
-def stand_in(peer: str, endpoint: str) -> Iterator[subprocess.Popen]:
-    """``peer`` (``echo_router`` or ``instant_daemon``) serving ``endpoint`` (ipc://) in a
-    process of its own, which ends with this one however it ends; once it has bound."""
-    proc = subprocess.Popen([sys.executable, "-c", f"from orchestrator.bench import {peer}; "
-                             f"{peer}({endpoint!r}, {os.getpid()})"], cwd=ROOT)
-    try:
-        deadline = time.monotonic() + PEER_START_S
-        while not Path(endpoint.removeprefix("ipc://")).exists():
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the {peer} stand-in did not start (its exit code: {proc.poll()})")
-            time.sleep(0.05)
-        yield proc
-    finally:
-        proc.kill()
-        proc.wait()
-
-
-def _bound_router(endpoint: str, parent: int) -> zmq.Socket | None:
-    if not end_with_parent(parent):
-        return None
-    sock = zmq.Context.instance().socket(zmq.ROUTER)
-    sock.bind(endpoint)
-    return sock
-
-
-def echo_router(endpoint: str, parent: int) -> None:
-    """A do-nothing ROUTER answering every message at once: the sockets' floor."""
-    if (sock := _bound_router(endpoint, parent)) is not None:
-        while True:
-            identity, empty, _ = sock.recv_multipart()
-            sock.send_multipart([identity, empty, b"\x00"])
-
-
-def instant_daemon(endpoint: str, parent: int) -> None:
-    """Answers every Submit at once with the Result a request through the instant workers
-    gets (their 64-byte output, three stage timings): the client's and the sockets' share."""
-    if (sock := _bound_router(endpoint, parent)) is None:
-        return
-    stages = [StageTiming(role=role, instance=f"{role}-1", queued_ms=0.0, compute_ms=0.0) for role in ROLES]
-    output = bytes(OUTPUT.nbytes)
-    while True:
-        identity, empty, body = sock.recv_multipart()
-        result = Result(request_id=CLIENT_REQUEST.decode(body).request_id, outputs=[OUTPUT], stages=stages,
-                        total_ms=0.0)
-        sock.send_multipart([identity, empty, encode(result), output])
-
-
 def client_floor(endpoint: str, n: int) -> float:
     """p50 latency (ms) of ``closed_loop`` at concurrency 1 against an instant daemon."""
     with stand_in("instant_daemon", endpoint):
         anyio.run(closed_loop, endpoint, 1, 20, backend="asyncio")  # warm up
         latencies, _ = anyio.run(closed_loop, endpoint, 1, n, backend="asyncio")
     return statistics.median(latencies) * 1000
-
-
-def echo_floor(endpoint: str, n: int, concurrency: int) -> tuple[float, float]:
-    """p50 latency (ms) and the echo process's CPU per round trip (ms), from another process."""
-    with stand_in("echo_router", endpoint) as proc, zmq.Context.instance().socket(zmq.DEALER) as sock:
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(endpoint)
-
-        def answer() -> None:
-            try:
-                sock.recv_multipart()
-            except zmq.Again:
-                raise TimeoutError(f"the do-nothing ROUTER at {endpoint} did not answer in time "
-                                   f"(its exit code: {proc.poll()})") from None
-
-        # Receive timeouts, not a poll per reply: the floor must not pay for the check.
-        sock.setsockopt(zmq.RCVTIMEO, int(ECHO_REPLY_S * 1000))
-        sock.send_multipart([b"", b"warm"])
-        answer()
-        times = []
-        cpu0 = cpu_seconds(proc.pid)
-        for _ in range(n // concurrency):
-            t0 = time.perf_counter()
-            for _ in range(concurrency):
-                sock.send_multipart([b"", b"ping"])
-            for _ in range(concurrency):
-                answer()
-            times.append(time.perf_counter() - t0)
-        cpu = cpu_seconds(proc.pid) - cpu0
-    return statistics.median(times) * 1000, cpu / (n // concurrency * concurrency) * 1000
-
-
-class RssPeak(threading.Thread):
-    def __init__(self, pid: int) -> None:
-        super().__init__(daemon=True)
-        self.pid, self.peak, self.stop = pid, 0.0, threading.Event()
-
-    def run(self) -> None:
-        while not self.stop.wait(0.01):
-            self.peak = max(self.peak, rss_mib(self.pid))
 
 
 def hop_us(hops: int = 200_000) -> float:

@@ -32,10 +32,10 @@ import anyio.abc
 import torch
 
 from orchestrator.arguments import at_least, positive_rate, positive_seconds
-from orchestrator.bench import rss_mib
 from orchestrator.chaos import Chaos, worker_key
 from orchestrator.client import AsyncClient, Client, Generation, Rejection
 from orchestrator.cluster import LocalCluster, all_free, ipc_config
+from orchestrator.proc_stats import rss_mib
 from orchestrator.stages.null import expected_outputs
 from transfer.protocol import GenParams, Progress
 

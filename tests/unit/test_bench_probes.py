@@ -13,7 +13,8 @@ from functools import partial
 import pytest
 
 from orchestrator import bench, bench_perf
-from orchestrator.bench import context_switches, cpu_seconds, hop_us, main_thread_user_seconds, rss_mib
+from orchestrator.bench import hop_us
+from orchestrator.proc_stats import context_switches, cpu_seconds, main_thread_user_seconds, rss_mib
 
 
 def test_cpu_time_grows_with_work_and_not_with_sleep() -> None:
