@@ -135,6 +135,7 @@ def _terminate(_signum: int, _frame: object) -> NoReturn:
 
 def _submit(args: argparse.Namespace) -> int:
     from orchestrator.rejection import Rejection
+    from orchestrator.tables import STAGES_HEADER, stage_row
 
     cfg = load_config(args.config)
     params = GenParams(prompt=args.prompt, negative_prompt=args.negative_prompt, width=args.width,
@@ -163,10 +164,9 @@ def _submit(args: argparse.Namespace) -> int:
         except OSError as exc:
             raise OSError(f"request {rid} completed, but {path} could not be written: {exc.strerror or exc}") from None
         print(path if suffix == "" else f"{path}  {spec.dtype} {tuple(spec.shape)}")
+    print(STAGES_HEADER)
     for stage in generation.result.stages:
-        print(f"  {stage.role:<9} {stage.instance:<12} queued {stage.queued_ms:8.2f} ms  compute "
-              f"{stage.compute_ms:8.2f} ms  transfer {stage.transfer_ms:7.2f} ms  {stage.transfer_bytes} B"
-              f"{f' by {stage.via}' if stage.via else ''}")
+        print(stage_row(stage))
     return 0
 
 

@@ -23,7 +23,7 @@ from orchestrator.client import AsyncClient, Generation, Rejection
 from orchestrator.cluster import ClusterError, LocalCluster
 from orchestrator.config import Config, load_config
 from orchestrator.stages.images import decode_png
-from orchestrator.tables import progress_line, stats_table
+from orchestrator.tables import STAGES_HEADER, progress_line, stage_row, stats_table
 from transfer.protocol import GenParams, Progress
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -116,16 +116,12 @@ def main(argv: list[str] | None = None) -> int:
                   f"{'; '.join(sorted({str(exc) for exc in refused}))}", file=sys.stderr)
             return 1
         print(f"\n{len(generations)} requests in {wall:.2f}s wall\n")
-        print(f"{'request':<8} {'stage':<9} {'instance':<12} {'queued ms':>10} {'compute ms':>11} "
-              f"{'transfer ms':>12} {'bytes':>8} {'path':>5} {'via':>8}")
+        print(f"{'request':<8} {STAGES_HEADER}")
         bad = 0
         for params, generation in zip(requests, generations, strict=True):
             result = generation.result
             for stage in result.stages:
-                path = "" if stage.fast_path is None else ("fast" if stage.fast_path else "slow")
-                print(f"{result.request_id:<8} {stage.role:<9} {stage.instance:<12} {stage.queued_ms:>10.2f} "
-                      f"{stage.compute_ms:>11.2f} {stage.transfer_ms:>12.2f} {stage.transfer_bytes:>8} {path:>5} "
-                      f"{stage.via or '':>8}")
+                print(f"{result.request_id:<8} {stage_row(stage)}")
             bad += _check_and_write(cfg, params, generation, args.out)
         print(f"\nhow demo-{len(requests) - 1} went, as its client heard it:")
         print("\n".join(map(progress_line, watched)))

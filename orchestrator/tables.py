@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import itertools
 
-from transfer.protocol import LATENCY_BOUNDS_MS, InstanceStats, Latency, Progress, StageLimits, Stats
+from transfer.protocol import LATENCY_BOUNDS_MS, InstanceStats, Latency, Progress, StageLimits, StageTiming, Stats
+
+STAGES_HEADER = (f"{'stage':<9} {'instance':<12} {'queued ms':>10} {'compute ms':>11} {'transfer ms':>12} "
+                 f"{'bytes':>8} {'path':>5} {'via':>8}")
 
 
 def progress_line(progress: Progress) -> str:
@@ -13,6 +16,13 @@ def progress_line(progress: Progress) -> str:
     why = f": {progress.why}" if progress.why else ""
     eta = f", about {_duration(progress.eta_ms)} of work left" if progress.eta_ms is not None else ""
     return f"  {progress.elapsed_ms:9.1f} ms  {progress.state}{steps}{waiting}{eta}{why}"
+
+
+def stage_row(stage: StageTiming) -> str:
+    """One stage of a ``Result``, in the columns of ``STAGES_HEADER``."""
+    path = "" if stage.fast_path is None else ("fast" if stage.fast_path else "slow")
+    return (f"{stage.role:<9} {stage.instance:<12} {stage.queued_ms:>10.2f} {stage.compute_ms:>11.2f} "
+            f"{stage.transfer_ms:>12.2f} {stage.transfer_bytes:>8} {path:>5} {stage.via or '':>8}")
 
 
 def _duration(ms: float) -> str:

@@ -19,6 +19,7 @@ from orchestrator.client import AsyncClient, Client
 from orchestrator.cluster import all_free
 from orchestrator.stages.images import decode_png
 from orchestrator.stages.null import expected_outputs
+from orchestrator.tables import STAGES_HEADER
 from tests.e2e.conftest import StartCluster, assert_torch_free, wait_for
 from transfer.protocol import GenParams, Progress
 
@@ -50,8 +51,9 @@ def test_submit_writes_the_png_and_stats_report_it(start_cluster: StartCluster, 
     expected = expected_outputs(GenParams(prompt="a harbour", seed=4, width=32, height=24, output="raw"),
                                 cluster.config.model.null)["images"][0]
     assert torch.equal(torch.from_numpy(decode_png(png).copy()), expected)
-    # One line per stage, in order, each with its instance and its times.
-    stages = [line.split()[:2] for line in done.stdout.splitlines() if " compute " in line]
+    # One line per stage under the table's header, in order, each with its instance and its times.
+    lines = done.stdout.splitlines()
+    stages = [line.split()[:2] for line in lines[lines.index(STAGES_HEADER) + 1:]]
     assert [role for role, _ in stages] == ["encoder", "denoiser", "decoder"]
     assert all(instance.startswith(f"{role}-") for role, instance in stages)
     # An id is any string: one with a slash names a file inside --out all the same.
