@@ -25,7 +25,7 @@ from actors.mail import Enqueue, Job, Join, LimitsChanged, NegotiatorMail, Place
 from actors.mailbox import Mailbox, Switchboard
 from actors.negotiator import NegotiatorStats, PreallocCounts, TransferNegotiator
 from orchestrator.config import DaemonConfig
-from tests.actors.streams import open_stream, queued
+from tests.actors.streams import assert_empty, open_stream, queued
 from transfer.protocol import (
     DAEMON_TO_WORKER,
     PROTOCOL_VERSION,
@@ -97,13 +97,7 @@ class Negotiator:
         assert self.frontend.receive_nowait() == LimitsChanged(role=role, instance=instance, limits=None)
 
     def assert_silent(self) -> None:
-        for name, outbox in (("admission", self.admission), ("tracker", self.tracker),
-                             ("frontend", self.frontend), *self.pools.items()):
-            try:
-                mail = outbox.receive_nowait()
-            except anyio.WouldBlock:
-                continue
-            raise AssertionError(f"unexpected mail to {name}: {mail!r}")
+        assert_empty(admission=self.admission, tracker=self.tracker, frontend=self.frontend, **self.pools)
 
 
 @dataclass
@@ -237,12 +231,19 @@ async def push_on_fast_path(n: Negotiator, encoder: FakeWorker, denoiser: FakeWo
     assert (stats.handoffs_in_flight, stats.fast_path, stats.slow_path) == (1, {}, {})
 
 
-async def allocate_on_slow_path(n: Negotiator, encoder: FakeWorker, denoiser: FakeWorker, rid: str,
-                                address: int) -> None:
-    """No preallocated slot fits: the denoiser is asked to allocate, answers, and the encoder is told to push."""
+async def ask_to_allocate(n: Negotiator, encoder: FakeWorker, denoiser: FakeWorker, rid: str) -> None:
+    """The encoder staged ``rid``'s output and the denoiser pool placed it; no preallocated slot
+    fits: the denoiser is asked to allocate."""
+    await stage_encoder_output(n, encoder, rid)
     n.inbox.post(Placed(job=job(rid, "denoiser"), instance=denoiser.instance))
     assert await n.pools["denoiser"].receive() == Send(instance=denoiser.instance,
                                                        order=Alloc(request_id=rid, nbytes=NBYTES))
+
+
+async def allocate_on_slow_path(n: Negotiator, encoder: FakeWorker, denoiser: FakeWorker, rid: str,
+                                address: int) -> None:
+    """The denoiser is asked to allocate (``ask_to_allocate``), answers, and the encoder is told to push."""
+    await ask_to_allocate(n, encoder, denoiser, rid)
     await denoiser.report(Allocated(request_id=rid, address=address))
     assert await n.pools["encoder"].receive() == Send(instance=encoder.instance, order=Push(
         request_id=rid, session=denoiser.session, address=address, nbytes=NBYTES))

@@ -44,3 +44,14 @@ def queued(outbox: MemoryObjectReceiveStream[Any]) -> list[Any]:
             out.append(outbox.receive_nowait())
         except anyio.WouldBlock:
             return out
+
+
+def assert_empty(*outboxes: MemoryObjectReceiveStream[Any], **named: MemoryObjectReceiveStream[Any]) -> None:
+    """No mail waits in any of ``outboxes`` or ``named`` now; the first found fails the test,
+    named by the keyword it was passed under."""
+    for name, outbox in [*((None, outbox) for outbox in outboxes), *named.items()]:
+        try:
+            mail = outbox.receive_nowait()
+        except anyio.WouldBlock:
+            continue
+        raise AssertionError(f"unexpected mail{'' if name is None else f' to {name}'}: {mail!r}")

@@ -43,12 +43,7 @@ class Admission:
     async def posted(self, role: Role = "encoder") -> list[Any]:
         """Every mail posted to ``role``'s pool so far, in order."""
         await self.stats()
-        out = []
-        while True:
-            try:
-                out.append(self.pools[role].receive_nowait())
-            except anyio.WouldBlock:
-                return out
+        return queued(self.pools[role])
 
     async def dispatched(self, role: Role = "encoder") -> list[str]:
         """Request ids dispatched to ``role``'s pool so far, in order (and nothing else posted)."""

@@ -31,7 +31,7 @@ from actors.mailbox import Mailbox, Switchboard
 from orchestrator.client import AsyncClient, Rejection
 from orchestrator.client_wire import CancelTokens
 from orchestrator.config import DaemonConfig
-from tests.actors.streams import open_stream
+from tests.actors.streams import assert_empty, open_stream
 from transfer.protocol import (
     CLIENT_REPLY,
     PROTOCOL_VERSION,
@@ -102,11 +102,6 @@ async def running_frontend(ctx: zmq.asyncio.Context, tmp_path: Path, **settings:
             finally:
                 client.close(linger=0)
                 tg.cancel_scope.cancel()  # run is cancelled and closes the ROUTER
-
-
-def assert_empty(outbox: MemoryObjectReceiveStream[Any]) -> None:
-    with pytest.raises(anyio.WouldBlock):
-        outbox.receive_nowait()
 
 
 async def test_each_admission_gets_its_own_key_and_replies_carry_the_clients_id(

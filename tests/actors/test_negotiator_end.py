@@ -33,6 +33,7 @@ from tests.actors.negotiator_harness import (
     Negotiator,
     aborted,
     allocate_on_slow_path,
+    ask_to_allocate,
     encoder_and_denoiser,
     fake_worker,
     job,
@@ -47,7 +48,6 @@ from tests.actors.negotiator_harness import (
 )
 from transfer.protocol import (
     DAEMON_TO_WORKER,
-    Alloc,
     Allocated,
     AllocRejected,
     Done,
@@ -186,10 +186,7 @@ async def test_forget_while_allocating_releases_both_pools_and_aborts_both(
 ) -> None:
     with anyio.fail_after(5):
         async with encoder_and_denoiser(ctx, tmp_path, slots=0) as (n, encoder, denoiser):
-            await stage_encoder_output(n, encoder, "r1")
-            n.inbox.post(Placed(job=job("r1", "denoiser"), instance=denoiser.instance))
-            assert await n.pools["denoiser"].receive() == Send(instance=denoiser.instance,
-                                                               order=Alloc(request_id="r1", nbytes=NBYTES))
+            await ask_to_allocate(n, encoder, denoiser, "r1")
             await forget(n, "r1")
             assert n.take("encoder") == [released("r1", encoder), aborted("r1", encoder)]
             assert n.take("denoiser") == [released("r1", denoiser), aborted("r1", denoiser)]
@@ -240,7 +237,6 @@ async def test_forget_mid_push_into_an_allocation_aborts_it_only_when_pushed(
 ) -> None:
     with anyio.fail_after(5):
         async with encoder_and_denoiser(ctx, tmp_path, slots=0) as (n, encoder, denoiser):
-            await stage_encoder_output(n, encoder, "r1")
             await allocate_on_slow_path(n, encoder, denoiser, "r1", ALLOCATION)
             await forget(n, "r1")
             assert n.take("encoder") == [released("r1", encoder), aborted("r1", encoder)]
@@ -301,34 +297,21 @@ async def test_invalid_staged_output_fails_the_stage(ctx: zmq.asyncio.Context, t
             n.assert_silent()  # nothing enqueued for a denoiser
 
 
-async def test_alloc_rejected_releases_both_pools_and_fails(ctx: zmq.asyncio.Context, tmp_path: Path) -> None:
+@pytest.mark.parametrize("report", [
+    AllocRejected(request_id="r1", message="pool full"),
+    Allocated(request_id="r1", address=0),  # below pool_base
+], ids=["alloc rejected", "allocation outside the pool"])
+async def test_a_failed_allocation_releases_both_pools_and_fails(ctx: zmq.asyncio.Context, tmp_path: Path,
+                                                                  report: AllocRejected | Allocated) -> None:
     with anyio.fail_after(5):
         async with encoder_and_denoiser(ctx, tmp_path, slots=0) as (n, encoder, denoiser):
-            await stage_encoder_output(n, encoder, "r1")
-            n.inbox.post(Placed(job=job("r1", "denoiser"), instance=denoiser.instance))
-            await n.pools["denoiser"].receive()  # Alloc
-            await denoiser.report(AllocRejected(request_id="r1", message="pool full"))
+            await ask_to_allocate(n, encoder, denoiser, "r1")
+            await denoiser.report(report)
             failed = await n.tracker.receive()
             assert (failed.request_id, failed.reason) == ("r1", Reason.TRANSFER_FAILED)
             assert n.take("encoder") == [released("r1", encoder), aborted("r1", encoder)]
             assert n.take("denoiser") == [released("r1", denoiser), aborted("r1", denoiser)]
             assert (await n.stats()).handoffs_in_flight == 0
-            n.assert_silent()
-
-
-async def test_allocation_outside_the_pool_releases_both_pools_and_fails(
-    ctx: zmq.asyncio.Context, tmp_path: Path
-) -> None:
-    with anyio.fail_after(5):
-        async with encoder_and_denoiser(ctx, tmp_path, slots=0) as (n, encoder, denoiser):
-            await stage_encoder_output(n, encoder, "r1")
-            n.inbox.post(Placed(job=job("r1", "denoiser"), instance=denoiser.instance))
-            await n.pools["denoiser"].receive()  # Alloc
-            await denoiser.report(Allocated(request_id="r1", address=0))  # below pool_base
-            failed = await n.tracker.receive()
-            assert (failed.request_id, failed.reason) == ("r1", Reason.TRANSFER_FAILED)
-            assert n.take("encoder") == [released("r1", encoder), aborted("r1", encoder)]
-            assert n.take("denoiser") == [released("r1", denoiser), aborted("r1", denoiser)]
             n.assert_silent()  # no Push
 
 
@@ -403,7 +386,6 @@ async def test_a_dead_receiver_mid_push_keeps_its_allocation_until_pushed(
 ) -> None:
     with anyio.fail_after(5), ExitStack() as stack:
         async with encoder_and_denoiser(ctx, tmp_path, slots=0) as (n, encoder, denoiser):
-            await stage_encoder_output(n, encoder, "r1")
             await allocate_on_slow_path(n, encoder, denoiser, "r1", ALLOCATION)
             _, posted = await reregister(ctx, n, "denoiser", slots=0, stack=stack)
             assert isinstance(posted[0], Leave) and posted[0].instance == denoiser.instance

@@ -45,7 +45,6 @@ from transfer.protocol import (
     DAEMON_TO_WORKER,
     PROTOCOL_VERSION,
     Alloc,
-    Allocated,
     Heartbeat,
     Leaving,
     Push,
@@ -210,7 +209,6 @@ async def push_r1(n: Negotiator, encoder: FakeWorker, denoiser: FakeWorker, *, i
     if into_slot:
         await push_on_fast_path(n, encoder, denoiser, "r1")
     else:
-        await stage_encoder_output(n, encoder, "r1")
         await allocate_on_slow_path(n, encoder, denoiser, "r1", POOL_BASE + 8192)
 
 
@@ -390,14 +388,7 @@ async def test_failed_push_into_an_allocation_aborts_it_at_the_receiver(
     """Slow path: the receiver allocated for the push; once the push fails it is told to free it."""
     with anyio.fail_after(5):
         async with encoder_and_denoiser(ctx, tmp_path, slots=0) as (n, encoder, denoiser):
-            await stage_encoder_output(n, encoder, "r1")
-            n.inbox.post(Placed(job=job("r1", "denoiser"), instance=denoiser.instance))
-            assert await n.pools["denoiser"].receive() == Send(instance=denoiser.instance,
-                                                               order=Alloc(request_id="r1", nbytes=NBYTES))
-            address = POOL_BASE + 8192
-            await denoiser.report(Allocated(request_id="r1", address=address))
-            assert await n.pools["encoder"].receive() == Send(instance=encoder.instance, order=Push(
-                request_id="r1", session=denoiser.session, address=address, nbytes=NBYTES))
+            await allocate_on_slow_path(n, encoder, denoiser, "r1", POOL_BASE + 8192)
 
             await encoder.report(Pushed(request_id="r1", ok=False, transfer_ms=0.0, error="link down"))
             failed = await n.tracker.receive()

@@ -73,14 +73,9 @@ class RealPool:
     async def to_negotiator(self, n: Negotiator) -> list[Any]:
         """Carry everything this pool has posted to the negotiator so far, in order."""
         await self.stats()
-        carried = []
-        while True:
-            try:
-                mail = self.negotiator.receive_nowait()
-            except anyio.WouldBlock:
-                break
+        carried = queued(self.negotiator)
+        for mail in carried:
             n.inbox.post(mail)
-            carried.append(mail)
         await n.stats()
         return carried
 

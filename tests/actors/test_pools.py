@@ -39,7 +39,7 @@ from actors.mail import (
 )
 from actors.mailbox import Mailbox, Switchboard
 from actors.pools import PoolActor, PoolStats
-from tests.actors.streams import open_stream
+from tests.actors.streams import assert_empty, open_stream, queued
 from transfer.protocol import (
     WORK_ORDER,
     Abort,
@@ -100,11 +100,6 @@ def job(rid: str, role: Role = "encoder", *, nbytes: int = 0, priority: int = 0)
     return Job(request_id=rid, role=role, params=PARAMS, deadline=math.inf, nbytes=nbytes, priority=priority)
 
 
-def assert_empty(outbox: MemoryObjectReceiveStream[Any]) -> None:
-    with pytest.raises(anyio.WouldBlock):
-        outbox.receive_nowait()
-
-
 @asynccontextmanager
 async def running_pool(role: Role, ctx: zmq.Context, *, policy: str = "round_robin",
                        send_hwm: int = 100) -> AsyncIterator[Pool]:
@@ -133,6 +128,14 @@ async def fake_worker(ctx: zmq.asyncio.Context, tmp_path: Path, name: str = "w")
         yield address, sock
     finally:
         sock.close(linger=0)
+
+
+@asynccontextmanager
+async def joined_pool(role: Role, ctx: zmq.asyncio.Context, tmp_path: Path, capacity: int = 2) -> AsyncIterator[Pool]:
+    """A pool of ``role`` that one worker (``{role}-1``, its work socket never read) joined."""
+    async with fake_worker(ctx, tmp_path) as (address, _), running_pool(role, ctx) as pool:
+        await pool.join(address, capacity=capacity)
+        yield pool
 
 
 async def next_order(sock: Any) -> WorkOrder:
@@ -165,8 +168,7 @@ async def test_a_joined_instance_is_probed_and_offered_work_only_once_reached(
 
 async def test_leave_fails_held_requests_with_worker_lost(ctx: zmq.asyncio.Context, tmp_path: Path) -> None:
     with anyio.fail_after(5):
-        async with fake_worker(ctx, tmp_path) as (address, _), running_pool("encoder", ctx) as pool:
-            await pool.join(address, capacity=3)
+        async with joined_pool("encoder", ctx, tmp_path, capacity=3) as pool:
             await pool.dispatch("r1")
             await pool.dispatch("r2")
             pool.inbox.post(Leave(instance="encoder-1", message="missed heartbeats"))
@@ -230,8 +232,7 @@ async def test_dispatch_with_no_instance_requeues_at_the_front_and_refunds(ctx: 
 
 async def test_dispatch_after_the_only_instance_left_requeues(ctx: zmq.asyncio.Context, tmp_path: Path) -> None:
     with anyio.fail_after(5):
-        async with fake_worker(ctx, tmp_path) as (address, _), running_pool("encoder", ctx) as pool:
-            await pool.join(address)
+        async with joined_pool("encoder", ctx, tmp_path) as pool:
             pool.inbox.post(Leave(instance="encoder-1", message="gone"))
             assert await pool.admission.receive() == Credit(role="encoder", delta=-2)
             pool.inbox.post(Dispatch(job=job("r1")))
@@ -247,19 +248,12 @@ async def test_bounced_dispatch_gives_its_credit_back(ctx: zmq.asyncio.Context, 
     (with capacity-1 workers, a queued job then waits for good).
     """
     with anyio.fail_after(5):
-        async with fake_worker(ctx, tmp_path) as (address, _), running_pool("encoder", ctx) as pool:
-            await pool.join(address, capacity=1)  # credit +1, which admission spends on r1:
+        async with joined_pool("encoder", ctx, tmp_path, capacity=1) as pool:
+            # Its join credited +1, which admission spends on r1:
             pool.inbox.post(Leave(instance="encoder-1", message="gone"))
             pool.inbox.post(Dispatch(job=job("r1")))  # ...but the worker left first
             await pool.stats()
-            credited = 1
-            while True:
-                try:
-                    mail = pool.admission.receive_nowait()
-                except anyio.WouldBlock:
-                    break
-                if isinstance(mail, Credit):
-                    credited += mail.delta
+            credited = 1 + sum(mail.delta for mail in queued(pool.admission) if isinstance(mail, Credit))
             free = sum(i.slots_free for i in (await pool.stats()).instances)
             assert credited - 1 == free
 
@@ -466,8 +460,7 @@ async def test_a_suspect_gets_no_work_and_its_free_slots_leave_admissions_count(
 
 async def test_a_suspect_that_leaves_withdraws_nothing_twice(ctx: zmq.asyncio.Context, tmp_path: Path) -> None:
     with anyio.fail_after(5):
-        async with fake_worker(ctx, tmp_path) as (address, _), running_pool("denoiser", ctx) as pool:
-            await pool.join(address, capacity=3)
+        async with joined_pool("denoiser", ctx, tmp_path, capacity=3) as pool:
             await pool.dispatch("r1")
             pool.inbox.post(Suspect(instance="denoiser-1", suspect=True))
             assert await pool.admission.receive() == Credit(role="denoiser", delta=-2)
@@ -481,41 +474,24 @@ async def test_a_suspect_that_leaves_withdraws_nothing_twice(ctx: zmq.asyncio.Co
 # --------------------------------------------------------------------------- release and forget
 
 
-async def test_release_gives_the_slot_back_and_credits_admission(ctx: zmq.asyncio.Context, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("ok", "counted"), [(True, (1, 0)), (False, (0, 1)), (None, (0, 0))],
+                         ids=["served", "failed", "unused"])
+async def test_release_gives_the_slot_back_and_credits_admission(
+    ctx: zmq.asyncio.Context, tmp_path: Path, ok: bool | None, counted: tuple[int, int]
+) -> None:
+    """The slot is counted (served, failed) as ``ok`` says: ok=None is a reservation handed
+    back unused (its request ended before it was placed), counted neither. A second Release
+    of it changes nothing."""
     with anyio.fail_after(5):
-        async with fake_worker(ctx, tmp_path) as (address, _), running_pool("denoiser", ctx) as pool:
-            await pool.join(address)
+        async with joined_pool("denoiser", ctx, tmp_path) as pool:
             await pool.dispatch("r1")
-            pool.inbox.post(Release(request_id="r1", instance="denoiser-1", ok=True))
+            pool.inbox.post(Release(request_id="r1", instance="denoiser-1", ok=ok))
             assert await pool.admission.receive() == Credit(role="denoiser", delta=1)
             [inst] = (await pool.stats()).instances
-            assert (inst.slots_free, inst.served, inst.failed) == (2, 1, 0)
-
-
-async def test_failed_release_is_counted_as_failed(ctx: zmq.asyncio.Context, tmp_path: Path) -> None:
-    with anyio.fail_after(5):
-        async with fake_worker(ctx, tmp_path) as (address, _), running_pool("denoiser", ctx) as pool:
-            await pool.join(address)
-            await pool.dispatch("r1")
-            pool.inbox.post(Release(request_id="r1", instance="denoiser-1", ok=False))
-            assert await pool.admission.receive() == Credit(role="denoiser", delta=1)
-            [inst] = (await pool.stats()).instances
-            assert (inst.served, inst.failed) == (0, 1)
-
-
-async def test_unused_release_frees_the_slot_without_counting(ctx: zmq.asyncio.Context, tmp_path: Path) -> None:
-    """ok=None: a reservation handed back unused (its request ended before it was placed)."""
-    with anyio.fail_after(5):
-        async with fake_worker(ctx, tmp_path) as (address, _), running_pool("denoiser", ctx) as pool:
-            await pool.join(address)
-            await pool.dispatch("r1")
-            pool.inbox.post(Release(request_id="r1", instance="denoiser-1", ok=None))
-            assert await pool.admission.receive() == Credit(role="denoiser", delta=1)
-            [inst] = (await pool.stats()).instances
-            assert (inst.slots_free, inst.served, inst.failed) == (2, 0, 0)
+            assert (inst.slots_free, inst.served, inst.failed) == (2, *counted)
             pool.inbox.post(Release(request_id="r1", instance="denoiser-1", ok=True))  # a second one
             [inst] = (await pool.stats()).instances
-            assert (inst.slots_free, inst.served, inst.failed) == (2, 0, 0)
+            assert (inst.slots_free, inst.served, inst.failed) == (2, *counted)
             assert_empty(pool.admission)
 
 
@@ -525,8 +501,7 @@ async def test_a_run_that_outlives_its_request_holds_its_slot_until_it_ends(
     """Release(finishing=True): the request lets go, its run does not. The slot is neither
     offered nor credited until RunEnded, and the request id is free for a new request."""
     with anyio.fail_after(5):
-        async with fake_worker(ctx, tmp_path) as (address, _), running_pool("denoiser", ctx) as pool:
-            await pool.join(address, capacity=1)
+        async with joined_pool("denoiser", ctx, tmp_path, capacity=1) as pool:
             await pool.dispatch("r1")
             pool.inbox.post(Release(request_id="r1", instance="denoiser-1", ok=None, finishing=True))
             [inst] = (await pool.stats()).instances
@@ -544,8 +519,7 @@ async def test_a_run_that_outlives_its_request_holds_its_slot_until_it_ends(
 
 async def test_release_from_another_instance_is_ignored(ctx: zmq.asyncio.Context, tmp_path: Path) -> None:
     with anyio.fail_after(5):
-        async with fake_worker(ctx, tmp_path) as (address, _), running_pool("denoiser", ctx) as pool:
-            await pool.join(address)
+        async with joined_pool("denoiser", ctx, tmp_path) as pool:
             await pool.dispatch("r1")
             pool.inbox.post(Release(request_id="r1", instance="denoiser-7", ok=True))
             [inst] = (await pool.stats()).instances
@@ -555,8 +529,7 @@ async def test_release_from_another_instance_is_ignored(ctx: zmq.asyncio.Context
 
 async def test_release_of_an_unheld_request_is_ignored(ctx: zmq.asyncio.Context, tmp_path: Path) -> None:
     with anyio.fail_after(5):
-        async with fake_worker(ctx, tmp_path) as (address, _), running_pool("denoiser", ctx) as pool:
-            await pool.join(address)
+        async with joined_pool("denoiser", ctx, tmp_path) as pool:
             pool.inbox.post(Release(request_id="nobody", instance="denoiser-1", ok=False))
             [inst] = (await pool.stats()).instances
             assert (inst.slots_free, inst.served, inst.failed) == (2, 0, 0)
@@ -621,8 +594,7 @@ async def test_every_forget_is_forwarded_after_the_placed_before_it(
 ) -> None:
     """Admission tells every pool; each passes every Forget on, in order behind its own Placed mail."""
     with anyio.fail_after(5):
-        async with fake_worker(ctx, tmp_path) as (address, _), running_pool("denoiser", ctx) as pool:
-            await pool.join(address, capacity=3)
+        async with joined_pool("denoiser", ctx, tmp_path, capacity=3) as pool:
             pool.inbox.post(Dispatch(job=job("held", "denoiser")))
             pool.inbox.post(Dispatch(job=job("released", "denoiser")))
             for rid in ("released", "elsewhere", "held"):
@@ -630,13 +602,7 @@ async def test_every_forget_is_forwarded_after_the_placed_before_it(
                     pool.inbox.post(Release(request_id=rid, instance="denoiser-1", ok=True))
                 pool.inbox.post(Forget(request_id=rid))
             await pool.stats()
-            forwarded = []
-            while True:
-                try:
-                    forwarded.append(pool.negotiator.receive_nowait())
-                except anyio.WouldBlock:
-                    break
-            assert forwarded == [
+            assert queued(pool.negotiator) == [
                 Placed(job=job("held", "denoiser"), instance="denoiser-1"),
                 Placed(job=job("released", "denoiser"), instance="denoiser-1"),
                 Forget(request_id="released"),
@@ -656,8 +622,7 @@ async def test_forget_before_a_dispatch_leaves_the_slot_for_the_negotiator_to_re
     ended, hands it back with Release(ok=None), and the slot count is full again.
     """
     with anyio.fail_after(5):
-        async with fake_worker(ctx, tmp_path) as (address, _), running_pool("denoiser", ctx) as pool:
-            await pool.join(address)
+        async with joined_pool("denoiser", ctx, tmp_path) as pool:
             pool.inbox.post(Forget(request_id="r1"))
             assert await pool.negotiator.receive() == Forget(request_id="r1")
             assert await pool.dispatch("r1") == "denoiser-1"

@@ -32,7 +32,7 @@ from actors.mail import (
 )
 from actors.mailbox import Mailbox, Switchboard
 from actors.tracker import MIN_STEP_GAP_S, TrackerActor, TrackerStats
-from tests.actors.streams import open_stream, queued
+from tests.actors.streams import assert_empty, open_stream, queued
 from transfer.protocol import GenParams, Progress, Reason, Rejected, Result, Role, TensorSpec
 
 PARAMS = GenParams(prompt="a cat")
@@ -53,12 +53,7 @@ class Tracker:
         return await ask_stats(self.inbox)
 
     def assert_silent(self) -> None:
-        for outbox in (self.frontend, self.admission):
-            try:
-                mail = outbox.receive_nowait()
-            except anyio.WouldBlock:
-                continue
-            raise AssertionError(f"unexpected mail {mail!r}")
+        assert_empty(frontend=self.frontend, admission=self.admission)
 
 
 @asynccontextmanager
