@@ -26,6 +26,8 @@ import orchestrator.async_client
 from orchestrator.client import AsyncClient, Client, Generation, Rejection
 from orchestrator.client_wire import CANCEL_SEND_S, DEFAULT_TIMEOUT_S, CancelTokens
 from orchestrator.control_client import Control
+from tests.actors.fake_daemon import router_at
+from tests.conftest import outcome_of
 from transfer.protocol import (
     CLIENT_REQUEST,
     PROTOCOL_VERSION,
@@ -53,10 +55,8 @@ BlockingDaemon = tuple[zmq.Context, zmq.Socket, str]
 def fake_daemon(ctx: zmq.asyncio.Context, tmp_path: Path) -> Iterator[FakeDaemon]:
     """A ROUTER where the daemon's client socket would be, and its endpoint: the test plays
     the daemon."""
-    daemon = ctx.socket(zmq.ROUTER)
-    daemon.setsockopt(zmq.LINGER, 0)
     endpoint = f"ipc://{tmp_path}/daemon"
-    daemon.bind(endpoint)
+    daemon = router_at(ctx, endpoint)
     yield daemon, endpoint
     daemon.close(linger=0)
 
@@ -66,10 +66,8 @@ def blocking_daemon(tmp_path: Path) -> Iterator[BlockingDaemon]:
     """A plain ROUTER where the daemon's client socket would be, on a context of its own, for
     the blocking clients (the test plays the daemon, from a thread where it must answer)."""
     ctx = zmq.Context()
-    daemon = ctx.socket(zmq.ROUTER)
-    daemon.setsockopt(zmq.LINGER, 0)
     endpoint = f"ipc://{tmp_path}/daemon"
-    daemon.bind(endpoint)
+    daemon = router_at(ctx, endpoint)
     yield ctx, daemon, endpoint
     daemon.close(linger=0)
     ctx.term()
@@ -84,11 +82,18 @@ async def senders(daemon: zmq.asyncio.Socket, count: int) -> dict[str, bytes]:
     return identities
 
 
+async def reply(daemon: zmq.asyncio.Socket, identity: bytes, message: object, *, settle_s: float = 0.0) -> None:
+    """Send ``message`` from the fake daemon by the connection ``identity``; then give the
+    client ``settle_s`` to read it."""
+    await daemon.send_multipart([identity, b"", encode(message)])
+    await anyio.sleep(settle_s)
+
+
 async def answer_next(daemon: zmq.asyncio.Socket, total_ms: float) -> None:
     """Answer the next Submit at the fake daemon with an empty Result."""
     identity, _, body = await daemon.recv_multipart()
-    await daemon.send_multipart([identity, b"", encode(Result(request_id=CLIENT_REQUEST.decode(body).request_id,
-                                                              outputs=[], stages=[], total_ms=total_ms))])
+    await reply(daemon, identity, Result(request_id=CLIENT_REQUEST.decode(body).request_id, outputs=[], stages=[],
+                                         total_ms=total_ms))
 
 
 async def heard_at_least(heard: list, count: int) -> None:
@@ -105,9 +110,6 @@ async def test_progress_comes_before_the_result_and_a_raising_listener_cancels_t
         identity, empty, body = await daemon.recv_multipart()
         return identity, CLIENT_REQUEST.decode(body)
 
-    async def reply(identity: bytes, message: object) -> None:
-        await daemon.send_multipart([identity, b"", encode(message)])
-
     def progress(rid: str, step: int) -> Progress:
         return Progress(request_id=rid, state="denoising", elapsed_ms=float(step), step=step, steps=4)
 
@@ -119,10 +121,10 @@ async def test_progress_comes_before_the_result_and_a_raising_listener_cancels_t
                 identity, submit = await receive()
                 assert isinstance(submit, Submit) and submit.progress and submit.request_id == "r1"
                 for step in (1, 2):
-                    await reply(identity, progress("r1", step))
+                    await reply(daemon, identity, progress("r1", step))
                     await heard_at_least(heard, step)  # else the answer, once in, skips the rest
-                await reply(identity, Result(request_id="r1", outputs=[], stages=[], total_ms=3.0))
-                await reply(identity, progress("r1", 3))  # after the answer: nobody listens
+                await reply(daemon, identity, Result(request_id="r1", outputs=[], stages=[], total_ms=3.0))
+                await reply(daemon, identity, progress("r1", 3))  # after the answer: nobody listens
 
             tg.start_soon(answer_with_progress)
             generation = await client.submit(PARAMS, request_id="r1", on_progress=heard.append)
@@ -135,7 +137,7 @@ async def test_progress_comes_before_the_result_and_a_raising_listener_cancels_t
             async def answer_then_expect_cancel() -> None:
                 identity, submit = await receive()
                 assert isinstance(submit, Submit) and submit.request_id == "r2"
-                await reply(identity, progress("r2", 1))
+                await reply(daemon, identity, progress("r2", 1))
                 _, cancel = await receive()
                 assert cancel == Cancel(protocol=submit.protocol, request_id="r2", cancel_token=submit.cancel_token)
 
@@ -202,10 +204,7 @@ async def test_a_result_whose_frames_are_not_its_tensors_fails_its_own_request_o
             outcomes: dict[str, object] = {}
 
             async def submit(rid: str) -> None:
-                try:
-                    outcomes[rid] = await client.submit(PARAMS, request_id=rid, timeout_s=5)
-                except Rejection as exc:
-                    outcomes[rid] = exc.rejected
+                outcomes[rid] = await outcome_of(client.submit(PARAMS, request_id=rid, timeout_s=5))
 
             tg.start_soon(submit, "bad")
             tg.start_soon(submit, "good")
@@ -284,15 +283,8 @@ async def test_a_request_id_is_not_reused_on_a_client_until_its_request_ended(fa
             await daemon.send_multipart([identity, b"", encode(Rejected(
                 request_id="job-2", reason=Reason.CANCELLED, message="cancelled by the client"))])
             await anyio.sleep(0.1)
-
-            async def answer() -> None:
-                identity, _, body = await daemon.recv_multipart()
-                rid = CLIENT_REQUEST.decode(body).request_id
-                await daemon.send_multipart([identity, b"", encode(Result(
-                    request_id=rid, outputs=[], stages=[], total_ms=1.0))])
-
             async with anyio.create_task_group() as tg:
-                tg.start_soon(answer)
+                tg.start_soon(answer_next, daemon, 1.0)
                 assert (await client.submit(PARAMS, request_id="job-2")).result.total_ms == 1.0
 
 
@@ -671,7 +663,7 @@ def test_a_blocking_clients_interrupted_wait_cancels_its_request_and_leaves_it_u
     ctx, daemon, endpoint = blocking_daemon
     heard: list[Any] = []
 
-    def fake_daemon() -> None:  # answers the Cancel, then the next Submit; never the first
+    def play_daemon() -> None:  # answers the Cancel, then the next Submit; never the first
         while not heard or heard[-1].request_id != "next":
             assert daemon.poll(10_000)
             identity, _, body = daemon.recv_multipart()
@@ -685,7 +677,7 @@ def test_a_blocking_clients_interrupted_wait_cancels_its_request_and_leaves_it_u
     def interrupt(signum: int, frame: object) -> None:
         raise KeyboardInterrupt
 
-    thread = threading.Thread(target=fake_daemon, daemon=True)
+    thread = threading.Thread(target=play_daemon, daemon=True)
     thread.start()
     previous = signal.signal(signal.SIGALRM, interrupt)
     try:
@@ -836,14 +828,8 @@ async def test_an_id_given_up_on_is_free_once_its_cancel_finds_nothing(fake_daem
                 await client.submit(PARAMS, request_id="job", timeout_s=5)
             await daemon.send_multipart([identity, b"", encode(Cancelled(request_id="job", found=False))])
             await anyio.sleep(0.1)
-
-            async def answer() -> None:
-                identity, _, _ = await daemon.recv_multipart()
-                await daemon.send_multipart([identity, b"", encode(Result(
-                    request_id="job", outputs=[], stages=[], total_ms=2.0))])
-
             async with anyio.create_task_group() as tg:
-                tg.start_soon(answer)
+                tg.start_soon(answer_next, daemon, 2.0)
                 assert (await client.submit(PARAMS, request_id="job", timeout_s=5)).result.total_ms == 2.0
 
 
@@ -860,28 +846,19 @@ async def test_only_the_latest_cancel_of_an_id_finding_nothing_frees_it(fake_dae
         assert (type(CLIENT_REQUEST.decode(submit)), type(CLIENT_REQUEST.decode(cancel))) == (Submit, Cancel)
         return identity
 
-    async def reply(identity: bytes, message: object) -> None:
-        await daemon.send_multipart([identity, b"", encode(message)])
-        await anyio.sleep(0.05)
-
     with anyio.fail_after(10):
         async with AsyncClient(endpoint) as client:
             identity = await given_up_on()
-            await reply(identity, Result(request_id="X", outputs=[], stages=[], total_ms=1.0))  # its end: X is free
+            say = partial(reply, daemon, identity, settle_s=0.05)  # and let the client read it
+            await say(Result(request_id="X", outputs=[], stages=[], total_ms=1.0))  # its end: X is free
             await given_up_on()
-            await reply(identity, Cancelled(request_id="X", found=False))  # the first Cancel's ack
+            await say(Cancelled(request_id="X", found=False))  # the first Cancel's ack
             with pytest.raises(ValueError, match="in use"):
                 await client.submit(PARAMS, request_id="X", timeout_s=30)
-            await reply(identity, Cancelled(request_id="X", found=True))  # the second's
-            await reply(identity, Rejected(request_id="X", reason=Reason.CANCELLED, message="cancelled by the client"))
-
-            async def answer() -> None:
-                identity, _, _ = await daemon.recv_multipart()
-                await daemon.send_multipart([identity, b"", encode(Result(
-                    request_id="X", outputs=[], stages=[], total_ms=3.0))])
-
+            await say(Cancelled(request_id="X", found=True))  # the second's
+            await say(Rejected(request_id="X", reason=Reason.CANCELLED, message="cancelled by the client"))
             async with anyio.create_task_group() as tg:
-                tg.start_soon(answer)
+                tg.start_soon(answer_next, daemon, 3.0)
                 assert (await client.submit(PARAMS, request_id="X", timeout_s=5)).result.total_ms == 3.0
 
 
@@ -899,14 +876,8 @@ async def test_an_id_given_up_on_just_after_opening_is_held_for_its_wait_only(
             for kind in (Submit, Cancel):
                 assert isinstance(CLIENT_REQUEST.decode((await daemon.recv_multipart())[2]), kind)
             await anyio.sleep(0.4)  # past its wait once more
-
-            async def answer() -> None:
-                identity, _, _ = await daemon.recv_multipart()
-                await daemon.send_multipart([identity, b"", encode(Result(
-                    request_id="X", outputs=[], stages=[], total_ms=2.0))])
-
             async with anyio.create_task_group() as tg:
-                tg.start_soon(answer)
+                tg.start_soon(answer_next, daemon, 2.0)
                 assert (await client.submit(PARAMS, request_id="X", timeout_s=5)).result.total_ms == 2.0
 
 
@@ -941,14 +912,8 @@ async def test_a_cancel_that_never_left_is_not_counted_among_those_to_answer(
             assert isinstance(CLIENT_REQUEST.decode((await daemon.recv_multipart())[2]), Cancel)
             await daemon.send_multipart([identity, b"", encode(Cancelled(request_id="X", found=False))])
             await anyio.sleep(0.05)
-
-            async def answer() -> None:
-                identity, _, _ = await daemon.recv_multipart()
-                await daemon.send_multipart([identity, b"", encode(Result(
-                    request_id="X", outputs=[], stages=[], total_ms=3.0))])
-
             async with anyio.create_task_group() as tg:
-                tg.start_soon(answer)
+                tg.start_soon(answer_next, daemon, 3.0)
                 assert (await client.submit(PARAMS, request_id="X", timeout_s=5)).result.total_ms == 3.0
 
 

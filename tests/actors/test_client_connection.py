@@ -17,6 +17,7 @@ import zmq.asyncio
 from actors.mail import Admit
 from orchestrator.client import AsyncClient, Client
 from orchestrator.control_client import Control
+from tests.actors.fake_daemon import router_at
 from tests.actors.test_frontend import running_frontend
 from transfer.protocol import (
     CLIENT_REQUEST,
@@ -36,13 +37,6 @@ NO_DAEMON_S = 1.0  # the clients' wait for a daemon, shortened here (3 s in use)
 @pytest.fixture(autouse=True)
 def quick_to_say_no_daemon(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("orchestrator.connection_watch.NO_DAEMON_S", NO_DAEMON_S)
-
-
-def fake_daemon(ctx: zmq.Context | zmq.asyncio.Context, endpoint: str) -> zmq.Socket:
-    daemon = ctx.socket(zmq.ROUTER)
-    daemon.setsockopt(zmq.LINGER, 0)
-    daemon.bind(endpoint)
-    return daemon
 
 
 async def test_an_async_submit_where_no_daemon_listens_fails_after_the_wait_for_one(tmp_path: Path) -> None:
@@ -78,7 +72,7 @@ async def test_submits_past_what_zmq_queues_for_an_absent_daemon_fail_as_soon_as
                 for i in range(1100):
                     tg.start_soon(submit, f"r{i}")
             assert len(failed) == 1100 and max(failed) < NO_DAEMON_S + 2.0
-            daemon = fake_daemon(ctx, endpoint)  # back: it hears what was queued, nothing more
+            daemon = router_at(ctx, endpoint)  # back: it hears what was queued, nothing more
             try:
                 heard: list[tuple[type, str]] = []
                 with anyio.move_on_after(2.0):
@@ -114,7 +108,7 @@ async def test_a_submit_sent_as_its_connection_closed_never_reaches_the_next_dae
     endpoint = f"ipc://{tmp_path}/daemon"
     with anyio.fail_after(15):
         async with AsyncClient(endpoint) as client, anyio.create_task_group() as tg:
-            first = fake_daemon(ctx, endpoint)
+            first = router_at(ctx, endpoint)
             answers: list[float] = []
 
             async def submit() -> None:
@@ -126,7 +120,7 @@ async def test_a_submit_sent_as_its_connection_closed_never_reaches_the_next_dae
             time.sleep(0.3)  # the loop busy: ZMQ has seen the close, the watch not yet
             with pytest.raises(ConnectionError, match="closed while the request waited"):
                 await client.submit(PARAMS, request_id="X", timeout_s=30)
-            second = fake_daemon(ctx, endpoint)
+            second = router_at(ctx, endpoint)
             try:
                 tg.start_soon(submit)
                 identity, _, body = await second.recv_multipart()
@@ -156,7 +150,7 @@ async def test_an_id_sent_where_no_daemon_listens_is_held_until_a_daemon_ends_it
             await anyio.sleep(1.8)  # past its deadline and grace, counted from its failure
             with pytest.raises(ValueError, match="in use"):
                 await client.submit(PARAMS, request_id="job-7", timeout_s=60)
-            daemon = fake_daemon(ctx, endpoint)
+            daemon = router_at(ctx, endpoint)
             try:
                 heard = [await daemon.recv_multipart() for _ in range(2)]
                 assert [type(CLIENT_REQUEST.decode(body)) for _, _, body in heard] == [Submit, Cancel]
@@ -185,7 +179,7 @@ async def test_an_id_held_for_a_daemon_to_come_is_held_for_its_wait_once_one_too
         async with AsyncClient(endpoint) as client:
             with pytest.raises(ConnectionError, match="nothing there took a connection"):
                 await client.submit(PARAMS, request_id="job-7", timeout_s=1.5)
-            dying = fake_daemon(ctx, endpoint)
+            dying = router_at(ctx, endpoint)
             try:
                 for kind in (Submit, Cancel):
                     _, _, body = await dying.recv_multipart()
@@ -195,7 +189,7 @@ async def test_an_id_held_for_a_daemon_to_come_is_held_for_its_wait_once_one_too
             with pytest.raises(ValueError, match="in use"):  # an answer could still be on its way
                 await client.submit(PARAMS, request_id="job-7", timeout_s=1.5)
             await anyio.sleep(1.6)  # its wait (1.55 s) from when that daemon took the connection
-            daemon = fake_daemon(ctx, endpoint)
+            daemon = router_at(ctx, endpoint)
             try:
                 async with anyio.create_task_group() as tg:
                     tg.start_soon(partial(client.submit, PARAMS, request_id="job-7", timeout_s=60))
@@ -273,7 +267,7 @@ async def test_an_async_request_whose_connection_closes_fails_at_once_and_the_cl
     endpoint = f"ipc://{tmp_path}/daemon"
     with anyio.fail_after(10):
         async with AsyncClient(endpoint) as client, anyio.create_task_group() as tg:
-            daemon = fake_daemon(ctx, endpoint)
+            daemon = router_at(ctx, endpoint)
             outcome: list[BaseException] = []
 
             async def submit() -> None:
@@ -290,7 +284,7 @@ async def test_an_async_request_whose_connection_closes_fails_at_once_and_the_cl
                 await anyio.sleep(0.01)
             assert time.monotonic() - closed < 1.0
             assert "closed while the request waited" in str(outcome[0])
-            daemon = fake_daemon(ctx, endpoint)
+            daemon = router_at(ctx, endpoint)
             try:
                 tg.start_soon(partial(client.submit, PARAMS, request_id="lost", timeout_s=60))
                 identity, _, body = await daemon.recv_multipart()
@@ -334,7 +328,7 @@ async def test_closing_the_client_as_it_replaces_its_socket_closes_the_old_one_t
     """The client closes while the socket its connection's close made it replace is not yet
     closed: left open, it would keep the context's end (a thread) waiting for good."""
     endpoint = f"ipc://{tmp_path}/daemon"
-    daemon = fake_daemon(ctx, endpoint)
+    daemon = router_at(ctx, endpoint)
     with anyio.fail_after(10):
         async with AsyncClient(endpoint) as client:
             while not (client._watch and client._watch.connected):
@@ -349,7 +343,7 @@ async def test_closing_the_client_as_it_replaces_its_socket_closes_the_old_one_t
 def test_a_blocking_request_whose_connection_closes_fails_at_once(tmp_path: Path) -> None:
     endpoint = f"ipc://{tmp_path}/daemon"
     ctx = zmq.Context()
-    daemon = fake_daemon(ctx, endpoint)
+    daemon = router_at(ctx, endpoint)
     try:
         with Client(endpoint, ctx=ctx) as client:
             def close_on_submit() -> None:
@@ -393,11 +387,11 @@ async def test_an_answer_that_came_just_before_its_connection_closed_is_an_answe
     endpoint = f"ipc://{tmp_path}/daemon"
     for _ in range(5):
         async with AsyncClient(endpoint) as client, anyio.create_task_group() as tg:
-            tg.start_soon(answer_then_stop, fake_daemon(ctx, endpoint))
+            tg.start_soon(answer_then_stop, router_at(ctx, endpoint))
             with anyio.fail_after(5):
                 assert (await client.submit(PARAMS, timeout_s=60)).result.total_ms == 1.0
         blocking_ctx = zmq.Context()
-        answering = threading.Thread(target=answer_then_stop_blocking, args=(fake_daemon(blocking_ctx, endpoint),))
+        answering = threading.Thread(target=answer_then_stop_blocking, args=(router_at(blocking_ctx, endpoint),))
         answering.start()
         try:
             with Client(endpoint, ctx=blocking_ctx) as blocking:

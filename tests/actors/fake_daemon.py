@@ -1,0 +1,16 @@
+"""A fake daemon for the clients' tests: a ROUTER bound where the daemon's client socket would
+be, and the test plays the daemon on it (for the asyncio clients on a ``zmq.asyncio`` context,
+for the blocking ones on a plain context)."""
+
+from __future__ import annotations
+
+import zmq
+import zmq.asyncio
+
+
+def router_at(ctx: zmq.Context | zmq.asyncio.Context, endpoint: str) -> zmq.Socket:
+    """A ROUTER bound at ``endpoint`` on ``ctx``, closed without lingering."""
+    daemon = ctx.socket(zmq.ROUTER)
+    daemon.setsockopt(zmq.LINGER, 0)
+    daemon.bind(endpoint)
+    return daemon
