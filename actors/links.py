@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 
 import zmq
 
-from orchestrator.config import MOONCAKE_DEFAULT_TIMEOUT_S, is_ip
+from orchestrator.config import MOONCAKE_DEFAULT_TIMEOUT_S
+from orchestrator.endpoints import is_ip
 from transfer.protocol import PROTOCOL_VERSION, LocalMemory, Register, Role, StageLimits
 
 

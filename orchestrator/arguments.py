@@ -7,7 +7,7 @@ import argparse
 import math
 from collections.abc import Callable
 
-from orchestrator.config import dial_problem
+from orchestrator.endpoints import dial_problem
 from transfer.protocol import MAX_LABEL
 
 

@@ -20,8 +20,9 @@ import msgspec
 import zmq
 
 from orchestrator.arguments import at_least, connect_endpoint, positive_seconds, worker_name
-from orchestrator.config import dial_problem, load_config
+from orchestrator.config import load_config
 from orchestrator.connection_watch import NO_DAEMON_S, ConnectionWatch
+from orchestrator.endpoints import dial_problem
 from transfer.binding import EndpointUnusable
 from transfer.protocol import GenParams, Progress, Reason
 

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from orchestrator.config import dial_problem
+from orchestrator.endpoints import dial_problem
 from orchestrator.rejection import Rejection
 from transfer.protocol import (
     CLIENT_REPLY,

@@ -16,7 +16,8 @@ import socket
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as LookupTimedOut
 
-from orchestrator.config import WILDCARD_HOSTS, TransferConfig, WorkerConfig, is_ip
+from orchestrator.config import TransferConfig, WorkerConfig
+from orchestrator.endpoints import WILDCARD_HOSTS, is_ip
 from transfer.binding import EndpointUnusable
 
 # How long a worker's start waits for a name to resolve.

@@ -31,9 +31,10 @@ import torch
 import zmq
 import zmq.asyncio
 
-from orchestrator.config import Config, dial_problem
+from orchestrator.config import Config
 from orchestrator.daemon_link import LEAVING_LINGER_MS, DaemonLink
 from orchestrator.early_signals import STOP_SIGNALS
+from orchestrator.endpoints import dial_problem
 from orchestrator.log import Throttled
 from orchestrator.own_addresses import check_own_addresses
 from orchestrator.stage_runner import StageRunner

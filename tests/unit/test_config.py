@@ -8,7 +8,8 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from orchestrator.config import Config, dial_problem, load_config
+from orchestrator.config import Config, load_config
+from orchestrator.endpoints import dial_problem
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
