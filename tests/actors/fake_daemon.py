@@ -7,6 +7,14 @@ from __future__ import annotations
 import zmq
 import zmq.asyncio
 
+from transfer.protocol import Reason, RegisterRefused, Rejected
+
+# What the daemon's other sockets answer a client's message with.
+WORKER_SOCKETS_REFUSAL = RegisterRefused(message="this is the daemon's worker socket; clients and control commands "
+                                                 "have endpoints of their own")
+CONTROL_SOCKETS_REFUSAL = Rejected(request_id="", reason=Reason.INVALID, message="this is the daemon's control socket; "
+                                   "this message goes to its client socket (daemon.client_endpoint)")
+
 
 def router_at(ctx: zmq.Context | zmq.asyncio.Context, endpoint: str) -> zmq.Socket:
     """A ROUTER bound at ``endpoint`` on ``ctx``, closed without lingering."""
