@@ -18,6 +18,7 @@ import structlog
 import zmq
 import zmq.asyncio
 
+from orchestrator.abandoned_ids import AbandonedIds
 from orchestrator.client_wire import (
     CANCEL_SEND_S,
     GRACE_S,
@@ -101,6 +102,7 @@ class _Pending:
     sent_at: float | None = None  # once its send began (it may still wait in ZMQ's queue): when
     generation: int = 0  # and on which socket (``AsyncClient._generation``)
     sending: anyio.CancelScope | None = None  # while its send waits
+    sent: bool = False  # once ZMQ took it
 
     @property
     def waiting(self) -> bool:
@@ -143,14 +145,7 @@ class AsyncClient:
         self._pending: dict[str, _Pending] = {}
         # The socket's number: a new one replaces it when its connection closes (_replace_socket).
         self._generation = 0
-        # Requests given up on, by id: until when an answer may still come (it must not reach
-        # a new request that reuses the id), and for how long to hold it. Each is held until
-        # its end comes, the daemon answers its latest Cancel with found=False (its end came
-        # first, or its Submit never got there), or its socket is replaced; else for its wait
-        # once more, counted, for one sent while no daemon was connected, from when one is
-        # (that Submit waits in ZMQ's queue for the next daemon, and leaves first).
-        self._abandoned: dict[str, tuple[float, float]] = {}
-        self._cancels_out: dict[str, int] = {}  # given-up ids' Cancels not yet answered, by id
+        self._abandoned = AbandonedIds()  # the ids of requests given up on, while an answer may come
         self._tg: anyio.abc.TaskGroup | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._cancelling: set[zmq.asyncio.Socket] = set()  # cancel()'s own sockets, while in use
@@ -259,15 +254,11 @@ class AsyncClient:
                         waiter.send_nowait(reply)
                 continue
             if isinstance(reply, Cancelled):
-                # The ack of an abandoned request's Cancel (cancel() reads its own). The daemon
-                # reads a connection in order, so what the latest Cancel of an id found
-                # nothing of will send no more (an earlier one's may be about an earlier
-                # request under the id).
-                if not self._uncount_cancel(reply.request_id) and not reply.found:
-                    self._abandoned.pop(reply.request_id, None)
+                # The ack of an abandoned request's Cancel (cancel() reads its own).
+                self._abandoned.cancel_answered(reply.request_id, found=reply.found)
                 continue
             rid = reply.result.request_id if isinstance(reply, Generation) else reply.request_id
-            if self._abandoned.pop(rid, None) is None:  # else the end of a request given up on
+            if not self._abandoned.drop(rid):  # else the end of a request given up on
                 self._answer(rid, reply)
 
     def _fail_connection(self, generation: int, answer: Rejected | Unreadable) -> int:
@@ -306,7 +297,7 @@ class AsyncClient:
             with anyio.move_on_after(math.inf if watch.connected else WATCH_S):
                 watch.heard(await watch.monitor.recv_multipart())
                 if watch.connected:
-                    self._count_holds_from_now()
+                    self._abandoned.count_holds_from(time.monotonic())
             if watch.closes:
                 await self._read_what_came()
                 await self._replace_socket()
@@ -332,7 +323,6 @@ class AsyncClient:
         for rid in self._sent_on(lambda generation: generation < self._generation):
             self._answer(rid, Lost(closed_why(self.endpoint)))
         self._abandoned.clear()
-        self._cancels_out.clear()  # their answers would have come on the old connection
         try:
             await anyio.lowlevel.checkpoint()  # the sends those losses stopped end before the socket does
         finally:  # the client closing meanwhile included
@@ -355,28 +345,16 @@ class AsyncClient:
     async def _request(self, rid: str, body: bytes, wait_s: float,
                        on_progress: OnProgress | None = None) -> Generation | Rejected | Unreadable:
         sock = self._open()
-        assert self._watch is not None
-        if rid in self._pending or self._abandoned.get(rid, (-math.inf, 0.0))[0] > time.monotonic():
+        if rid in self._pending or self._abandoned.held(rid, time.monotonic()):
             raise ValueError(f"request id {rid!r} is in use on this client (in flight, or given up and not ended)")
-        self._abandoned.pop(rid, None)  # held long enough: no answer can still come
+        self._abandoned.drop(rid)  # held long enough: no answer can still come
         tx, rx = anyio.create_memory_object_stream[Progress](PROGRESS_BACKLOG)
         pending = self._pending[rid] = _Pending(tx)
-        sent = False
         try:
             with rx:
                 try:
                     with anyio.fail_after(wait_s):
-                        pending.sent_at, pending.generation = time.monotonic(), self._generation
-                        queued = sock.send_multipart([b"", body])
-                        sending = pending.sending = anyio.CancelScope()
-                        try:
-                            with sending:
-                                await queued
-                        finally:
-                            pending.sending = None
-                            # From the send itself, not from the await's return: a
-                            # cancellation can land after ZMQ took the message.
-                            sent = queued.done() and not queued.cancelled() and queued.exception() is None
+                        await self._send(pending, sock, body)
                         answer = await self._answer_to(pending, rx, on_progress)
                 except TimeoutError:
                     # The deadline ran out in a slow on_progress after the answer came: it stands.
@@ -388,26 +366,7 @@ class AsyncClient:
         except anyio.EndOfStream:
             raise ConnectionError(f"the client of {self.endpoint} was closed while {rid!r} waited") from None
         except BaseException as exc:
-            # The caller gave up on the request (cancelled, its on_progress raised, or the
-            # wait ran out): so should the daemon, rather than keep GPUs busy on work nobody
-            # awaits. Its answers, the ack included, are dropped when they come. (One never
-            # sent has nothing to cancel and no answer to come; one whose end came, while
-            # its on_progress still ran, has ended at the daemon: its id is free at once. A
-            # closed socket's client is gone, and the daemon's deadline ends the request.)
-            # One sent on a socket since replaced can get no answer, and needs no Cancel: a
-            # daemon that lives on ends it when its answer finds the connection gone (a
-            # Cancel by the new connection would also refuse a retry under its id, as a
-            # Cancel that overtook its Submit).
-            if (sent and not isinstance(pending.answer, (Generation, Rejected))
-                    and pending.generation == self._generation):
-                # Queued: no daemon has taken a connection yet, so its Submit waits for one.
-                self._abandon(rid, wait_s, queued=not self._watch.connected)
-                if not sock.closed:
-                    # Counted before it leaves (its answer can come before this task runs
-                    # again), and uncounted if it does not: none will answer it.
-                    self._cancels_out[rid] = self._cancels_out.get(rid, 0) + 1
-                    if not await _cancel_at_daemon(sock, [rid], self._tokens):
-                        self._uncount_cancel(rid)
+            await self._give_up(rid, pending, sock, wait_s)
             if isinstance(exc, TimeoutError):
                 raise TimeoutError(f"no reply from {self.endpoint} for {rid!r} within {wait_s:.1f}s (its deadline "
                                    f"and {GRACE_S:g} s of grace)") from None
@@ -417,27 +376,42 @@ class AsyncClient:
             if pending.progress is not None:
                 pending.progress.close()
 
-    def _abandon(self, rid: str, hold_s: float, *, queued: bool) -> None:
-        now = time.monotonic()
-        for old in [old for old, (until, _) in self._abandoned.items() if until <= now]:
-            del self._abandoned[old]
-            self._cancels_out.pop(old, None)
-        self._abandoned[rid] = (math.inf if queued else now + hold_s), hold_s
+    async def _send(self, pending: _Pending, sock: zmq.asyncio.Socket, body: bytes) -> None:
+        """Send ``pending``'s Submit, ``body``, on ``sock``, setting ``pending.sent``. The wait
+        for ZMQ to take it ends early if the request ends meanwhile."""
+        pending.sent_at, pending.generation = time.monotonic(), self._generation
+        queued = sock.send_multipart([b"", body])
+        sending = pending.sending = anyio.CancelScope()
+        try:
+            with sending:
+                await queued
+        finally:
+            pending.sending = None
+            # From the send itself, not from the await's return: a cancellation can land
+            # after ZMQ took the message.
+            pending.sent = queued.done() and not queued.cancelled() and queued.exception() is None
 
-    def _uncount_cancel(self, rid: str) -> int:
-        """One Cancel of ``rid`` fewer out; how many are left."""
-        owed = self._cancels_out.pop(rid, 0) - 1
-        if owed > 0:
-            self._cancels_out[rid] = owed
-        return max(owed, 0)
-
-    def _count_holds_from_now(self) -> None:
-        """A daemon took the connection: what waited in ZMQ's queue for one leaves first, so
-        the holds of requests sent meanwhile count from now."""
-        now = time.monotonic()
-        for rid, (until, hold_s) in self._abandoned.items():
-            if until == math.inf:
-                self._abandoned[rid] = now + hold_s, hold_s
+    async def _give_up(self, rid: str, pending: _Pending, sock: zmq.asyncio.Socket, wait_s: float) -> None:
+        """The caller gave up on the request (cancelled, its on_progress raised, or the wait
+        ran out): so should the daemon, rather than keep GPUs busy on work nobody awaits. Its
+        answers, the ack included, are dropped when they come. (One never sent has nothing
+        to cancel and no answer to come; one whose end came, while its on_progress still
+        ran, has ended at the daemon: its id is free at once. A closed socket's client is
+        gone, and the daemon's deadline ends the request.) One sent on a socket since
+        replaced can get no answer, and needs no Cancel: a daemon that lives on ends it when
+        its answer finds the connection gone (a Cancel by the new connection would also
+        refuse a retry under its id, as a Cancel that overtook its Submit)."""
+        assert self._watch is not None
+        if (pending.sent and not isinstance(pending.answer, (Generation, Rejected))
+                and pending.generation == self._generation):
+            # Queued: no daemon has taken a connection yet, so its Submit waits for one.
+            self._abandoned.abandon(rid, wait_s, time.monotonic(), queued=not self._watch.connected)
+            if not sock.closed:
+                # Counted before it leaves (its answer can come before this task runs
+                # again), and uncounted if it does not: none will answer it.
+                self._abandoned.count_cancel(rid)
+                if not await _cancel_at_daemon(sock, [rid], self._tokens):
+                    self._abandoned.uncount_cancel(rid)
 
     @staticmethod
     async def _answer_to(pending: _Pending, rx: anyio.abc.ObjectReceiveStream[Progress],
