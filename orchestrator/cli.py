@@ -3,14 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
-import re
-import signal
 import sys
-import tempfile
-import uuid
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
@@ -24,10 +19,9 @@ from orchestrator.config import load_config
 from orchestrator.connection_watch import NO_DAEMON_S, ConnectionWatch
 from orchestrator.endpoints import dial_problem
 from transfer.binding import EndpointUnusable
-from transfer.protocol import GenParams, Progress, Reason
+from transfer.protocol import Reason
 
 if TYPE_CHECKING:
-    from orchestrator.client import Generation
     from orchestrator.control_client import Control
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "local.toml"
@@ -102,109 +96,12 @@ def _instant_workers(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_progress(progress: Progress) -> None:
-    from orchestrator.tables import progress_line
-
-    print(progress_line(progress), file=sys.stderr)
-
-
-def _generate(endpoint: str, params: GenParams, args: argparse.Namespace, rid: str) -> Generation:
-    """One request; with ``--progress`` on a DEALER, printing each ``Progress`` to stderr."""
-    from orchestrator.client import AsyncClient, Client
-
-    options = {"request_id": rid, "timeout_s": args.timeout, "priority": args.priority}
-    if not args.progress:
-        with Client(endpoint) as client:
-            return client.submit(params, **options)
-
-    async def watched() -> Generation:
-        async with AsyncClient(endpoint) as client:
-            return await client.submit(params, on_progress=_print_progress, **options)
-
-    return anyio.run(watched)
-
-
-class _Terminated(KeyboardInterrupt):
-    """SIGTERM during ``triptych submit``, raised as Ctrl-C is so that both clients cancel the
-    request: it is what ``timeout(1)``, systemd and Kubernetes send, and by default it would
-    end the process with the request left running at the daemon for nobody."""
-
-
-def _terminate(_signum: int, _frame: object) -> NoReturn:
-    raise _Terminated
-
-
 def _submit(args: argparse.Namespace) -> int:
-    from orchestrator.rejection import Rejection
-    from orchestrator.tables import STAGES_HEADER, stage_row
+    from orchestrator.submit_command import submit, writable_directory
 
     cfg = load_config(args.config)
-    params = GenParams(prompt=args.prompt, negative_prompt=args.negative_prompt, width=args.width,
-                       height=args.height, steps=args.steps, guidance=args.guidance, seed=args.seed,
-                       num_images=args.num_images, output=args.output)
-    out = _writable_directory(Path(args.out))
-    endpoint = _daemon_at(args.endpoint or cfg.daemon.client_endpoint)
-    rid = args.request_id or uuid.uuid4().hex  # chosen here, to name it if Ctrl-C cancels it
-    signal.signal(signal.SIGTERM, _terminate)
-    try:
-        generation = _generate(endpoint, params, args, rid)
-    except Rejection as exc:
-        print(f"rejected ({exc.reason}): {_as_flags(exc.rejected.message)}", file=sys.stderr)
-        return 2
-    except _Terminated:
-        print(f"terminated: request {rid} cancelled", file=sys.stderr)
-        return 143
-    except KeyboardInterrupt:  # both clients cancel a request whose wait is interrupted
-        print(f"interrupted: request {rid} cancelled", file=sys.stderr)
-        return 130
-    for spec, data in zip(generation.result.outputs, generation.frames, strict=True):
-        suffix = "" if spec.name.endswith(".png") else ".bin"
-        path = out / f"{_file_stem(rid)}-{spec.name}{suffix}"
-        try:
-            path.write_bytes(data)
-        except OSError as exc:
-            raise OSError(f"request {rid} completed, but {path} could not be written: {exc.strerror or exc}") from None
-        print(path if suffix == "" else f"{path}  {spec.dtype} {tuple(spec.shape)}")
-    print(STAGES_HEADER)
-    for stage in generation.result.stages:
-        print(stage_row(stage))
-    return 0
-
-
-# The Submit fields a refusal unsent names (``- at `$.params.steps```) as the flags that set them.
-_FIELD_FLAGS = {"$.timeout_s": "--timeout", "$.request_id": "--request-id", "$.priority": "--priority"}
-
-
-def _as_flags(message: str) -> str:
-    """A refusal's message naming ``submit``'s flags where it names the Submit's fields."""
-    def flag(match: re.Match[str]) -> str:
-        field = match.group(1)
-        name = field.removeprefix("$.params.")
-        return _FIELD_FLAGS.get(field) or ("--" + name.replace("_", "-") if name != field else field)
-
-    return re.sub(r"`?(\$\.[a-z_.]+)`?", flag, message)
-
-
-def _writable_directory(out: Path) -> Path:
-    """``out``, made if missing and found writable before the request is sent: a result
-    that cannot be written would be computed (GPU time) and then lost."""
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=out):
-            pass
-    except OSError as exc:
-        raise OSError(f"cannot write into --out {out}: {exc.strerror or exc}") from None
-    return out
-
-
-def _file_stem(rid: str) -> str:
-    """The request id as the start of its output files' names, so another submit into the
-    same --out overwrites nothing: no slash (it would lead out of --out), and short enough
-    for any file system (an id may be 128 characters of 4 UTF-8 bytes each). An id that
-    had to change takes a hash of itself, so "x/y" and "x_y" stay apart."""
-    if "/" not in rid and len(rid.encode()) <= 100:
-        return rid
-    return f"{rid.replace('/', '_')[:24]}~{hashlib.blake2b(rid.encode(), digest_size=6).hexdigest()}"
+    out = writable_directory(Path(args.out))  # before the request: a result it could not write would be lost
+    return submit(args, _daemon_at(args.endpoint or cfg.daemon.client_endpoint), out)
 
 
 def _control_endpoint(args: argparse.Namespace) -> str:

@@ -15,6 +15,7 @@ import pytest
 from orchestrator import cli, metrics
 from orchestrator.connection_watch import NO_DAEMON_S
 from orchestrator.limits import UnsatisfiableLimits
+from orchestrator.submit_command import as_flags, file_stem
 from transfer.binding import EndpointUnusable
 
 
@@ -145,10 +146,10 @@ def test_submit_into_a_directory_it_cannot_write_says_so_before_sending(
 def test_ids_that_name_files_alike_write_different_files() -> None:
     """An id with a slash (or too long for a file name) is changed, and takes a hash of
     itself: "x/y" became "x_y", and overwrote the outputs of a request named that."""
-    assert cli._file_stem("x_y") == "x_y"
-    assert cli._file_stem("x/y").startswith("x_y~")
-    assert cli._file_stem("🦊" * 128) != cli._file_stem("🦊" * 127 + "🐺")
-    assert all(len(cli._file_stem(rid).encode()) <= 200 for rid in ("🦊" * 128, "/" * 128))
+    assert file_stem("x_y") == "x_y"
+    assert file_stem("x/y").startswith("x_y~")
+    assert file_stem("🦊" * 128) != file_stem("🦊" * 127 + "🐺")
+    assert all(len(file_stem(rid).encode()) <= 200 for rid in ("🦊" * 128, "/" * 128))
 
 
 def test_metrics_checks_its_endpoint_before_it_serves(capsys: pytest.CaptureFixture[str]) -> None:
@@ -230,9 +231,9 @@ def test_a_reader_that_leaves_early_is_no_error(tmp_path: Path) -> None:
 def test_a_submit_refused_unsent_names_the_flags_not_the_wire_fields() -> None:
     """A new user typed --steps 5000 and was told of `$.params.steps`, a field of a message
     they never saw."""
-    assert cli._as_flags("not sent: Expected `int` <= 1000 - at `$.params.steps`") == \
+    assert as_flags("not sent: Expected `int` <= 1000 - at `$.params.steps`") == \
         "not sent: Expected `int` <= 1000 - at --steps"
-    assert cli._as_flags("not sent: Expected `float` <= 86400.0 - at `$.timeout_s`").endswith("at --timeout")
-    assert cli._as_flags("not sent: Expected `int` >= 1 - at `$.params.num_images`").endswith("at --num-images")
+    assert as_flags("not sent: Expected `float` <= 86400.0 - at `$.timeout_s`").endswith("at --timeout")
+    assert as_flags("not sent: Expected `int` >= 1 - at `$.params.num_images`").endswith("at --num-images")
     said = "steps 1000 exceeds 999 for model 'tiny-sd15'"
-    assert cli._as_flags(said) == said
+    assert as_flags(said) == said
