@@ -238,9 +238,7 @@ class MooncakeEngine:
             took_s = time.monotonic() - submitted_at
             if took_s < _STUCK_S:
                 return False
-            # The first write to a peer shakes hands with it inside the submit, and a peer that
-            # takes the connection but never answers (stopped, frozen) holds that for Mooncake's
-            # own handshake timeout, about a minute: trying again would wait as long.
+            # A handshake with a peer that does not answer (see _open): a retry would wait as long.
             raise TransferError(f"write of {nbytes} bytes to {session}: the submit failed after {took_s:.1f} s "
                                 "(the handshake with a peer that does not answer)")
         started = time.monotonic()
