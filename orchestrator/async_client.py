@@ -55,9 +55,9 @@ class _AbandonableContext(zmq.asyncio.Context):
     """The context of a client never closed (opened in a startup hook whose shutdown hook
     never ran, say) is collected with its sockets, in an order of the collector's choosing:
     pyzmq's own finalizer then finds no socket left to close and waits in ``term()`` for
-    ever for those not collected yet, freezing the process at a random collection (a client
-    audit). This one ends on a thread of its own, done once the sockets' own finalizers
-    have closed them, and warns as pyzmq's does."""
+    ever for those not collected yet, freezing the process at a random collection. This one
+    ends on a thread of its own, done once the sockets' own finalizers have closed them, and
+    warns as pyzmq's does."""
 
     def __del__(self) -> None:
         if self.closed or sys.is_finalizing():

@@ -4,9 +4,9 @@ Three paths that never wait on each other:
 
 * compute: the stage's synchronous torch code, in ``compute_threads`` worker threads
   (orchestrator/stage_runner.py);
-* transfer: Mooncake writes, in one push thread of their own, or a plain copy when the
-  receiver shares this host (orchestrator/worker_memory.py, which owns what the worker
-  holds for requests);
+* transfer: Mooncake writes on a worker thread, one at a time (a limiter of 1), or a plain
+  copy when the receiver shares this host (orchestrator/worker_memory.py, which owns what
+  the worker holds for requests);
 * control: allocations, aborts and all socket traffic, on the event loop.
 
 So an ``Alloc`` or ``Push`` is answered while a long denoising loop runs. A stage that
@@ -231,8 +231,8 @@ class WorkerRuntime:
 
     def _fail_hung(self, rid: str) -> None:
         """The hung run's request fails ``stage_failed``, which the daemon does not start again:
-        a request that hangs the stage would hang every worker it was retried on (an audit: one
-        took down both denoisers). The worker's other requests start again elsewhere."""
+        a request that hangs the stage would hang every worker it was retried on. The worker's
+        other requests start again elsewhere."""
         control = self._runs.get(rid)
         if control is not None and not control.stopped:  # stopped: the daemon expects no Done
             ran_ms = (time.monotonic() - (control.started_at or time.monotonic())) * 1000

@@ -38,12 +38,13 @@ class RequestMemory:
                  alloc_timeout_s: float, push_quarantine_s: float, report: Callable[..., None]) -> None:
         self._pool = pool
         self._engine = engine
-        self._writers = writers  # same-host copies: the loop's writer, the push thread's
+        self._writers = writers  # same-host copies: the loop's writer, and the one for writes on threads
         self._alloc_timeout_s = alloc_timeout_s
         self.push_quarantine_s = push_quarantine_s  # the daemon's, once registered (``registered``)
         self._report = report
-        # Mooncake writes run one at a time on a push thread of their own: a write blocks,
-        # sleeping, until the peer acks, and one writer per engine is what it handles best.
+        # Writes off the loop run on worker threads one at a time (a limiter of 1): a Mooncake
+        # write blocks, sleeping, until the peer acks, and one writer per engine is what it
+        # handles best.
         self._transfer = anyio.CapacityLimiter(1)
         self._staged: dict[str, Block] = {}
         self._allocs: dict[str, Block] = {}
@@ -71,7 +72,8 @@ class RequestMemory:
     async def unmap_gone_receivers(self, period_s: float = UNMAP_GONE_S) -> None:
         """Every ``period_s``, unmap the pools of same-host receivers that exited: a receiver
         scaled away, or dead and not restarted, would otherwise stay resident here until a
-        new receiver is mapped. Each writer on its own thread, between its copies."""
+        new receiver is mapped. Each writer between its copies: the loop's on the loop, the
+        other under the limiter its writes take."""
         if self._writers is None:
             return
         loop_writer, thread_writer = self._writers
@@ -226,11 +228,12 @@ class RequestMemory:
     async def _deliver(self, order: Push, src_addr: int, read_at: float) -> Via:
         """Copy into a same-host receiver's shared pool, else transfer with the engine.
 
-        A small copy runs right here on the loop: it costs less than the hop to the push
+        A small copy runs right here on the loop: it costs less than the hop to a worker
         thread and back (0.4-6 ms on a busy 2-core host). Larger copies and every transfer
-        run on the push thread, one at a time. Each side has its own writer: their mappings
-        are not shared between threads. Whether the order is still fresh is asked last,
-        once the push thread is ours: a stall may come while it waits for the one before.
+        run on worker threads, one at a time (``self._transfer``, a limiter of 1). Each side
+        has its own writer, so that neither's mappings change under the other's copy. Whether
+        the order is still fresh is asked last, once the limiter is ours: a stall may come
+        while it waits for the write before.
         """
         if order.local is not None and self._writers is not None:
             loop_writer, thread_writer = self._writers

@@ -81,8 +81,9 @@ def shared_region(size: int) -> SharedRegion | None:
 
 
 class LocalWriter:
-    """Copies local bytes into same-host receivers' shared pools. One thread uses a writer:
-    it unmaps pools it has not used lately, which must not happen under another's copy."""
+    """Copies local bytes into same-host receivers' shared pools. A writer is used for one
+    copy at a time, whichever thread makes it: it unmaps pools it has not used lately, which
+    must not happen under another's copy."""
 
     def __init__(self) -> None:
         # (path, device, inode) -> (the mapping, its address, its length)
@@ -137,7 +138,7 @@ class LocalWriter:
         """Unmap the pools of receivers that have exited: the mapping alone would keep their
         pages resident (a whole pool each). Done before mapping a new receiver, which may
         have replaced one, and now and then (``RequestMemory.unmap_gone_receivers``) for
-        receivers that left for good. On the writer's own thread, like its copies."""
+        receivers that left for good. Never while one of the writer's copies runs."""
         for key in [key for key in self._mapped if not _is_open(key)]:
             del self._mapped[key]
 
