@@ -92,6 +92,11 @@ class LocalCluster:
         self._spawned: set[str] = set()
         self.control = Control(self.config.daemon.control_endpoint)
 
+    @property
+    def client_endpoint(self) -> str:
+        """Where clients connect: the daemon's client socket."""
+        return self.config.daemon.client_endpoint
+
     def _log_path(self, name: str) -> tuple[Path, bool]:
         """Process ``name``'s log, and whether to append to it: a process started again under
         the same name (a restart) appends, so its log keeps the story; a first start replaces

@@ -101,7 +101,7 @@ def test_submit_reports_a_rejection_and_exits_nonzero(start_cluster: StartCluste
     assert huge.returncode == 2 and "rejected (invalid): not sent" in huge.stderr
     # Control commands pointed at the client socket, and a submit at the control socket: the
     # daemon's refusal says which socket it is, in one line.
-    lost = triptych("stats", "--endpoint", cluster.config.daemon.client_endpoint, config=cluster.config_path)
+    lost = triptych("stats", "--endpoint", cluster.client_endpoint, config=cluster.config_path)
     assert lost.returncode == 2 and lost.stderr == (
         "triptych stats: rejected (invalid): this is the daemon's client socket; this message goes to its control "
         "socket (daemon.control_endpoint)\n")
@@ -176,7 +176,7 @@ async def test_workers_and_drain_commands_list_the_instances_then_finish_work_an
     assert all(name in table for name in ("encoder0", "denoiser0", "decoder0"))
     assert "limits each worker registered (a request must fit all of them)" in table
     with anyio.fail_after(60):
-        async with AsyncClient(cluster.config.daemon.client_endpoint) as client, anyio.create_task_group() as tg:
+        async with AsyncClient(cluster.client_endpoint) as client, anyio.create_task_group() as tg:
             tg.start_soon(client.submit, GenParams(prompt="slow", output="raw"))
             await anyio.to_thread.run_sync(wait_for, cluster, lambda s: sum(s.requests_by_state.values()) == 1)
             drained = await anyio.to_thread.run_sync(lambda: triptych("drain", config=cluster.config_path))
@@ -212,7 +212,7 @@ def test_the_metrics_exporter_serves_the_daemons_stats_to_prometheus(start_clust
     try:
         url = f"http://127.0.0.1:{port}/metrics"
         assert "triptych_requests_completed_total 0.0" in _scrape(url)
-        with Client(cluster.config.daemon.client_endpoint) as client:
+        with Client(cluster.client_endpoint) as client:
             client.submit(GenParams(prompt="scraped", output="raw"), timeout_s=20)
         page = _scrape(url)
         assert_torch_free(exporter.pid)  # it runs beside the daemon for good, reading numbers
@@ -233,7 +233,7 @@ def test_the_metrics_exporter_serves_the_daemons_stats_to_prometheus(start_clust
 def test_every_dispatch_policy_serves_correctly_over_both_denoisers(start_cluster: StartCluster, policy: str) -> None:
     cluster = start_cluster(**{"daemon": {"dispatch": policy}})
     served: set[str] = set()
-    with Client(cluster.config.daemon.client_endpoint) as client:
+    with Client(cluster.client_endpoint) as client:
         for i in range(16):  # power of two: all on one denoiser has odds 2^-15
             params = GenParams(prompt=f"p{i}", seed=i, output="raw")
             generation = client.submit(params, timeout_s=20)
@@ -251,7 +251,7 @@ async def test_the_benchmarks_instant_workers_serve_through_the_real_daemon(star
     assert sorted(i.role for i in cluster.control.workers().instances) == ["decoder", "denoiser", "denoiser", "encoder"]
     results = []
     with anyio.fail_after(60):
-        async with AsyncClient(cluster.config.daemon.client_endpoint) as client, anyio.create_task_group() as tg:
+        async with AsyncClient(cluster.client_endpoint) as client, anyio.create_task_group() as tg:
             async def one(i: int) -> None:
                 results.append(await client.submit(GenParams(prompt="instant", seed=i, output="raw"), timeout_s=30))
 
@@ -275,7 +275,7 @@ async def test_progress_follows_a_request_through_every_stage_and_step(start_clu
     params = GenParams(prompt="watched", seed=3, steps=10, output="raw")
     heard: list[Progress] = []
     with anyio.fail_after(30):
-        async with AsyncClient(cluster.config.daemon.client_endpoint) as client:
+        async with AsyncClient(cluster.client_endpoint) as client:
             generation = await client.submit(params, on_progress=heard.append)
     assert torch.equal(generation.outputs["images"], expected_outputs(params, cluster.config.model.null)["images"])
     assert all(p.request_id == generation.result.request_id for p in heard)
@@ -290,7 +290,7 @@ async def test_progress_follows_a_request_through_every_stage_and_step(start_clu
     # The next is told at once about how long its work takes, and less and less after.
     heard.clear()
     with anyio.fail_after(30):
-        async with AsyncClient(cluster.config.daemon.client_endpoint) as client:
+        async with AsyncClient(cluster.client_endpoint) as client:
             generation = await client.submit(params, on_progress=heard.append)
     etas = [p.eta_ms for p in heard]
     assert all(eta is not None for eta in etas) and etas[-1] < etas[0]
@@ -300,7 +300,7 @@ async def test_progress_follows_a_request_through_every_stage_and_step(start_clu
     capacity = cluster.config.workers.denoiser.capacity
     waits: list[Progress] = []
     with anyio.fail_after(30):
-        async with AsyncClient(cluster.config.daemon.client_endpoint) as client, anyio.create_task_group() as tg:
+        async with AsyncClient(cluster.client_endpoint) as client, anyio.create_task_group() as tg:
             for i in range(capacity + 1):
                 tg.start_soon(partial(client.submit, GenParams(prompt=f"crowd {i}", steps=10, output="raw"),
                                       on_progress=lambda p: waits.append(p) if p.position else None))

@@ -14,6 +14,7 @@ import torch
 from orchestrator.client import AsyncClient, Rejection
 from orchestrator.cluster import all_free
 from orchestrator.stages.diffusion.reference import monolithic_images
+from tests.conftest import outcome_of
 from tests.e2e.conftest import StartCluster, wait_for
 from transfer.protocol import GenParams, Reason
 
@@ -42,14 +43,11 @@ async def test_images_equal_the_monolithic_pipeline(start_cluster: StartCluster,
     outcomes: dict[int, object] = {}
 
     async def one(client: AsyncClient, i: int, params: GenParams) -> None:
-        try:
-            outcomes[i] = await client.submit(params, timeout_s=60)
-        except Rejection as exc:
-            outcomes[i] = exc.rejected
+        outcomes[i] = await outcome_of(client.submit(params, timeout_s=60))
 
     failing = GenParams(prompt=f"{FAIL_MARKER} mid-loop", seed=5, steps=4, width=32, height=32, output="raw")
     with anyio.fail_after(120):
-        async with AsyncClient(cluster.config.daemon.client_endpoint) as client, anyio.create_task_group() as tg:
+        async with AsyncClient(cluster.client_endpoint) as client, anyio.create_task_group() as tg:
             for i, params in enumerate(batch):
                 tg.start_soon(one, client, i, params)
             tg.start_soon(one, client, -1, failing)
@@ -74,7 +72,7 @@ async def test_png_output_and_unhonourable_size(start_cluster: StartCluster) -> 
 
     params = GenParams(prompt="a harbour", seed=3, steps=2, width=32, height=32)
     with anyio.fail_after(60):
-        async with AsyncClient(cluster.config.daemon.client_endpoint) as client:
+        async with AsyncClient(cluster.client_endpoint) as client:
             generation = await client.submit(params)
             with pytest.raises(Rejection) as caught:
                 await client.submit(GenParams(prompt="odd", width=36, height=32))

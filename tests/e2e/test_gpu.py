@@ -59,7 +59,7 @@ async def test_images_on_cuda_equal_the_monolithic_pipeline(start_cluster: Start
         outcomes[i] = await client.submit(REQUESTS[i], timeout_s=120)
 
     with anyio.fail_after(180):
-        async with AsyncClient(cluster.config.daemon.client_endpoint) as client, anyio.create_task_group() as tg:
+        async with AsyncClient(cluster.client_endpoint) as client, anyio.create_task_group() as tg:
             for i in range(len(REQUESTS)):
                 tg.start_soon(one, client, i)
 

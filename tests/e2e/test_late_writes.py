@@ -71,7 +71,7 @@ async def test_bytes_written_over_a_receivers_memory_are_caught_never_served(sta
             caught.append(exc)
 
     with writing_over_the_pool_of(cluster.workers["decoder0"].pid), anyio.fail_after(60):
-        async with AsyncClient(cluster.config.daemon.client_endpoint) as client, anyio.create_task_group() as tg:
+        async with AsyncClient(cluster.client_endpoint) as client, anyio.create_task_group() as tg:
             for params in requests:
                 tg.start_soon(one, client, params)
 
@@ -84,6 +84,6 @@ async def test_bytes_written_over_a_receivers_memory_are_caught_never_served(sta
 
     wait_for(cluster, all_free)
     after = GenParams(prompt="after", seed=99, output="raw")
-    async with AsyncClient(cluster.config.daemon.client_endpoint) as client:
+    async with AsyncClient(cluster.client_endpoint) as client:
         generation = await client.submit(after, timeout_s=30)
     assert torch.equal(generation.outputs["images"], expected_outputs(after, null)["images"])

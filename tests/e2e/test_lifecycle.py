@@ -53,7 +53,7 @@ def with_finished_runs(stats: Stats) -> Stats:
 
 def test_deadline_mid_pipeline_times_out_and_frees_everything(start_cluster: StartCluster) -> None:
     cluster = start_cluster(**{"model.null": {"decoder_ms": 5000.0}})  # one pass: a stop cannot cut it short
-    endpoint = cluster.config.daemon.client_endpoint
+    endpoint = cluster.client_endpoint
     with Client(endpoint) as client:
         with pytest.raises(Rejection) as caught:
             client.submit(p(1), timeout_s=0.5)
@@ -87,7 +87,7 @@ def test_a_request_that_ends_mid_denoise_stops_the_denoiser_at_its_next_step(sta
     for the next request at once instead of after the rest of the loop."""
     cluster = start_cluster(layout={"encoder": 1, "denoiser": 1, "decoder": 1},
                             **{"model.null": {"denoiser_ms": 3000.0}})
-    with Client(cluster.config.daemon.client_endpoint) as client:
+    with Client(cluster.client_endpoint) as client:
         with pytest.raises(Rejection) as caught:
             client.submit(p(1), timeout_s=0.5)
         assert "denoising" in caught.value.rejected.message
@@ -114,13 +114,13 @@ def test_a_request_that_ends_mid_decode_holds_the_decoders_slot_until_the_pass_e
     def decoder(stats: Stats) -> InstanceStats:
         return next(i for i in stats.instances if i.role == "decoder")
 
-    with Client(cluster.config.daemon.client_endpoint) as client:
+    with Client(cluster.client_endpoint) as client:
         with pytest.raises(Rejection) as caught:
             client.submit(p(1), timeout_s=0.6)
         assert "decoding" in caught.value.rejected.message
         ended = time.monotonic()
         def submit_another() -> Generation:
-            with Client(cluster.config.daemon.client_endpoint) as other:
+            with Client(cluster.client_endpoint) as other:
                 return other.submit(p(2), timeout_s=20)
 
         with ThreadPoolExecutor(1) as pool:
@@ -143,7 +143,7 @@ def test_stats_count_the_preallocated_slot_a_running_stage_holds(start_cluster: 
     def denoiser(stats: Stats) -> InstanceStats:
         return next(i for i in stats.instances if i.role == "denoiser")
 
-    with ThreadPoolExecutor(1) as pool, Client(cluster.config.daemon.client_endpoint) as client:
+    with ThreadPoolExecutor(1) as pool, Client(cluster.client_endpoint) as client:
         done = pool.submit(client.submit, p(1), timeout_s=20)
         running = wait_for(cluster, lambda s: s.requests_by_state.get("denoising") == 1)
         assert (denoiser(running).prealloc_free, denoiser(running).prealloc_total) == (slots - 1, slots)
@@ -153,7 +153,7 @@ def test_stats_count_the_preallocated_slot_a_running_stage_holds(start_cluster: 
 
 async def test_duplicate_in_flight_request_id_is_rejected(start_cluster: StartCluster) -> None:
     cluster = start_cluster(**SLOW)
-    endpoint = cluster.config.daemon.client_endpoint
+    endpoint = cluster.client_endpoint
     with anyio.fail_after(30):
         async with AsyncClient(endpoint) as first, AsyncClient(endpoint) as second:
             async with anyio.create_task_group() as tg:
@@ -170,7 +170,7 @@ def test_an_id_is_free_again_once_its_request_ended_even_after_a_late_cancel(sta
     """A Cancel that finds nothing is remembered a moment (it may have overtaken its Submit),
     but not one that came after its request ended: the id's next request runs."""
     cluster = start_cluster(layout={"encoder": 1, "denoiser": 1, "decoder": 1})
-    with Client(cluster.config.daemon.client_endpoint) as client:
+    with Client(cluster.client_endpoint) as client:
         first = client.submit(p(1), request_id="job-7", timeout_s=30)
         assert client.cancel("job-7") is False
         again = client.submit(p(1), request_id="job-7", timeout_s=30)
@@ -180,7 +180,7 @@ def test_an_id_is_free_again_once_its_request_ended_even_after_a_late_cancel(sta
 
 async def test_cancel_stops_the_request_and_frees_its_slots(start_cluster: StartCluster) -> None:
     cluster = start_cluster(**SLOW)
-    endpoint = cluster.config.daemon.client_endpoint
+    endpoint = cluster.client_endpoint
     with anyio.fail_after(30):
         async with AsyncClient(endpoint) as client, anyio.create_task_group() as tg:
             outcome: list[Reason] = []
@@ -208,7 +208,7 @@ async def test_cancel_stops_the_request_and_frees_its_slots(start_cluster: Start
 async def test_a_request_its_caller_abandons_is_cancelled_at_the_daemon(start_cluster: StartCluster) -> None:
     cluster = start_cluster(**SLOW)
     with anyio.fail_after(30):
-        async with AsyncClient(cluster.config.daemon.client_endpoint) as client:
+        async with AsyncClient(cluster.client_endpoint) as client:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(partial(client.submit, p(1), request_id="abandoned"))
                 await anyio.to_thread.run_sync(wait_for, cluster, lambda s: s.requests_by_state.get("denoising") == 1)
@@ -229,7 +229,7 @@ def test_a_client_that_vanishes_while_watching_progress_has_its_request_cancelle
     ctx = zmq.Context()
     client = ctx.socket(zmq.DEALER)
     try:
-        client.connect(cluster.config.daemon.client_endpoint)
+        client.connect(cluster.client_endpoint)
         client.send_multipart([b"", encode(Submit(protocol=PROTOCOL_VERSION, params=p(1), request_id="watched",
                                                    progress=True))])
         while True:  # its progress until it denoises
@@ -253,7 +253,7 @@ def test_a_client_that_vanishes_while_watching_progress_has_its_request_cancelle
 
 async def test_sigterm_drains_in_flight_work_and_refuses_new(start_cluster: StartCluster) -> None:
     cluster = start_cluster(**SLOW)
-    endpoint = cluster.config.daemon.client_endpoint
+    endpoint = cluster.client_endpoint
     results = []
     with anyio.fail_after(60):
         async with AsyncClient(endpoint) as client, anyio.create_task_group() as tg:
@@ -285,7 +285,7 @@ async def test_a_drain_that_runs_out_of_time_or_is_cut_short_still_answers_every
     cluster = start_cluster(layout={"encoder": 1, "denoiser": 1, "decoder": 1},
                             **{"model.null": {"denoiser_ms": 5000.0}, "daemon": {"drain_timeout_s": drain_timeout_s}})
     with anyio.fail_after(30):
-        async with AsyncClient(cluster.config.daemon.client_endpoint) as client:
+        async with AsyncClient(cluster.client_endpoint) as client:
             async with anyio.create_task_group() as tg:
                 outcome: list[BaseException] = []
                 served: list[object] = []
@@ -323,7 +323,7 @@ async def test_a_signal_after_a_control_drain_lets_that_drain_finish(start_clust
     cluster = start_cluster(layout={"encoder": 1, "denoiser": 1, "decoder": 1},
                             **{"model.null": {"denoiser_ms": 300.0}, "daemon": {"drain_timeout_s": 60.0}})
     with anyio.fail_after(60):
-        async with AsyncClient(cluster.config.daemon.client_endpoint) as client:
+        async with AsyncClient(cluster.client_endpoint) as client:
             served: list[Generation] = []
 
             async def one(seed: int) -> None:
@@ -354,7 +354,7 @@ def test_a_second_signal_while_the_daemon_sends_its_last_answers_is_not_its_deat
     deaf.setsockopt(zmq.RCVHWM, 1)
     deaf.setsockopt(zmq.LINGER, 0)
     try:
-        deaf.connect(cluster.config.daemon.client_endpoint)
+        deaf.connect(cluster.client_endpoint)
         for i in range(30):  # 768 KiB raw images: replies past ZMQ's queue wait in the daemon
             submit = Submit(protocol=PROTOCOL_VERSION, request_id=f"deaf-{i}", timeout_s=30,
                             params=GenParams(prompt="p", seed=i, width=512, height=512, output="raw"))
@@ -446,7 +446,7 @@ def test_forged_registration_and_reports_are_refused(start_cluster: StartCluster
         sock.close()
     after = cluster.control.stats()
     assert [i.instance for i in after.instances] == [i.instance for i in before.instances]
-    with Client(cluster.config.daemon.client_endpoint) as client:
+    with Client(cluster.client_endpoint) as client:
         client.submit(p(1), timeout_s=10)
 
 
@@ -477,7 +477,7 @@ def test_a_worker_the_daemon_cannot_reach_is_refused_and_stops(start_cluster: St
                               stderr=subprocess.STDOUT, text=True)
     try:
         wait_for(cluster, lambda s: any(i.name == "unreachable" and i.suspect for i in s.instances), timeout_s=60)
-        with Client(cluster.config.daemon.client_endpoint) as client:
+        with Client(cluster.client_endpoint) as client:
             for seed in range(4):  # the decoder that was reached serves them all
                 client.submit(p(seed), timeout_s=20)
         output, _ = worker.communicate(timeout=30)
@@ -520,7 +520,7 @@ async def test_a_worker_whose_reports_the_daemon_cannot_read_is_dropped_and_its_
             wait_for, cluster, lambda s: any(i.name == "garbling" and not i.suspect for i in s.instances),
             timeout_s=60))
         with anyio.fail_after(30):
-            async with AsyncClient(cluster.config.daemon.client_endpoint) as client:
+            async with AsyncClient(cluster.client_endpoint) as client:
                 generations: list[Generation | None] = [None] * 8
 
                 async def one(seed: int) -> None:
@@ -550,7 +550,7 @@ def test_a_dead_worker_is_evicted_and_a_restart_replaces_it(start_cluster: Start
     victim.wait(timeout=10)
     stats = wait_for(cluster, lambda s: sum(i.role == "denoiser" for i in s.instances) == 1, timeout_s=15)
     assert all(i.name != "denoiser0" for i in stats.instances)
-    with Client(cluster.config.daemon.client_endpoint) as client:
+    with Client(cluster.client_endpoint) as client:
         client.submit(p(1), timeout_s=10)  # the surviving denoiser serves
     cluster.start_worker("denoiser", 0)
     stats = wait_for(cluster, lambda s: sum(i.role == "denoiser" for i in s.instances) == 2, timeout_s=60)
@@ -571,7 +571,7 @@ def test_a_second_live_worker_under_a_name_in_use_replaces_the_first_which_stops
     assert first_address.startswith("ipc://") and not Path(first_address.removeprefix("ipc://")).exists()
     stats = wait_for(cluster, lambda s: any(i.name == "denoiser0" and not i.suspect for i in s.instances), timeout_s=60)
     instance = next(i.instance for i in stats.instances if i.name == "denoiser0")
-    with Client(cluster.config.daemon.client_endpoint) as client:
+    with Client(cluster.client_endpoint) as client:
         for seed in range(3):
             client.submit(p(seed), timeout_s=20)
     time.sleep(2 * cluster.config.daemon.heartbeat_s)
@@ -594,7 +594,7 @@ def test_a_worker_taking_a_live_workers_name_under_another_role_is_refused_and_t
     assert "the daemon did not take this worker within 3.0s (workers.encoder.connect_timeout_s)" in log
     assert cluster.workers["denoiser0"].poll() is None
     assert {i.instance for i in cluster.control.stats().instances} == before
-    with Client(cluster.config.daemon.client_endpoint) as client:
+    with Client(cluster.client_endpoint) as client:
         assert client.submit(p(1), timeout_s=20).result.request_id
 
 
@@ -605,7 +605,7 @@ def test_an_output_no_receiver_can_take_is_invalid_at_once_and_not_retried(start
     cluster = start_cluster(**{"model.null": {"embed_shape": [1, 1024, 1024]},  # 4 MiB of embeddings
                                "workers.encoder": {"pool_bytes": 16 * 2**20},
                                "workers.denoiser": {"pool_bytes": 2**20, "prealloc_slots": 0}})
-    with Client(cluster.config.daemon.client_endpoint) as client:
+    with Client(cluster.client_endpoint) as client:
         with pytest.raises(Rejection) as caught:
             client.submit(p(1), timeout_s=20)
     assert caught.value.reason == Reason.INVALID
@@ -629,7 +629,7 @@ def test_a_retry_goes_to_another_worker_than_the_one_that_failed_it(
                              {"capacity": 8, "pool_bytes": 16384})  # embeddings: 19,712 bytes
     cluster.start_worker("encoder", 1, config_path=cramped)
     cluster.wait_registered(4, timeout_s=60)
-    with Client(cluster.config.daemon.client_endpoint) as client:
+    with Client(cluster.client_endpoint) as client:
         served_by = {next(s.instance for s in client.submit(p(i), timeout_s=20).result.stages
                           if s.role == "encoder") for i in range(3)}
     names = {i.instance: i.name for i in cluster.control.stats().instances}
@@ -682,7 +682,7 @@ def test_inputs_only_a_slot_holds_wait_for_one_on_a_worker_with_fewer_slots_than
 
 
 def _submit(cluster: LocalCluster, params: GenParams) -> Generation:
-    with Client(cluster.config.daemon.client_endpoint) as client:
+    with Client(cluster.client_endpoint) as client:
         return client.submit(params, timeout_s=30)
 
 
@@ -718,7 +718,7 @@ async def test_allocs_and_pushes_are_answered_while_the_worker_computes(start_cl
                             **{"workers.denoiser": {"prealloc_slots": 0, "capacity": 2}})
     generations = []
     with anyio.fail_after(30):
-        async with AsyncClient(cluster.config.daemon.client_endpoint) as client, anyio.create_task_group() as tg:
+        async with AsyncClient(cluster.client_endpoint) as client, anyio.create_task_group() as tg:
             tg.start_soon(_append, generations, client.submit(p(1), request_id="first"))
             await anyio.to_thread.run_sync(wait_for, cluster, lambda s: s.requests_by_state.get("denoising") == 1)
             tg.start_soon(_append, generations, client.submit(p(2), request_id="second"))

@@ -14,6 +14,7 @@ from orchestrator.client import AsyncClient, Client, Generation, Rejection
 from orchestrator.cluster import LocalCluster, all_free
 from orchestrator.fork_server import ForkServer
 from orchestrator.stages.null import expected_outputs
+from tests.conftest import outcome_of
 from tests.e2e.conftest import RawClient, StartCluster, assert_torch_free, config_variant, wait_for
 from transfer.protocol import (
     PROTOCOL_VERSION,
@@ -41,10 +42,6 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, forks: ForkServer):
     assert_no_crash(running)
 
 
-def endpoint(cluster: LocalCluster) -> str:
-    return cluster.config.daemon.client_endpoint
-
-
 def params(i: int, **kw: object) -> GenParams:
     # Odd requests make 8 KiB latents, more than a decoder's 4 KiB preallocated slot.
     width, height = (64, 48) if i % 2 == 0 else (256, 128)
@@ -67,7 +64,7 @@ async def test_fifty_concurrent_requests_return_correct_bytes(cluster: LocalClus
         moved_by.update(s.via for s in generation.result.stages if s.role != "decoder")
 
     with anyio.fail_after(60):
-        async with AsyncClient(endpoint(cluster)) as client, anyio.create_task_group() as tg:
+        async with AsyncClient(cluster.client_endpoint) as client, anyio.create_task_group() as tg:
             for i in range(50):
                 tg.start_soon(one, client, i)
     assert not failures
@@ -80,7 +77,7 @@ async def test_fifty_concurrent_requests_return_correct_bytes(cluster: LocalClus
 
 
 def test_everything_is_free_after_the_work_ends(cluster: LocalCluster) -> None:
-    with Client(endpoint(cluster)) as client:
+    with Client(cluster.client_endpoint) as client:
         for i in range(3):
             client.submit(params(100 + i), timeout_s=10)
     stats = wait_for(cluster, all_free)
@@ -91,7 +88,7 @@ def test_everything_is_free_after_the_work_ends(cluster: LocalCluster) -> None:
 def test_a_fast_path_request_makes_a_fixed_number_of_internal_hops(cluster: LocalCluster) -> None:
     """The daemon's cost per request is counted in mail between its actors (actors/mailbox.py)."""
     before = wait_for(cluster, all_free)
-    with Client(endpoint(cluster)) as client:
+    with Client(cluster.client_endpoint) as client:
         client.submit(params(200), timeout_s=10)
     after = wait_for(cluster, all_free)
     for hop in HOPS:
@@ -113,13 +110,10 @@ async def test_a_failing_stage_fails_only_that_request(cluster: LocalCluster) ->
     outcomes: dict[str, object] = {}
 
     async def one(client: AsyncClient, name: str, p: GenParams) -> None:
-        try:
-            outcomes[name] = await client.submit(p, timeout_s=20)
-        except Rejection as exc:
-            outcomes[name] = exc.rejected
+        outcomes[name] = await outcome_of(client.submit(p, timeout_s=20))
 
     with anyio.fail_after(30):
-        async with AsyncClient(endpoint(cluster)) as client, anyio.create_task_group() as tg:
+        async with AsyncClient(cluster.client_endpoint) as client, anyio.create_task_group() as tg:
             tg.start_soon(one, client, "bad", failing)
             for i in range(6):
                 tg.start_soon(one, client, f"good{i}", params(200 + i))
@@ -132,7 +126,7 @@ async def test_a_failing_stage_fails_only_that_request(cluster: LocalCluster) ->
 
 def test_garbage_wrong_type_and_bad_field_get_typed_rejections(cluster: LocalCluster) -> None:
     before = cluster.control.stats()
-    with RawClient(endpoint(cluster)) as client:
+    with RawClient(cluster.client_endpoint) as client:
         garbage = client.send_raw([b"\xff\x00 definitely not msgpack"])
         assert isinstance(garbage, Rejected) and garbage.reason == Reason.INVALID
         assert "invalid request" in garbage.message
@@ -179,20 +173,20 @@ def test_an_oversized_message_is_refused_unread(cluster: LocalCluster) -> None:
     before = _peak_rss_mib(cluster.daemon.pid)
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(endpoint(cluster))
+    sock.connect(cluster.client_endpoint)
     try:
         sock.send_multipart([b"", b"\x00" * (64 << 20)])
         assert not sock.poll(2000)  # disconnected, not answered
     finally:
         sock.close()
-    with Client(endpoint(cluster)) as client:
+    with Client(cluster.client_endpoint) as client:
         generation = client.submit(params(7), timeout_s=10)
     assert torch.equal(generation.outputs["images"], expected_outputs(params(7), cluster.config.model.null)["images"])
     assert _peak_rss_mib(cluster.daemon.pid) - before < 32
 
 
 def test_wrong_protocol_version_is_unsupported(cluster: LocalCluster) -> None:
-    with RawClient(endpoint(cluster)) as client:
+    with RawClient(cluster.client_endpoint) as client:
         reply = client.send_raw([encode(Submit(protocol=PROTOCOL_VERSION + 1, params=params(1)))])
     assert isinstance(reply, Rejected) and reply.reason == Reason.UNSUPPORTED
 
@@ -213,7 +207,7 @@ async def test_a_higher_priority_request_overtakes_queued_ones_at_a_busy_stage(
                             **{"workers.denoiser": {"capacity": capacity}, "model.null": {"denoiser_ms": 2000.0}})
     finished: dict[str, Generation] = {}
     with anyio.fail_after(60):
-        async with AsyncClient(endpoint(cluster)) as client, anyio.create_task_group() as tg:
+        async with AsyncClient(cluster.client_endpoint) as client, anyio.create_task_group() as tg:
             async def submit(rid: str, priority: int) -> None:
                 finished[rid] = await client.submit(params(0), request_id=rid, priority=priority, timeout_s=30)
 
@@ -235,7 +229,7 @@ def test_the_operators_caps_refuse_a_request_at_the_door(start_cluster: StartClu
     worker computes anything for the refused request."""
     cluster = start_cluster(layout={"encoder": 1, "denoiser": 1, "decoder": 1},
                             **{"model.limits": {"max_size": 32, "max_pixels": 32 * 32 * 2}})
-    with Client(endpoint(cluster)) as client:
+    with Client(cluster.client_endpoint) as client:
         for too_much, problem in [({"width": 40, "height": 32}, "width 40 is outside [8, 32]"),
                                   ({"num_images": 3, "width": 32, "height": 32}, "pixels exceeds 2048")]:
             with pytest.raises(Rejection) as caught:
@@ -253,7 +247,7 @@ def test_the_door_admits_what_every_registered_worker_takes(start_cluster: Start
     cluster = start_cluster(layout={"encoder": 1, "denoiser": 1, "decoder": 1})
     capped = config_variant(cluster, tmp_path / "capped.toml", "model.limits", {"max_size": 32})
     wide = GenParams(prompt="p", width=40, height=32)
-    with Client(endpoint(cluster)) as client:
+    with Client(cluster.client_endpoint) as client:
         client.submit(wide, timeout_s=10)
         tight = cluster.start_worker("denoiser", 1, config_path=capped)
         cluster.wait_registered(4, timeout_s=60)
@@ -281,7 +275,7 @@ def test_a_worker_of_another_model_is_refused_and_the_cluster_serves_on(start_cl
     stranger = cluster.start_worker("denoiser", 1, config_path=other)
     assert stranger.wait(timeout=60) == 1
     assert "is not the model the registered workers serve" in cluster.log_of("denoiser1")
-    with Client(endpoint(cluster)) as client:
+    with Client(cluster.client_endpoint) as client:
         client.submit(params(0), timeout_s=10)
     assert len(cluster.control.stats().instances) == 3
 
@@ -297,7 +291,7 @@ def test_a_client_that_never_reads_makes_the_daemon_hold_only_so_much(start_clus
     deaf.setsockopt(zmq.RCVHWM, 1)
     deaf.setsockopt(zmq.LINGER, 0)
     try:
-        deaf.connect(endpoint(cluster))
+        deaf.connect(cluster.client_endpoint)
         for i in range(30):  # 768 KiB raw images: a few fill the socket buffers
             submit = Submit(protocol=PROTOCOL_VERSION, request_id=f"deaf-{i}", timeout_s=30,
                             params=GenParams(prompt="p", seed=i, width=512, height=512, output="raw"))
@@ -328,7 +322,7 @@ def test_an_output_larger_than_the_daemon_takes_fails_its_request_only(start_clu
     cluster.start_worker("decoder", 0, config_path=own)
     cluster.wait_registered(3, timeout_s=60)
     limit = "more than the daemon takes in one frame (daemon.worker_max_message_bytes = 1048576)"
-    with Client(endpoint(cluster)) as client:
+    with Client(cluster.client_endpoint) as client:
         with pytest.raises(Rejection) as caught:  # 1024 x 1024 x 3 bytes
             client.submit(GenParams(prompt="p", width=1024, height=1024, output="raw"), timeout_s=20)
         assert caught.value.reason == Reason.INVALID
@@ -351,7 +345,7 @@ def test_a_worker_without_room_to_stage_its_output_fails_the_hand_off_which_is_r
     (transfer_failed, started again on the workers left), as no room at the receiver is."""
     cluster = start_cluster(layout={"encoder": 1, "denoiser": 1, "decoder": 1},
                             **{"workers.encoder": {"pool_bytes": 16384}})  # embeddings: 19,712 bytes
-    with Client(endpoint(cluster)) as client, pytest.raises(Rejection) as caught:
+    with Client(cluster.client_endpoint) as client, pytest.raises(Rejection) as caught:
         client.submit(params(0), timeout_s=20)
     assert caught.value.reason == Reason.TRANSFER_FAILED
     assert caught.value.rejected.message.endswith(
@@ -376,7 +370,7 @@ async def test_a_burst_of_refusals_reaches_a_client_that_reads(start_cluster: St
             outcomes.append(refused.reason)
 
     with anyio.fail_after(30):
-        async with AsyncClient(endpoint(cluster)) as client, anyio.create_task_group() as tg:
+        async with AsyncClient(cluster.client_endpoint) as client, anyio.create_task_group() as tg:
             for i in range(300):
                 tg.start_soon(submit, client, i)
     assert sorted(outcomes) == [Reason.OVERLOADED] * 299 + ["result"]
@@ -399,7 +393,7 @@ async def test_a_denoiser_with_two_compute_threads_runs_two_requests_at_once(sta
         events.append((rid, "done"))
 
     with anyio.fail_after(30):
-        async with AsyncClient(endpoint(cluster)) as client, anyio.create_task_group() as tg:
+        async with AsyncClient(cluster.client_endpoint) as client, anyio.create_task_group() as tg:
             for rid in ("a", "b"):
                 tg.start_soon(one, client, rid)
     # One thread would run them one after the other: every step report of the second
@@ -425,7 +419,7 @@ def test_a_request_that_times_out_for_want_of_a_stage_says_so(start_cluster: Sta
     denoiser.send_signal(signal.SIGTERM)
     assert denoiser.wait(timeout=20) == 0
     wait_for(cluster, lambda s: len(s.instances) == 2)
-    with Client(endpoint(cluster)) as client, pytest.raises(Rejection) as caught:
+    with Client(cluster.client_endpoint) as client, pytest.raises(Rejection) as caught:
         client.submit(params(0), timeout_s=1.5)
     assert caught.value.reason == Reason.TIMED_OUT
     assert caught.value.rejected.message.endswith("; no denoiser worker is registered")

@@ -35,7 +35,7 @@ async def serve_correctly(cluster: LocalCluster, count: int) -> None:
         generation = await client.submit(params, timeout_s=30)
         assert torch.equal(generation.outputs["images"], expected_outputs(params, cluster.config.model.null)["images"])
 
-    async with AsyncClient(cluster.config.daemon.client_endpoint) as client, anyio.create_task_group() as tg:
+    async with AsyncClient(cluster.client_endpoint) as client, anyio.create_task_group() as tg:
         for i in range(count):
             tg.start_soon(one, client, GenParams(prompt=f"rejoin {i}", seed=i, output="raw"))
 
@@ -56,7 +56,7 @@ async def test_an_evicted_worker_rejoins_in_the_same_process_holding_nothing(sta
 
     with anyio.fail_after(60):
         try:
-            async with AsyncClient(cluster.config.daemon.client_endpoint) as client, anyio.create_task_group() as tg:
+            async with AsyncClient(cluster.client_endpoint) as client, anyio.create_task_group() as tg:
                 tg.start_soon(stop_mid_denoise)
                 with pytest.raises(Rejection) as caught:
                     await client.submit(GenParams(prompt="stopped", output="raw"), timeout_s=30)
@@ -165,7 +165,7 @@ async def test_a_push_a_frozen_sender_reads_after_its_eviction_writes_nothing(st
     frozen = None
     with anyio.fail_after(90):
         try:
-            async with AsyncClient(cluster.config.daemon.client_endpoint) as client:
+            async with AsyncClient(cluster.client_endpoint) as client:
                 async with anyio.create_task_group() as tg:
                     tg.start_soon(check, client, "first", 9)  # holds the only denoiser unit for 1 s
                     await stats_until(lambda s: s.requests_by_state.get("denoising") == 1)

@@ -31,7 +31,7 @@ async def test_same_host_hand_offs_are_copies_into_shared_memory(start_cluster: 
         results[params.seed] = await client.submit(params, timeout_s=30)
 
     with anyio.fail_after(60):
-        async with AsyncClient(cluster.config.daemon.client_endpoint) as client, anyio.create_task_group() as tg:
+        async with AsyncClient(cluster.client_endpoint) as client, anyio.create_task_group() as tg:
             for params in requests:
                 tg.start_soon(one, client, params)
     for params in requests:

@@ -48,7 +48,7 @@ def test_a_decoder_sending_an_output_slower_than_its_heartbeat_timeout_is_not_ev
     port = free_port()
     with SlowLink(port, bytes_per_s=RATE) as link:
         cluster = start_far_decoder(start_cluster, tmp_path, link.port, port)
-        with Client(cluster.config.daemon.client_endpoint) as client:
+        with Client(cluster.client_endpoint) as client:
             result = client.submit(PARAMS, timeout_s=15)
         assert_expected(result.outputs["images"], cluster)
         stats = wait_for(cluster, all_free)
@@ -83,7 +83,7 @@ async def test_a_decoder_told_to_stop_while_its_output_crosses_hands_it_over_fir
             exits.append((code, time.monotonic() - stopped))
 
         with anyio.fail_after(60):
-            async with AsyncClient(cluster.config.daemon.client_endpoint) as client, \
+            async with AsyncClient(cluster.client_endpoint) as client, \
                     anyio.create_task_group() as tg:
                 tg.start_soon(stop_the_decoder_mid_output)
                 generation = await client.submit(PARAMS, timeout_s=30)

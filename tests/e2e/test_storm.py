@@ -111,7 +111,7 @@ async def one(cluster: LocalCluster, clients: tuple[AsyncClient, ...], i: int, f
                 tg.start_soon(submit, rid)
                 tg.start_soon(submit, rid, 30.0, other)
         case "garbage":
-            with RawClient(cluster.config.daemon.client_endpoint) as raw:
+            with RawClient(cluster.client_endpoint) as raw:
                 reply = await anyio.to_thread.run_sync(raw.send_raw, [b"\x93storm", b"junk"])
             if not (isinstance(reply, Rejected) and reply.reason == Reason.INVALID):
                 ledger.wrong.append(f"{rid}: garbage got {reply!r}")
@@ -141,7 +141,7 @@ async def test_a_storm_of_every_ending_leaves_nothing_behind(start_cluster: Star
     rng = random.Random(SEED)
     fates = rng.choices(list(FATES), weights=list(FATES.values()), k=REQUESTS)
     ledger = Ledger()
-    endpoint = cluster.config.daemon.client_endpoint
+    endpoint = cluster.client_endpoint
     with anyio.fail_after(120):
         async with AsyncClient(endpoint) as a, AsyncClient(endpoint) as b, AsyncClient(endpoint) as c:
             async with anyio.create_task_group() as tg:

@@ -43,7 +43,7 @@ async def test_a_request_whose_denoiser_dies_is_retried_on_the_other_one(start_c
         killed.append(name)
 
     with anyio.fail_after(60):
-        async with AsyncClient(cluster.config.daemon.client_endpoint) as client, anyio.create_task_group() as tg:
+        async with AsyncClient(cluster.client_endpoint) as client, anyio.create_task_group() as tg:
             tg.start_soon(kill_its_denoiser)
             generation = await client.submit(params, timeout_s=30, on_progress=heard.append)
     assert torch.equal(generation.outputs["images"], expected_outputs(params, cluster.config.model.null)["images"])
@@ -74,7 +74,7 @@ def test_a_dead_receiver_fails_no_request_and_takes_no_more_work(start_cluster: 
     os.kill(victim.pid, signal.SIGKILL)
     victim.wait()
     null_cfg = cluster.config.model.null
-    with Client(cluster.config.daemon.client_endpoint) as client:
+    with Client(cluster.client_endpoint) as client:
         for i in range(8):
             params = GenParams(prompt=f"after the crash {i}", seed=i, output="raw")
             generation = client.submit(params, timeout_s=10)
@@ -105,7 +105,7 @@ def test_a_hung_stage_takes_its_worker_down_and_nothing_else(start_cluster: Star
     hang the next denoiser too (an audit: one request took down both)."""
     cluster = start_cluster(**{"workers.denoiser": {"stage_timeout_s": 1.0}, "model.faults": {"hang_prompt": "wedge"}})
     addresses = {i.name: i.address for i in cluster.control.stats().instances}
-    with Client(cluster.config.daemon.client_endpoint) as client:
+    with Client(cluster.client_endpoint) as client:
         with pytest.raises(Rejection) as caught:
             client.submit(GenParams(prompt="wedge the gpu", seed=1, output="raw"), timeout_s=0.5)
         assert caught.value.reason == Reason.TIMED_OUT  # the stop it was sent changed nothing
@@ -141,7 +141,7 @@ def test_a_cuda_error_fails_its_request_and_takes_only_its_worker_down(start_clu
     supervisor to replace. Its request fails with stage_failed, said before the exit: started
     again on the other denoiser, a request that faults the device would take that one down too."""
     cluster = start_cluster(**{"model.faults": {"device_error_prompt": "fault"}})
-    with Client(cluster.config.daemon.client_endpoint) as client:
+    with Client(cluster.client_endpoint) as client:
         with pytest.raises(Rejection) as caught:
             client.submit(GenParams(prompt="fault the kernel", seed=1, output="raw"), timeout_s=30)
         assert caught.value.reason == Reason.STAGE_FAILED
@@ -161,7 +161,7 @@ def test_a_worker_told_to_stop_during_a_hung_stage_still_exits(start_cluster: St
     keep the process alive for good, but the watchdog, a thread of its own, still ends it."""
     cluster = start_cluster(layout={"encoder": 1, "denoiser": 1, "decoder": 1},
                             **{"workers.denoiser": {"stage_timeout_s": 2.0}, "model.faults": {"hang_prompt": "wedge"}})
-    with Client(cluster.config.daemon.client_endpoint) as client, pytest.raises(Rejection):
+    with Client(cluster.client_endpoint) as client, pytest.raises(Rejection):
         client.submit(GenParams(prompt="wedge the gpu", seed=1, output="raw"), timeout_s=0.5)
     denoiser = cluster.workers["denoiser0"]
     denoiser.send_signal(signal.SIGTERM)  # well before the stage's 2 s are up
@@ -174,7 +174,7 @@ def test_a_frozen_worker_gets_no_new_work_until_it_thaws(start_cluster: StartClu
     its eviction (heartbeat_misses, here 20 s away). Heard from again, it is trusted again."""
     cluster = start_cluster(daemon={"heartbeat_misses": 40})
     [frozen] = [i.instance for i in cluster.control.stats().instances if i.name == "denoiser1"]
-    endpoint = cluster.config.daemon.client_endpoint
+    endpoint = cluster.client_endpoint
     null_cfg = cluster.config.model.null
 
     def served_by(client: Client, i: int) -> set[str]:
@@ -215,7 +215,7 @@ async def test_a_worker_stopped_with_sigterm_says_so_and_its_request_starts_agai
         stopped.append(await anyio.to_thread.run_sync(proc.wait))
 
     with anyio.fail_after(30):
-        async with AsyncClient(cluster.config.daemon.client_endpoint) as client, anyio.create_task_group() as tg:
+        async with AsyncClient(cluster.client_endpoint) as client, anyio.create_task_group() as tg:
             tg.start_soon(stop_its_denoiser)
             started = time.monotonic()
             generation = await client.submit(params, timeout_s=30)
@@ -237,7 +237,7 @@ async def test_a_retry_goes_before_requests_that_have_not_had_their_turn_at_ever
     cluster = start_cluster(workers={"denoiser": {"capacity": 1}}, **{"model.null": {"denoiser_ms": 1000.0}})
     order: list[str] = []
     with anyio.fail_after(40):
-        async with AsyncClient(cluster.config.daemon.client_endpoint) as client, anyio.create_task_group() as tg:
+        async with AsyncClient(cluster.client_endpoint) as client, anyio.create_task_group() as tg:
 
             async def one(rid: str, seed: int) -> None:
                 await client.submit(GenParams(prompt=rid, seed=seed, output="raw"), request_id=rid, timeout_s=30)
@@ -269,7 +269,7 @@ async def test_a_sender_stuck_on_a_frozen_receiver_gets_no_new_work_until_its_pu
     cluster = start_cluster(layout={"encoder": 2, "denoiser": 1, "decoder": 1})
     frozen = cluster.workers["denoiser0"]
     null_cfg = cluster.config.model.null
-    endpoint = cluster.config.daemon.client_endpoint
+    endpoint = cluster.client_endpoint
     async with AsyncClient(endpoint) as client:
         os.kill(frozen.pid, signal.SIGSTOP)
         try:
