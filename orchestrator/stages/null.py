@@ -12,6 +12,7 @@ start, as one forward pass cannot be interrupted.
 from __future__ import annotations
 
 import hashlib
+import math
 import threading
 import time
 
@@ -26,13 +27,24 @@ LATENT_FACTOR = 8
 LIMITS = StageLimits(size_multiple=LATENT_FACTOR, min_size=8, max_size=4096, max_frames=1, model="null")
 
 
-def _generator(params: GenParams, stage: str) -> torch.Generator:
-    digest = hashlib.blake2b(f"{stage}\0{params.seed}\0{params.prompt}".encode(), digest_size=8).digest()
-    return torch.Generator().manual_seed(int.from_bytes(digest, "little") >> 1)
+def _bytes(params: GenParams, salt: str, n: int) -> bytes:
+    """``n`` bytes decided by the request and ``salt`` alone: SHAKE-256's output, the same on
+    every machine. (torch's CPU randn is not: from 16 elements on it takes a vectorised path
+    whose low bits differ between CPUs, so a client would see its own recomputation differ
+    from a worker's on another kind of CPU.)"""
+    return hashlib.shake_256(f"{salt}\0{params.seed}\0{params.prompt}".encode()).digest(n)
+
+
+def _noise(params: GenParams, salt: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """Float32 noise of ``shape``, roughly N(0, 1.15): each value the sum of four random
+    bytes, centred, over 128. Whole numbers and a power of two: exact on every machine."""
+    n = math.prod(shape)
+    raw = torch.frombuffer(bytearray(_bytes(params, salt, 4 * n)), dtype=torch.uint8).reshape(n, 4)
+    return ((raw.to(torch.int32).sum(1) - 510).to(torch.float32) / 128).reshape(shape)
 
 
 def encode(params: GenParams, cfg: NullStageConfig) -> Tensors:
-    return {"embeds": torch.randn(cfg.embed_shape, generator=_generator(params, "encoder"))}
+    return {"embeds": _noise(params, "encoder", cfg.embed_shape)}
 
 
 def _digest(t: torch.Tensor) -> str:
@@ -43,21 +55,22 @@ def _digest(t: torch.Tensor) -> str:
 
 def denoise(params: GenParams, inputs: Tensors, cfg: NullStageConfig) -> Tensors:
     shape = (params.num_images, cfg.latent_channels, params.height // LATENT_FACTOR, params.width // LATENT_FACTOR)
-    # Seeding with a digest of the input's bytes makes the output depend on every bit that
-    # arrived, in order, while keeping latents ~N(0, 1) so decoded images are not saturated.
-    digest = _digest(inputs["embeds"])
-    return {"latents": torch.randn(shape, generator=_generator(params, f"denoiser\0{digest}"))}
+    # Salting with a digest of the input's bytes makes the output depend on every bit that
+    # arrived, in order, while keeping latents near N(0, 1) so decoded images are not saturated.
+    return {"latents": _noise(params, f"denoiser\0{_digest(inputs['embeds'])}", shape)}
 
 
 def decode(params: GenParams, inputs: Tensors) -> torch.Tensor:
     latents = inputs["latents"]
-    rgb = torch.sigmoid(latents[:, :3]).repeat_interleave(LATENT_FACTOR, 2).repeat_interleave(LATENT_FACTOR, 3)
+    # Three of the channels, mapped linearly onto 0-255 (a power of two, an addition, a
+    # clamp, a product: correctly rounded IEEE operations, the same bits on every CPU).
+    rgb = (latents[:, :3] / 8 + 0.5).clamp(0, 1).repeat_interleave(LATENT_FACTOR, 2).repeat_interleave(LATENT_FACTOR, 3)
     image = (rgb * 255).to(torch.uint8).permute(0, 2, 3, 1).contiguous()
-    # The image shows three of the channels, rounded to 8 bits; the low bit of each pixel
-    # comes from a digest of every input byte, so a hand-off that corrupts any of them (the
-    # fourth channel, a low mantissa bit) changes the image too.
-    noise = _generator(params, f"decoder\0{_digest(latents)}")
-    return (image & 0xFE) | torch.randint(0, 2, image.shape, generator=noise, dtype=torch.uint8)
+    # The low bit of each pixel comes from a digest of every input byte, so a hand-off that
+    # corrupts any of them (the fourth channel, a low mantissa bit) changes the image too.
+    noise = torch.frombuffer(bytearray(_bytes(params, f"decoder\0{_digest(latents)}", image.numel())),
+                             dtype=torch.uint8).reshape(image.shape)
+    return (image & 0xFE) | (noise & 1)
 
 
 def expected_outputs(params: GenParams, cfg: NullStageConfig) -> Tensors:
@@ -73,8 +86,9 @@ class _NullStage(Stage):
         return LIMITS
 
     def model_digest(self) -> str:
-        # What shapes the tensors handed on; the times and test prompts may differ per worker.
-        return digest_of(["null", self._cfg.embed_shape, self._cfg.latent_channels])
+        # What shapes the tensors handed on, and the version of the functions that fill them
+        # (2: SHAKE-256 noise); the times and test prompts may differ per worker.
+        return digest_of(["null", 2, self._cfg.embed_shape, self._cfg.latent_channels])
 
     @staticmethod
     def _forward(ms: float, control: RunControl) -> None:
