@@ -5,8 +5,9 @@ reserved at) an instance, given back when that instance no longer holds the requ
 for a request that ended while its stage ran there, when that run is over. The
 pool is the only sender on each instance's PUSH socket; every order is prefixed with the
 key the worker was given at registration, so nobody else can drive a worker. An instance
-the negotiator suspects (silent, or a push into it failed) keeps its slots but is offered none,
-and so does a new instance until its first order, a ``Probe``, is known to have reached it.
+the negotiator suspects (silent, a push into it failed, stopping, or a push of its overdue)
+keeps its slots but is offered none, and so does a new instance until its first order, a
+``Probe``, is known to have reached it.
 
 A receiver is offered only jobs whose input its memory can ever hold (``Join.fits``), so
 workers of one role may have pools of different sizes, and an instance only jobs its

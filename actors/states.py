@@ -41,6 +41,7 @@ ALLOWED: dict[RequestState, frozenset[RequestState]] = {
     RequestState.FAILED: frozenset(),
 }
 
+
 class IllegalTransition(RuntimeError):
     pass
 

@@ -27,7 +27,6 @@ PEER_START_S = 10.0  # a stand-in process starts Python, imports this module (~0
 ECHO_REPLY_S = 5.0
 
 
-
 @contextlib.contextmanager
 def stand_in(peer: str, endpoint: str) -> Iterator[subprocess.Popen]:
     """``peer`` (``echo_router`` or ``instant_daemon``) serving ``endpoint`` (ipc://) in a

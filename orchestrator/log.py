@@ -50,7 +50,6 @@ def configure_logging(level: str = "info", *, json: bool | None = None, **contex
     structlog.contextvars.bind_contextvars(**context)
 
 
-
 @dataclass(slots=True)
 class _Window:
     start: float

@@ -64,6 +64,7 @@ def write_limit_s(write_timeout_s: float, nbytes: int) -> float:
     timeout, 1 ns a byte, and a grace. The daemon times a sender's push report by it too."""
     return write_timeout_s + nbytes * 1e-9 + _GRACE_S
 
+
 # A write refused or cut off fails within milliseconds (a rejected range, a dead peer). One
 # that fails only after this long was stuck: what it sent may wait in a stalled peer's
 # socket buffers and land when the peer resumes (measured: a SIGSTOPped peer's write gave

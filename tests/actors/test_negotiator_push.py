@@ -770,8 +770,6 @@ async def test_a_sender_whose_push_is_overdue_gets_no_new_work_until_it_reports_
             assert Suspect(instance=encoder.instance, suspect=True) not in n.take("encoder")
 
 
-
-
 async def test_a_sender_with_a_short_write_timeout_is_overdue_behind_a_push_due_later(
     ctx: zmq.asyncio.Context, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -796,6 +794,7 @@ async def test_a_sender_with_a_short_write_timeout_is_overdue_behind_a_push_due_
             assert await n.pools["encoder"].receive() == Suspect(instance=hasty.instance, suspect=True)
             await n.stats()
             n.assert_silent()  # the patient one is not due for half a minute
+
 
 async def test_a_stopping_receiver_that_still_heartbeats_is_not_evicted_for_a_failed_push(
     ctx: zmq.asyncio.Context, tmp_path: Path

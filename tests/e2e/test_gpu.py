@@ -36,6 +36,7 @@ def test_a_gpu_machine_has_a_torch_that_sees_the_gpu_and_mooncakes_gpu_build() -
     assert GPU, "nvidia-smi sees a GPU, torch does not: a CPU build of torch, or a driver too old for its CUDA"
     assert importlib.metadata.version("mooncake-transfer-engine-cuda13"), "scripts/_env.sh installs it on a GPU"
 
+
 REQUESTS = [
     GenParams(prompt="a red fox in snow", negative_prompt="blurry", seed=21, steps=4, width=32, height=32,
               output="raw"),

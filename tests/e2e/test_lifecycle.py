@@ -119,6 +119,7 @@ def test_a_request_that_ends_mid_decode_holds_the_decoders_slot_until_the_pass_e
             client.submit(p(1), timeout_s=0.6)
         assert "decoding" in caught.value.rejected.message
         ended = time.monotonic()
+
         def submit_another() -> Generation:
             with Client(cluster.client_endpoint) as other:
                 return other.submit(p(2), timeout_s=20)

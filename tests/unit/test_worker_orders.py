@@ -234,7 +234,6 @@ def test_unpack_refuses_specs_that_overlap() -> None:
     assert set(frames.unpack(block, [spec, msgspec.structs.replace(spec, name="b", offset=64)])) == {"a", "b"}
 
 
-
 async def test_an_order_nested_too_deep_is_skipped_and_the_rest_are_handled() -> None:
     deep = bytes([0x83]) + encode(Abort(request_id="x"))[1:] + encode("deep") + b"\x91" * 2000 + b"\xc0"
     async with worker() as w:
