@@ -286,13 +286,13 @@ class TransferNegotiator:
             self._reply(routing_id, refusal)
             return
         for stale in [old for old in self._links.values() if old.same_worker_as(msg)]:
-            # Same name, session or shared pool, new connection: a restart, whose old process is dead,
-            # or (same name) a second live process under the name. One silent for a while
-            # is taken for the dead one of a restart, and what it was pushing into is freed
-            # at once; one heard from lately may be alive and still pushing, so its writes
-            # get their Pushed or the quarantine. The old connection is told to stop, or two
-            # live ones would evict each other on every rejoin. (A dead one's connection is
-            # gone: the ROUTER drops it.)
+            # Same name, session or shared pool, new connection: a restart. The old process is
+            # dead, or silent for two heartbeats (frozen), or it is this one (the same session:
+            # one process binds it). One silent for a while is taken for the dead one of a
+            # restart, and what it was pushing into is freed at once; one heard from lately
+            # may still be pushing, so its writes get their Pushed or the quarantine. The old
+            # connection is told to stop, so a frozen one that wakes does not rejoin and evict
+            # its successor. (A dead one's connection is gone: the ROUTER drops it.)
             silent = self._silent(stale)
             self._evict(stale, f"{stale.instance} re-registered as a new process", gone=silent)
             self._reply(stale.routing_id, RegisterRefused(message=self._replaced_by(msg, stale)))
@@ -328,11 +328,13 @@ class TransferNegotiator:
 
     def _claimed_by_another(self, msg: Register) -> RegisterRefused | None:
         """A worker heard from lately holds ``msg``'s Mooncake session under another name, or
-        its name under another role: the newcomer is refused and the live one serves on.
-        Two links on one session would have pushes meant for one pool land in the other's
-        memory. The refusal says rejoin: a restarted worker whose predecessor still counts as
-        live gets in once that one falls silent (then taken for dead, and replaced); one
-        that never does gives up after its connect_timeout_s, naming why."""
+        its name as another process (another role, or another session and memory): the
+        newcomer is refused and the live one serves on. Two links on one session would have
+        pushes meant for one pool land in the other's memory; two live processes under one
+        name (a copied unit file) would evict each other, failing what the evicted one held.
+        The refusal says rejoin: a restarted worker whose predecessor still counts as live
+        gets in once that one falls silent (then taken for dead, and replaced); one that
+        never does gives up after its connect_timeout_s, naming why."""
         for old in self._links.values():
             if self._silent(old):
                 continue
@@ -345,7 +347,8 @@ class TransferNegotiator:
                 return RegisterRefused(rejoin=True, deferred=True, message=(
                     f"the shared memory {msg.local.path} is registered by {old.instance} ({old.name!r}), "
                     "which is still heard from: it is one worker's pool"))
-            if old.name == msg.name and old.role != msg.role:
+            if old.name == msg.name and (old.role != msg.role or not (old.session == msg.session
+                                                                     or old.shares_memory(msg))):
                 return RegisterRefused(rejoin=True, deferred=True, message=(
                     f"the name {msg.name!r} is held by {old.instance}, a live {old.role} worker: "
                     "worker names must be unique"))

@@ -220,7 +220,8 @@ def _parser() -> argparse.ArgumentParser:
     p = command("worker", _worker, "run one stage worker")
     p.add_argument("--role", required=True, choices=["encoder", "denoiser", "decoder"])
     p.add_argument("--name", default=None, type=worker_name,
-                   help="stable name; a restart under the same name replaces the old one")
+                   help="stable name, unique among live workers; a restart under it replaces the old one "
+                        "once that is silent")
     p = command("instant-workers", _instant_workers,
                 "zero-work workers that answer orders at once, for measuring the daemon alone")
     p.add_argument("--encoders", type=at_least(1), default=1, help="(default: %(default)s)")

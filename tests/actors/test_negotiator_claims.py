@@ -1,4 +1,4 @@
-"""A registration that claims what a live worker holds (its name under another role, its
+"""A registration that claims what a live worker holds (its name as another process, its
 Mooncake session under another name) is refused; the live worker serves on. Claimed from a
 worker gone silent, it is a restart, and the newcomer replaces the old one."""
 
@@ -8,6 +8,7 @@ from pathlib import Path
 
 import anyio
 import msgspec
+import pytest
 import zmq
 import zmq.asyncio
 
@@ -21,7 +22,7 @@ from tests.actors.negotiator_harness import (
     shared_pool,
     speak,
 )
-from transfer.protocol import DAEMON_TO_WORKER, Register, Registered, RegisterRefused, encode
+from transfer.protocol import DAEMON_TO_WORKER, Register, Registered, RegisterRefused, Role, encode
 
 HEARTBEAT_S = 0.05
 
@@ -34,13 +35,16 @@ async def claim(ctx: zmq.asyncio.Context, endpoint: str, hello: Register) -> tup
     return sock, DAEMON_TO_WORKER.decode(await sock.recv())
 
 
-async def test_a_live_workers_name_under_another_role_is_refused_and_the_live_one_serves_on(
-    ctx: zmq.asyncio.Context, tmp_path: Path
+@pytest.mark.parametrize("role", ["encoder", "denoiser"], ids=["another-role", "another-process-of-its-role"])
+async def test_a_live_workers_name_claimed_by_another_process_is_refused_and_the_live_one_serves_on(
+    ctx: zmq.asyncio.Context, tmp_path: Path, role: Role
 ) -> None:
-    """Before, the newcomer took the name and the live denoiser was told to stop for good."""
+    """Before, the newcomer took the name and the live denoiser was told to stop for good;
+    two such processes under restart loops (a copied unit file) evicted each other every few
+    seconds, failing what each held."""
     with anyio.fail_after(5):
         async with encoder_and_denoiser(ctx, tmp_path, slots=2) as (n, _, denoiser):
-            hello = msgspec.structs.replace(registration("encoder", "other-session", 0), name="denoiser-worker")
+            hello = msgspec.structs.replace(registration(role, "other-session", 0), name="denoiser-worker")
             sock, reply = await claim(ctx, n.endpoint, hello)
             with sock:
                 assert isinstance(reply, RegisterRefused) and reply.rejoin and reply.deferred  # in once it is silent

@@ -320,7 +320,8 @@ async def test_a_failed_allocation_releases_both_pools_and_fails(ctx: zmq.asynci
 
 async def reregister(ctx: zmq.asyncio.Context, n: Negotiator, role: Role, *, slots: int,
                      stack: ExitStack) -> tuple[FakeWorker, list[Any]]:
-    """The ``role`` worker restarts: same name, new connection, so the old instance is evicted.
+    """The ``role`` worker restarts on the same endpoint (its Mooncake session: the old process
+    is dead, or this is it) under its name, on a new connection: the old instance is evicted.
 
     Returns the new worker and what the negotiator posted to ``role``'s pool meanwhile, up to
     (not including) the new instance's Join.
@@ -328,13 +329,13 @@ async def reregister(ctx: zmq.asyncio.Context, n: Negotiator, role: Role, *, slo
     sock = stack.enter_context(ctx.socket(zmq.DEALER))
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(n.endpoint)
-    registered = await register(sock, role, f"{role}-session-2", slots)
+    registered = await register(sock, role, f"{role}-session", slots)
     posted = n.take(role)
     assert isinstance(posted[-1], Join) and posted[-1].instance == registered.instance
     # The door forgets the old instance's limits and binds the new one's.
     assert [(m.instance, m.limits is None) for m in n.take("frontend")] == [
         (posted[0].instance, True), (registered.instance, False)]
-    return FakeWorker(sock, registered.instance, f"{role}-session-2", registered.key), posted[:-1]
+    return FakeWorker(sock, registered.instance, f"{role}-session", registered.key), posted[:-1]
 
 
 async def test_a_silent_sender_whose_name_registers_anew_mid_push_frees_the_receivers_slot_at_once(
@@ -358,8 +359,8 @@ async def test_a_silent_sender_whose_name_registers_anew_mid_push_frees_the_rece
 async def test_a_live_sender_whose_name_registers_anew_mid_push_keeps_the_receivers_slot_until_the_quarantine(
     ctx: zmq.asyncio.Context, tmp_path: Path
 ) -> None:
-    """Heard from just now: it may be a second live process under the name, still writing
-    into the slot (it stops only once told to)."""
+    """Heard from just now: its writes may not all have ended yet (a write the old process
+    started, the daemon cannot tell), so the slot waits out the quarantine."""
     with anyio.fail_after(5), ExitStack() as stack:
         async with encoder_and_denoiser(ctx, tmp_path, slots=2, push_quarantine_s=0.3) as (n, encoder, denoiser):
             await push_on_fast_path(n, encoder, denoiser, "r1")
@@ -430,9 +431,10 @@ async def test_a_silent_sender_mid_push_keeps_the_receivers_slot_until_its_quara
             assert waited >= 0.25, "released before the quarantine ended"
 
 
-async def test_the_old_connection_of_a_reused_name_is_told_to_stop(ctx: zmq.asyncio.Context, tmp_path: Path) -> None:
-    """Two live workers under one --name: the older stops, instead of both evicting each
-    other on every rejoin."""
+async def test_the_old_connection_of_a_name_taken_over_is_told_to_stop(ctx: zmq.asyncio.Context,
+                                                                       tmp_path: Path) -> None:
+    """Were it alive after all (frozen, then woken), it would otherwise rejoin and evict its
+    successor."""
     with anyio.fail_after(5), ExitStack() as stack:
         async with encoder_and_denoiser(ctx, tmp_path, slots=1) as (n, _, denoiser):
             await reregister(ctx, n, "denoiser", slots=1, stack=stack)

@@ -31,6 +31,7 @@ from transfer.protocol import (
     Reason,
     Register,
     RegisterRefused,
+    Role,
     Staged,
     Stats,
     Submit,
@@ -560,39 +561,23 @@ def test_a_dead_worker_is_evicted_and_a_restart_replaces_it(start_cluster: Start
     assert wait_for(cluster, all_free)
 
 
-def test_a_second_live_worker_under_a_name_in_use_replaces_the_first_which_stops(start_cluster: StartCluster) -> None:
-    """Two live processes with one --name (a copied unit file): without the refusal each
-    one's rejoin evicted the other, over and over, and every request failed worker_lost."""
-    cluster = start_cluster(layout={"encoder": 1, "denoiser": 1, "decoder": 1})
-    first = cluster.workers["denoiser0"]
-    [first_address] = [i.address for i in cluster.control.stats().instances if i.role == "denoiser"]
-    cluster.start_worker("denoiser", 0)
-    assert first.wait(timeout=30) == 1
-    assert "worker names must be unique" in cluster.log_of("denoiser0")
-    assert first_address.startswith("ipc://") and not Path(first_address.removeprefix("ipc://")).exists()
-    stats = wait_for(cluster, lambda s: any(i.name == "denoiser0" and not i.suspect for i in s.instances), timeout_s=60)
-    instance = next(i.instance for i in stats.instances if i.name == "denoiser0")
-    with Client(cluster.client_endpoint) as client:
-        for seed in range(3):
-            client.submit(p(seed), timeout_s=20)
-    time.sleep(2 * cluster.config.daemon.heartbeat_s)
-    assert [i.instance for i in cluster.control.stats().instances if i.role == "denoiser"] == [instance]  # settled
-
-
-def test_a_worker_taking_a_live_workers_name_under_another_role_is_refused_and_the_other_serves_on(
-    start_cluster: StartCluster, tmp_path: Path
+@pytest.mark.parametrize("role", ["encoder", "denoiser"], ids=["another-role", "a-second-process-of-its-role"])
+def test_a_worker_taking_a_live_workers_name_is_refused_and_the_other_serves_on(
+    start_cluster: StartCluster, tmp_path: Path, role: Role
 ) -> None:
-    """Before, the newcomer took the name and the live denoiser stopped for good. Now the
-    newcomer waits for the name (the holder may be a dead process not yet evicted) for its
-    connect_timeout_s, then exits naming why."""
+    """Before, the newcomer took the name and the live denoiser stopped for good; two live
+    processes under one --name in restart loops (a copied unit file) evicted each other
+    every few seconds, and what each held failed worker_lost. Now the newcomer waits for
+    the name (the holder may be a dead process not yet evicted) for its connect_timeout_s,
+    then exits naming why."""
     cluster = start_cluster(layout={"encoder": 1, "denoiser": 1, "decoder": 1})
     before = {i.instance for i in cluster.control.stats().instances}
-    patient = config_variant(cluster, tmp_path / "patient.toml", "workers.encoder", {"connect_timeout_s": 3.0})
-    clash = cluster.start_worker("encoder", 1, name="denoiser0", config_path=patient)
+    patient = config_variant(cluster, tmp_path / "patient.toml", f"workers.{role}", {"connect_timeout_s": 3.0})
+    clash = cluster.start_worker(role, 1, name="denoiser0", config_path=patient)
     assert clash.wait(timeout=60) == 1
-    log = cluster.log_of("encoder1")
+    log = cluster.log_of(f"{role}1")
     assert "worker.registration_deferred" in log and "the name 'denoiser0' is held by" in log
-    assert "the daemon did not take this worker within 3.0s (workers.encoder.connect_timeout_s)" in log
+    assert f"the daemon did not take this worker within 3.0s (workers.{role}.connect_timeout_s)" in log
     assert cluster.workers["denoiser0"].poll() is None
     assert {i.instance for i in cluster.control.stats().instances} == before
     with Client(cluster.client_endpoint) as client:
