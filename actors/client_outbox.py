@@ -156,8 +156,8 @@ class ClientOutbox:
         self._total += nbytes
 
     def _unsendable(self, identity: bytes, count: int, exc: zmq.ZMQError) -> None:
-        gone = exc.errno == zmq.EHOSTUNREACH
-        self._drop(count, exc.strerror, gone=gone)
+        gone = exc.errno == zmq.EHOSTUNREACH  # what a ROUTER_MANDATORY socket says of a closed connection
+        self._drop(count, "its client's connection is closed" if gone else exc.strerror, gone=gone)
         if gone:
             self._on_gone(identity)
 

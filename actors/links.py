@@ -67,7 +67,7 @@ class Link:
 def registration_problem(msg: Register, token: str, push_quarantine_s: float) -> str | None:
     """Why ``msg`` must be refused (the ``RegisterRefused`` message), or None to accept it."""
     if not hmac.compare_digest(msg.token.encode(), token.encode()):
-        return "bad token"
+        return "bad token: this worker's daemon.token is not the daemon's"
     if msg.protocol != PROTOCOL_VERSION:
         return f"protocol {msg.protocol}, daemon speaks {PROTOCOL_VERSION}"
     if msg.write_timeout_s >= push_quarantine_s:

@@ -61,6 +61,7 @@ from orchestrator.config import DaemonConfig
 from orchestrator.log import Throttled
 from transfer.binding import FLUSH_ON_CLOSE_MS, bound_router
 from transfer.protocol import (
+    DAEMON_STOPPING,
     DECODE_ERRORS,
     MAX_TENSORS,
     PROTOCOL_VERSION,
@@ -443,7 +444,7 @@ class TransferNegotiator:
         memory later and it need not wait out push_quarantine_s when it rejoins."""
         receiving = self._handoffs.receivers()
         for link in self._links.values():
-            self._reply(link.routing_id, RegisterRefused(message="the daemon is stopping", rejoin=True,
+            self._reply(link.routing_id, RegisterRefused(message=DAEMON_STOPPING, rejoin=True,
                                                          settled=link.instance not in receiving))
         self._stopping = True
         self._log.info("negotiator.farewell", workers=len(self._links), unsettled=len(receiving))

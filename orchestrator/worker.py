@@ -47,6 +47,7 @@ from transfer.binding import EndpointUnusable, remove_ipc_file
 from transfer.engine import Engine, MooncakeEngine
 from transfer.pool import MemoryPool, PoolUnallocatable, physical_memory
 from transfer.protocol import (
+    DAEMON_STOPPING,
     DECODE_ERRORS,
     ORDERS_PER_MESSAGE,
     PROTOCOL_VERSION,
@@ -130,7 +131,7 @@ class WorkerRuntime:
                 forgotten = await self._serve(registered, link, work, work_address)
                 registered = None  # forgotten: a Leaving would go to no one (and wait out its linger)
                 link.close_outputs()
-                await self._forget_everything(settled=forgotten.settled)
+                await self._forget_everything(forgotten)
                 registered = await self._register(link.main, work_address, patient=True)
         finally:
             close_work_socket(work, self._work_address)
@@ -291,13 +292,14 @@ class WorkerRuntime:
             # Leaving the group waits for the stage and push threads to end: no write of
             # ours is in flight after it.
             tg.cancel_scope.cancel()
-        self._log.warning("worker.forgotten", why=forgotten.message)
         return forgotten
 
-    async def _forget_everything(self, *, settled: bool) -> None:
-        """Free what the forgotten registration held, then wait until rejoining is safe.
-        ``settled``: the daemon, stopping, said nothing can still be written here."""
+    async def _forget_everything(self, forgotten: RegisterRefused) -> None:
+        """Free what the registration ``forgotten`` ended held, then wait until rejoining is
+        safe. A daemon's farewell is a planned end (a restart, a drain): said, not warned of."""
         assert self._pool is not None and self._memory is not None
+        log = self._log.info if forgotten.message == DAEMON_STOPPING else self._log.warning
+        log("worker.forgotten", why=forgotten.message)
         self._memory.free_everything()
         # Orders of the registration's last loop turn left these behind: their tasks were
         # cancelled before they ran, and with them the code that would have cleared them.
@@ -308,8 +310,8 @@ class WorkerRuntime:
         self._outbox, self._outputs = ReportOutbox(), ReportOutbox()  # about requests nobody knows any more
         # A sender told to push here before the daemon forgot us may still be writing: the
         # daemon must not hand this memory out again before such a write is over.
-        wait_s = 0.0 if self.role == "encoder" or settled else self._memory.push_quarantine_s
-        self._log.warning("worker.rejoining", wait_s=wait_s, blocks_held=self._pool.allocated_blocks)
+        wait_s = 0.0 if self.role == "encoder" or forgotten.settled else self._memory.push_quarantine_s
+        log("worker.rejoining", wait_s=wait_s, blocks_held=self._pool.allocated_blocks)
         await anyio.sleep(wait_s)
 
     async def _register(self, dealer: zmq.asyncio.Socket, work_address: str, *, patient: bool) -> Registered:

@@ -426,6 +426,10 @@ class Registered(Wire):
     max_message_bytes: NonNegative = 0
 
 
+# RegisterRefused's message in a stopping daemon's farewell: a planned end, not an incident.
+DAEMON_STOPPING = "the daemon is stopping"
+
+
 class RegisterRefused(Wire):
     """Daemon -> worker: registration refused (bad token, version, slots), or a message on
     a connection the daemon does not know (it restarted, or evicted this worker)."""

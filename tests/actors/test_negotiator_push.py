@@ -638,7 +638,8 @@ async def test_registration_with_a_wrong_token_is_refused(ctx: zmq.asyncio.Conte
     """The fake workers above register for real: the token they carry is the one checked."""
     with anyio.fail_after(5):
         async with running_negotiator(ctx, tmp_path) as n:
-            assert (await refused(ctx, n, token="wrong")).message == "bad token"
+            assert (await refused(ctx, n, token="wrong")).message == (
+                "bad token: this worker's daemon.token is not the daemon's")
 
 
 async def test_slots_that_repeat_an_id_or_overlap_are_refused(ctx: zmq.asyncio.Context, tmp_path: Path) -> None:

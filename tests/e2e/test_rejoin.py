@@ -69,6 +69,7 @@ async def test_an_evicted_worker_rejoins_in_the_same_process_holding_nothing(sta
         assert victim.poll() is None  # ...by the same process
         rejoining = [line for line in cluster.log_of("denoiser0").splitlines() if "worker.rejoining" in line]
         assert len(rejoining) == 1 and json.loads(rejoining[0])["blocks_held"] == 0
+        assert json.loads(rejoining[0])["level"] == "warning"  # evicted: an incident
         # The answers to heartbeats it sent before the daemon forgot it are no deferral.
         assert "worker.registration_deferred" not in cluster.log_of("denoiser0")
         await serve_correctly(cluster, 4)
@@ -129,6 +130,7 @@ async def test_after_a_clean_stop_workers_rejoin_the_next_daemon_at_once(start_c
     for name in ("denoiser0", "decoder0"):
         [rejoining] = [json.loads(line) for line in cluster.log_of(name).splitlines() if "worker.rejoining" in line]
         assert rejoining["wait_s"] == 0.0
+        assert rejoining["level"] == "info"  # the daemon's farewell: a planned end, no warning
     await serve_correctly(cluster, 4)
     assert wait_for(cluster, all_free)
 

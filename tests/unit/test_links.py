@@ -23,7 +23,7 @@ def test_a_good_registration_has_no_problem() -> None:
 
 
 @pytest.mark.parametrize(("change", "problem"), [
-    ({"token": "guess"}, "bad token"),
+    ({"token": "guess"}, "bad token: this worker's daemon.token is not the daemon's"),
     ({"protocol": PROTOCOL_VERSION + 1}, f"protocol {PROTOCOL_VERSION + 1}, daemon speaks {PROTOCOL_VERSION}"),
     ({"slots": [SlotInfo(slot_id=7, address=BASE + 3584, size=1024)]}, "slots [7] lie outside the registered pool"),
     ({"slots": [SlotInfo(slot_id=7, address=BASE - 1, size=8)]}, "slots [7] lie outside the registered pool"),

@@ -8,8 +8,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).parents[2]
 # `log.warning("worker.evicted", ...)`: an event is a dotted name as the first argument, or
-# either of two (`"a.b" if cut_short else "a.c"`).
-CALL = re.compile(r'\.(?:warning|error|exception|critical)\(\s*"([a-z_]+\.[a-z_]+)"'
+# either of two (`"a.b" if cut_short else "a.c"`); `log(...)` where the level was chosen
+# (warning, or info when it is expected).
+CALL = re.compile(r'(?:\.(?:warning|error|exception|critical)|\blog)\(\s*"([a-z_]+\.[a-z_]+)"'
                   r'(?:\s+if\s+[^"]+\s+else\s+"([a-z_]+\.[a-z_]+)")?')
 ROW = re.compile(r"^\| (`[a-z_.]+`\\?\*?(?:, `[a-z_.]+`\\?\*?)*) \| (warning|error) \|", re.MULTILINE)
 
