@@ -20,6 +20,7 @@ import zmq
 import zmq.asyncio
 
 import orchestrator.async_client
+from orchestrator.async_client import PROGRESS_BACKLOG
 from orchestrator.client import AsyncClient, Client, Generation, Rejection
 from orchestrator.client_wire import CANCEL_SEND_S, DEFAULT_TIMEOUT_S, CancelTokens
 from orchestrator.control_client import Control
@@ -556,6 +557,39 @@ async def test_a_slow_progress_listener_never_costs_the_answer(
         assert time.monotonic() - started < 1.0  # one call of the listener, not eight
         # The deadline ran out in that call, after the answer came: the answer stands.
         assert await run(busy_s=0.6, timeout_s=0.3) == [1]
+
+
+async def test_progress_past_the_backlog_of_a_busy_listener_is_dropped_and_the_answer_comes(
+    fake_daemon: FakeDaemon
+) -> None:
+    """More Progress than PROGRESS_BACKLOG waiting for a listener still busy: the excess is
+    dropped. Queued regardless, the one past the backlog raised WouldBlock in the client's
+    reader, which ended the client and every request in flight on it."""
+    daemon, endpoint = fake_daemon
+    heard: list[int] = []
+    first = anyio.Event()
+
+    async def busy(progress: Progress) -> None:
+        heard.append(progress.step)
+        first.set()
+        await anyio.sleep(0.3)
+
+    async def answer() -> None:
+        identity, _, body = await daemon.recv_multipart()
+        rid = CLIENT_REQUEST.decode(body).request_id
+        steps = [Progress(request_id=rid, state="denoising", elapsed_ms=float(step), step=step, steps=100)
+                 for step in range(4 * PROGRESS_BACKLOG)]
+        await daemon.send_multipart([identity, b"", encode(steps[0])])
+        await first.wait()
+        for message in [*steps[1:], Result(request_id=rid, outputs=[], stages=[], total_ms=3.0)]:
+            await daemon.send_multipart([identity, b"", encode(message)])
+
+    with anyio.fail_after(10):
+        async with AsyncClient(endpoint) as client, anyio.create_task_group() as tg:
+            tg.start_soon(answer)
+            generation = await client.submit(PARAMS, timeout_s=5, on_progress=busy)
+    assert generation.result.total_ms == 3.0
+    assert heard == [0]  # busy with the first until the answer was in: heard no more
 
 
 async def test_an_id_given_up_on_is_free_once_its_cancel_finds_nothing(fake_daemon: FakeDaemon) -> None:

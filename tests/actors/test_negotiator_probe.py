@@ -141,3 +141,38 @@ async def test_a_newcomer_past_max_workers_is_refused_for_now_and_gets_in_once_o
                     await denoiser.report(Leaving())
                     assert isinstance(await n.pools["denoiser"].receive(), Leave)
                     await register(newcomer, "decoder", "decoder-session", 1)
+
+
+async def test_a_stall_of_the_daemon_does_not_refuse_a_newcomer_whose_probed_waits_unread(
+    ctx: zmq.asyncio.Context, tmp_path: Path
+) -> None:
+    """The daemon stood still past heartbeat_misses right after a registration: the Probed
+    waits in its socket, and the worker would be refused (and exit) naming a wrong address."""
+    with anyio.fail_after(5):
+        async with running_negotiator(ctx, tmp_path, heartbeat_s=HEARTBEAT_S, heartbeat_misses=MISSES) as n:
+            sock, _ = await registered_unreached(ctx, n)
+            with sock:
+                time.sleep(0.5)  # the loop stands still past heartbeat_s * heartbeat_misses
+                n.inbox.post(Tick(gap_s=0.5))
+                await n.stats()
+                n.assert_silent()
+                assert not await sock.poll(100)  # not refused
+
+
+async def test_an_unreached_newcomer_that_falls_quiet_is_not_refused_as_unreachable(
+    ctx: zmq.asyncio.Context, tmp_path: Path
+) -> None:
+    """Joined past heartbeat_misses ago but quiet for over two heartbeats: frozen with its
+    Probe unread, maybe; nothing says its work address is wrong. It is evicted as silent
+    if it stays so, and may rejoin."""
+    with anyio.fail_after(5):
+        async with running_negotiator(ctx, tmp_path, heartbeat_s=HEARTBEAT_S, heartbeat_misses=MISSES) as n:
+            sock, instance = await registered_unreached(ctx, n)
+            with sock:
+                await anyio.sleep(0.1)
+                await speak(n, FakeWorker(sock, instance, "s"))
+                await anyio.sleep(0.25)  # joined 0.35 s ago (past 0.3), quiet for 0.25 (past 0.2)
+                n.inbox.post(Tick())
+                await n.stats()
+                n.assert_silent()  # a suspect already, until its Probe comes back
+                assert not await sock.poll(100)  # not refused

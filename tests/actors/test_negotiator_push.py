@@ -740,6 +740,39 @@ async def test_a_stall_of_the_daemon_is_no_workers_silence(ctx: zmq.asyncio.Cont
                 assert [(type(mail), mail.instance) for mail in n.take(role)] == [(Leave, worker.instance)]
 
 
+async def test_a_stall_of_the_daemon_does_not_make_a_push_in_flight_overdue(
+    ctx: zmq.asyncio.Context, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its Pushed may wait unread in the socket with the heartbeats: the stall's time is
+    added to every push's due time, or every sender with a push in flight would get no new
+    work on waking."""
+    monkeypatch.setattr(actors.handoffs, "PUSH_REPORT_GRACE_S", 0.0)
+    monkeypatch.setattr(transfer.engine, "_GRACE_S", 0.0)
+    with anyio.fail_after(5):
+        async with encoder_and_denoiser(ctx, tmp_path, slots=2, write_timeout_s=0.5, heartbeat_s=0.1,
+                                        heartbeat_misses=3) as (n, encoder, denoiser):
+            await push_on_fast_path(n, encoder, denoiser, "r1")
+            time.sleep(0.7)  # the loop stands still past the push's due time
+            n.inbox.post(Tick(gap_s=0.7))
+            await n.stats()
+            assert Suspect(instance=encoder.instance, suspect=True) not in n.take("encoder")
+
+
+async def test_a_stall_of_the_daemon_does_not_evict_a_receiver_a_push_just_failed_into(
+    ctx: zmq.asyncio.Context, tmp_path: Path
+) -> None:
+    """Its heartbeats of the stall wait unread: evicted on waking, a denoiser would sit out
+    push_quarantine_s before it could rejoin."""
+    with anyio.fail_after(5):
+        async with encoder_and_denoiser(ctx, tmp_path, slots=2, heartbeat_s=0.1,
+                                        heartbeat_misses=3) as (n, encoder, denoiser):
+            await fail_a_push_into(n, encoder, denoiser, "r1")
+            time.sleep(0.5)  # the loop stands still: five heartbeats
+            n.inbox.post(Tick(gap_s=0.5))
+            await n.stats()
+            n.assert_silent()
+
+
 async def test_a_sender_whose_push_is_overdue_gets_no_new_work_until_it_reports_one(
     ctx: zmq.asyncio.Context, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -556,3 +556,29 @@ async def test_a_flood_of_step_reports_is_relayed_only_as_often_as_a_client_can_
             t.assert_silent()
             t.inbox.post(Stepped(request_id="r1", step=7, steps=20))
             assert (await t.frontend.receive()).message.step == 7
+
+
+async def test_a_short_deadline_still_expires_first_after_the_deadline_heap_is_rebuilt() -> None:
+    """Ended requests leave their heap entries behind until the heap is rebuilt from the
+    table: rebuilt in the table's order and not made a heap, a short deadline behind an older
+    long one would never expire at its time."""
+    with anyio.fail_after(30):
+        async with running_tracker() as t:
+            now = time.monotonic()
+            t.inbox.post(Admit(request_id="long", params=PARAMS, timeout_s=600, submitted_at=now))
+            t.inbox.post(Admit(request_id="short", params=PARAMS, timeout_s=1.0, submitted_at=now))
+            for i in range(1100):  # past 2 x live + 1024 stale entries: rebuilt once
+                t.inbox.post(Admit(request_id=f"f{i}", params=PARAMS, timeout_s=600, submitted_at=now))
+                t.inbox.post(CancelRequest(request_id=f"f{i}"))
+                if i % 5 == 0:  # the mailbox holds 32
+                    await t.stats()
+                    queued(t.admission)
+                    queued(t.frontend)
+            await t.stats()
+            queued(t.admission)
+            queued(t.frontend)
+            await anyio.sleep(max(0.0, now + 1.1 - time.monotonic()))
+            t.inbox.post(Tick())
+            await t.stats()
+            ended = [m.message for m in queued(t.frontend) if isinstance(m, Deliver)]
+            assert [(e.request_id, e.reason) for e in ended if isinstance(e, Rejected)] == [("short", Reason.TIMED_OUT)]

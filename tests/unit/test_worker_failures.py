@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import anyio
+import msgspec
 import pytest
 import torch
 import zmq
@@ -19,8 +20,8 @@ from orchestrator.daemon_link import DaemonLink
 from orchestrator.stages import RunControl, StageError, StageStopped
 from orchestrator.stages.base import released
 from orchestrator.watchdog import EXIT_DEVICE_BROKEN
-from tests.unit.test_worker_orders import PARAMS, reports, worker
-from transfer.protocol import MAX_ERROR_TEXT, WORKER_MESSAGE, Done, Reason, Stopped, Work
+from tests.unit.test_worker_orders import CFG, PARAMS, reports, worker
+from transfer.protocol import MAX_ERROR_TEXT, WORKER_MESSAGE, Done, Reason, Staged, Stopped, Work
 
 
 class Failing:
@@ -211,3 +212,21 @@ async def test_a_decoder_output_up_to_the_daemons_frame_limit_is_sent_and_one_pa
     if not sent:
         assert done.reason == Reason.INVALID
         assert f"is {limit + 1} bytes" in done.error and f"worker_max_message_bytes = {limit}" in done.error
+
+
+async def test_no_room_to_stage_an_output_in_time_is_a_failed_hand_off_which_is_retried() -> None:
+    """Its pool full of outputs no receiver has taken yet (slow receivers): like a receiver
+    without room, a failed hand-off, started again on the workers left; stage_failed would
+    tell the client its request was bad, and end it."""
+    encoder = msgspec.structs.replace(CFG.workers.encoder, alloc_timeout_s=0.2)
+    cfg = msgspec.structs.replace(CFG, workers=msgspec.structs.replace(CFG.workers, encoder=encoder))
+    async with worker("encoder", cfg=cfg) as w:
+        for rid in ("r1", "r2", "r3", "r4"):  # 19,712 bytes each, into 64 KiB: three fit
+            w.send(Work(request_id=rid, params=PARAMS))
+        done = await reports(w, 4, settle_s=0.3)
+        w.tg.cancel_scope.cancel()
+    staged = [r.request_id for r in done if isinstance(r, Staged)]
+    [failed] = [r for r in done if isinstance(r, Done)]
+    assert len(staged) == 3 and failed.request_id not in staged
+    assert (failed.ok, failed.reason) == (False, Reason.TRANSFER_FAILED)
+    assert failed.error.startswith("no room to stage its output: ")
