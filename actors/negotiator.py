@@ -57,6 +57,7 @@ from actors.mail import (
     TrackerMail,
 )
 from actors.mailbox import Mailbox, MailboxCounts
+from actors.recent import RecentIds
 from orchestrator.config import DaemonConfig
 from orchestrator.log import Throttled
 from transfer.binding import FLUSH_ON_CLOSE_MS, bound_router
@@ -104,6 +105,12 @@ log = structlog.get_logger()
 # period, busy or not, and one late beat suspects nobody.
 SUSPECT_HEARTBEATS = 2
 
+# How long, and how many, evicted connections are remembered as settled. Past either, one
+# that speaks again is told to wait out push_quarantine_s, as after a daemon restart: slower,
+# never unsafe.
+SETTLED_EVICTION_MEMORY_S = 3600.0
+SETTLED_EVICTIONS_KEPT = 4096
+
 
 class PreallocCounts(msgspec.Struct, frozen=True):
     free: int
@@ -148,6 +155,10 @@ class TransferNegotiator:
         self._handoffs = Handoffs(links=self._by_instance, push_quarantine_s=cfg.push_quarantine_s, pools=pools,
                                   admission=admission, tracker=tracker, push_failed_into=self._push_failed_into)
         self._ids = itertools.count(1)
+        # Main connections of workers evicted while no write was ordered into their memory:
+        # none can land there later (the daemon orders none into an evicted worker), so one
+        # that speaks again (it froze, say) may rejoin at once, without push_quarantine_s.
+        self._settled_evictions = RecentIds(window_s=SETTLED_EVICTION_MEMORY_S, most=SETTLED_EVICTIONS_KEPT)
         self._stopping = False  # farewells sent: registrations get no answer
         self._log = log.bind(actor="negotiator")
         self._peer_log = Throttled(self._log)  # what any peer of the worker socket can make it say
@@ -186,7 +197,8 @@ class TransferNegotiator:
                 self._register(routing_id, first)
             else:
                 self._reply(routing_id, RegisterRefused(
-                    message="not registered (the daemon restarted or evicted this worker)", rejoin=True))
+                    message="not registered (the daemon restarted or evicted this worker)", rejoin=True,
+                    settled=self._settled_evictions.holds(routing_id, time.monotonic())))
             return
         self._heard_from(link)
         if isinstance(first, Register):
@@ -527,6 +539,8 @@ class TransferNegotiator:
         """Forget a worker. ``gone``: no write of its can still land (it said Leaving after
         its threads ended, it never got work, or a new process registered its name or
         session after it fell silent, so it is taken for dead); otherwise it may yet finish one."""
+        if link.instance not in self._handoffs.receivers():
+            self._settled_evictions.add(link.routing_id, time.monotonic())
         del self._links[link.routing_id]
         del self._by_instance[link.instance]
         del self._by_key[link.key]

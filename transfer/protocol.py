@@ -439,8 +439,9 @@ class RegisterRefused(Wire):
     # ``deferred`` (below): registering again is the cure, so the worker rejoins (keeping
     # its loaded stage) instead of exiting.
     rejoin: bool = False
-    # Sent by a daemon that stops, when no write it ordered can still land in this worker's
-    # memory: rejoining, it need not wait out push_quarantine_s first.
+    # No write the daemon ordered can still land in this worker's memory (its farewell; or
+    # the answer to a worker evicted while nothing was being written into it): rejoining,
+    # it need not wait out push_quarantine_s first.
     settled: bool = False
     # This registration is turned away for now (with rejoin): a live worker holds its name
     # or its Mooncake session, or the daemon has max_workers registered. Unlike the answers

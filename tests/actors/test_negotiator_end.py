@@ -431,6 +431,28 @@ async def test_a_silent_sender_mid_push_keeps_the_receivers_slot_until_its_quara
             assert waited >= 0.25, "released before the quarantine ended"
 
 
+@pytest.mark.parametrize("pushing", [False, True], ids=["idle", "a-push-into-it-in-flight"])
+async def test_a_receiver_evicted_while_nothing_was_written_into_it_may_rejoin_without_the_quarantine(
+    ctx: zmq.asyncio.Context, tmp_path: Path, pushing: bool
+) -> None:
+    """Frozen past heartbeat_misses (a long pause, a stopped VM), it is evicted; what it says
+    on waking is answered rejoin, and settled if no write was ordered into its memory: before,
+    an idle denoiser sat out push_quarantine_s (60 s by default) with nothing to wait for."""
+    with anyio.fail_after(5):
+        async with encoder_and_denoiser(ctx, tmp_path, slots=2, heartbeat_s=0.05,
+                                        heartbeat_misses=3) as (n, encoder, denoiser):
+            if pushing:
+                await push_on_fast_path(n, encoder, denoiser, "r1")
+            while denoiser.instance in (await n.stats()).prealloc:  # only the encoder speaks
+                await encoder.report(Heartbeat())
+                n.inbox.post(Tick())
+                await anyio.sleep(0.02)
+            await denoiser.report(Heartbeat())
+            refused = DAEMON_TO_WORKER.decode(await denoiser.sock.recv())
+            assert isinstance(refused, RegisterRefused) and refused.message.startswith("not registered")
+            assert refused.rejoin and refused.settled is not pushing
+
+
 async def test_the_old_connection_of_a_name_taken_over_is_told_to_stop(ctx: zmq.asyncio.Context,
                                                                        tmp_path: Path) -> None:
     """Were it alive after all (frozen, then woken), it would otherwise rejoin and evict its

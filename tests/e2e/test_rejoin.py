@@ -191,3 +191,26 @@ async def test_a_push_a_frozen_sender_reads_after_its_eviction_writes_nothing(st
     assert wrong == []
     assert "worker.stale_push_refused" in cluster.log_of(name)
     assert wait_for(cluster, all_free, timeout_s=30)
+
+
+async def test_an_idle_receiver_frozen_past_its_heartbeats_rejoins_without_waiting_out_the_quarantine(
+    start_cluster: StartCluster
+) -> None:
+    """Nothing was being written into it when it was evicted, so nothing can land there later:
+    it rejoins on waking, not push_quarantine_s (60 s here) after."""
+    cluster = start_cluster(layout={"encoder": 1, "denoiser": 1, "decoder": 1})
+    assert cluster.config.daemon.push_quarantine_s == 60.0
+    victim = cluster.workers["denoiser0"]
+    before = denoisers(cluster.control.stats())["denoiser0"]
+    os.kill(victim.pid, signal.SIGSTOP)
+    try:
+        await anyio.to_thread.run_sync(lambda: wait_for(cluster, lambda s: not denoisers(s), timeout_s=30))
+    finally:
+        os.kill(victim.pid, signal.SIGCONT)
+    stats = await anyio.to_thread.run_sync(
+        lambda: wait_for(cluster, lambda s: "denoiser0" in denoisers(s), timeout_s=20))  # well inside 60 s
+    assert denoisers(stats)["denoiser0"] != before and victim.poll() is None
+    [rejoining] = [json.loads(line) for line in cluster.log_of("denoiser0").splitlines() if "worker.rejoining" in line]
+    assert rejoining["wait_s"] == 0.0
+    await serve_correctly(cluster, 2)
+    assert wait_for(cluster, all_free)
