@@ -10,7 +10,7 @@ import pytest
 from orchestrator.config import LOCAL_MOONCAKE_ENV, Config, DaemonConfig, TransferConfig
 from orchestrator.worker import WorkerRuntime
 from transfer.pool import MemoryPool
-from transfer.protocol import Registered, Role
+from transfer.protocol import Registered, RegisterRefused, Role
 
 QUARANTINE_S = 0.3
 CFG = Config(daemon=DaemonConfig(push_quarantine_s=QUARANTINE_S),
@@ -30,7 +30,7 @@ def holding(role: Role) -> WorkerRuntime:
 
 @pytest.mark.parametrize(("role", "settled", "waits"), [
     ("encoder", False, False), ("denoiser", False, True), ("decoder", False, True),
-    ("denoiser", True, False),  # a stopping daemon said nothing can still be written here
+    ("denoiser", True, False),  # the daemon said nothing can still be written here
 ])
 async def test_it_frees_everything_and_only_an_unsettled_receiver_waits_out_the_quarantine(
         role: Role, settled: bool, waits: bool) -> None:
@@ -38,7 +38,7 @@ async def test_it_frees_everything_and_only_an_unsettled_receiver_waits_out_the_
     stale_outbox = worker._outbox
     stale_outbox.put(b"a report about a forgotten request")
     started = time.monotonic()
-    await worker._forget_everything(settled=settled)
+    await worker._forget_everything(RegisterRefused(message="not registered", rejoin=True, settled=settled))
     waited = time.monotonic() - started
     assert worker._pool is not None and worker._pool.allocated_blocks == 0
     assert worker._memory is not None
@@ -56,5 +56,5 @@ async def test_a_receiver_waits_its_daemons_quarantine_not_its_own_copys() -> No
     worker._adopt(Registered(instance="decoder-1", key=b"k" * 16, heartbeat_s=1.0, push_quarantine_s=QUARANTINE_S))
     started = time.monotonic()
     with anyio.fail_after(5):
-        await worker._forget_everything(settled=False)
+        await worker._forget_everything(RegisterRefused(message="not registered", rejoin=True))
     assert QUARANTINE_S <= time.monotonic() - started < 5

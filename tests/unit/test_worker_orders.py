@@ -27,6 +27,7 @@ from transfer import frames
 from transfer.engine import TransferInDoubt
 from transfer.pool import MemoryPool
 from transfer.protocol import (
+    DAEMON_STOPPING,
     WORKER_MESSAGE,
     Abort,
     Alloc,
@@ -37,6 +38,7 @@ from transfer.protocol import (
     Pushed,
     Ready,
     Reason,
+    RegisterRefused,
     Staged,
     Step,
     Stopped,
@@ -346,7 +348,7 @@ async def test_an_order_in_the_last_turn_of_a_registration_does_not_outlive_it()
     async with worker("encoder") as w:
         w.send(Work(request_id="r1", params=PARAMS))
         w.tg.cancel_scope.cancel()  # what the end of a registration does
-    await w._forget_everything(settled=True)
+    await w._forget_everything(RegisterRefused(message=DAEMON_STOPPING, rejoin=True, settled=True))
     async with anyio.create_task_group() as tg:  # the next registration's
         w._on_orders([w._key, encode(Work(request_id="r1", params=PARAMS))], tg)
         assert [type(r) for r in await reports(w, 1)] == [Staged]
