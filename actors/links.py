@@ -54,7 +54,12 @@ class Link:
     def same_worker_as(self, msg: Register) -> bool:
         """Whether ``msg`` comes from this worker, restarted or repeated: same name, session
         or shared pool."""
-        return msg.name == self.name or msg.session == self.session or self.shares_memory(msg)
+        return msg.name == self.name or self.same_memory_as(msg)
+
+    def same_memory_as(self, msg: Register) -> bool:
+        """Whether ``msg`` advertises this worker's memory: its Mooncake session, which one
+        process binds, or its shared pool."""
+        return msg.session == self.session or self.shares_memory(msg)
 
     def shares_memory(self, msg: Register) -> bool:
         """Whether ``msg`` advertises the shared pool this worker registered: one file of one

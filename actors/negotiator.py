@@ -360,8 +360,7 @@ class TransferNegotiator:
                 return RegisterRefused(rejoin=True, deferred=True, message=(
                     f"the shared memory {msg.local.path} is registered by {old.instance} ({old.name!r}), "
                     "which is still heard from: it is one worker's pool"))
-            if old.name == msg.name and (old.role != msg.role or not (old.session == msg.session
-                                                                     or old.shares_memory(msg))):
+            if old.name == msg.name and (old.role != msg.role or not old.same_memory_as(msg)):
                 return RegisterRefused(rejoin=True, deferred=True, message=(
                     f"the name {msg.name!r} is held by {old.instance}, a live {old.role} worker: "
                     "worker names must be unique"))
