@@ -7,11 +7,9 @@ on. The decoder's output frames are relayed exactly as they arrived from the wor
 
 It also remembers who asked for each in-flight request, which makes it the natural place to
 refuse duplicates, to shed load past ``max_in_flight`` and to refuse work while draining,
-and to cancel what a client asked for once its connection is found gone. This ZMQ build
-has no disconnect notice on a ROUTER (ROUTER_NOTIFY is a draft option), so a connection is
-found gone when a reply to it finds no way (EHOSTUNREACH): a request that asked for
-progress hears from the daemon at each stage and, while denoising, every
-``progress_interval_s``, so a client that vanished stops its denoiser within about that.
+and to cancel what a client asked for once its connection is gone: the socket's monitor
+says when a connection closes (client_connections.py), and a reply that finds no way to
+its client (EHOSTUNREACH) says so too.
 """
 
 from __future__ import annotations
@@ -30,6 +28,7 @@ import zmq
 import zmq.asyncio
 
 from actors.base import reply_once, serve_mailbox
+from actors.client_connections import ClientConnections
 from actors.client_outbox import ClientOutbox
 from actors.door import DoorLimits
 from actors.mail import (
@@ -68,7 +67,7 @@ from transfer.protocol import (
     stated_request_id,
     wrong_socket,
 )
-from transfer.sockets import EVENTS, POLLIN, PlainPump, recv_head
+from transfer.sockets import EVENTS, POLLIN, SRCFD, PlainPump, recv_head
 
 log = structlog.get_logger()
 
@@ -84,6 +83,7 @@ CLIENT_FRAMES_READ = 8
 # nobody; unless the id's request had just ended (then the Cancel came late, not early).
 CANCEL_OVERTAKES_S = 1.0
 FORESEEN_CANCELS = 4096  # ids remembered so, at the most (the oldest forgotten first); as many ended ones
+PINGS_PER_SILENCE = 6  # client connections are pinged this often within daemon.client_silence_s
 
 
 class FrontendStats(msgspec.Struct, frozen=True):
@@ -128,6 +128,7 @@ class FrontendActor:
         self._cfg = cfg
         self._tracker = tracker
         self._pump: PlainPump | None = None
+        self._connections: ClientConnections | None = None
         self._outbox: ClientOutbox | None = None
         self._newly_held = anyio.Event()  # set when a connection starts holding replies
         # Each admission gets its own internal key, never reused, so news about an ended
@@ -154,8 +155,11 @@ class FrontendActor:
         # Replies already handed to ZMQ get a bounded moment to leave on shutdown.
         with bound_router(self._ctx, self._cfg.client_endpoint, send_hwm=self._cfg.client_send_hwm,
                           max_message_bytes=self._cfg.client_max_message_bytes,
-                          close_linger_ms=FLUSH_ON_CLOSE_MS, plain=True, mandatory=True) as (sock, bound):
-            self._pump = PlainPump(sock, self._on_frames, copy=True, hold=self._inbox.board.hold,
+                          close_linger_ms=FLUSH_ON_CLOSE_MS, plain=True, mandatory=True,
+                          ping=(round(self._cfg.client_silence_s * 1000 / PINGS_PER_SILENCE),
+                                round(self._cfg.client_silence_s * 1000))) as (sock, bound), \
+                ClientConnections(self._ctx, sock, self._connection_gone) as self._connections:
+            self._pump = PlainPump(sock, self._on_frames, copy=False, hold=self._inbox.board.hold,
                                    most_frames=CLIENT_FRAMES_READ)
             self._outbox = ClientOutbox(sock, held_bytes=self._cfg.client_held_bytes,
                                         held_total_bytes=self._cfg.client_held_total_bytes,
@@ -182,15 +186,19 @@ class FrontendActor:
             for _ in range(UNREAD_ANSWERED):
                 if not sock.getsockopt(EVENTS) & POLLIN:
                     return
-                frames, more = recv_head(sock, copy=True, most=CLIENT_FRAMES_READ)
+                frames, more = recv_head(sock, copy=False, most=CLIENT_FRAMES_READ)
                 if more:
                     return  # an overlong message: not read on, as the daemon stops
                 self._on_frames(frames)
 
     async def _serve_socket(self) -> None:
         assert self._pump is not None
+        assert self._connections is not None
+        closes = PlainPump(self._connections.monitor, self._connections.heard, copy=True,
+                           hold=self._inbox.board.hold)
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._pump.run)
+            tg.start_soon(closes.run)
             tg.start_soon(self._resend_held)
 
     async def _resend_held(self, *, until_empty: bool = False) -> None:
@@ -209,7 +217,8 @@ class FrontendActor:
 
     # ------------------------------------------------------------------ inbound
 
-    def _on_frames(self, frames: list[bytes]) -> None:
+    def _on_frames(self, parts: list[zmq.Frame]) -> None:
+        frames = [part.bytes for part in parts]
         identity = frames[0]
         # REQ and DEALER clients both put an empty delimiter before the body.
         if len(frames) != 3 or frames[1] != b"":
@@ -233,7 +242,7 @@ class FrontendActor:
             return
         match msg:
             case Submit():
-                self._submit(identity, msg)
+                self._submit(identity, msg, parts[0])
             case Cancel(request_id=rid, cancel_token=token):
                 key = self._in_flight.get(rid)
                 # A Cancel's answer is no request's end, and its client may not wait for it (a
@@ -258,7 +267,7 @@ class FrontendActor:
         without a token."""
         return not asked.cancel_token or hmac.compare_digest(token.encode(), asked.cancel_token.encode())
 
-    def _submit(self, identity: bytes, msg: Submit) -> None:
+    def _submit(self, identity: bytes, msg: Submit, head: zmq.Frame) -> None:
         rid = msg.request_id or uuid.uuid4().hex
         problem: tuple[Reason, str] | None = None
         if self._foreseen.take((rid, msg.cancel_token), time.monotonic()):
@@ -280,7 +289,7 @@ class FrontendActor:
         timeout_s = min(msg.timeout_s or self._cfg.request_timeout_s, self._cfg.max_request_timeout_s)
         now = time.monotonic()
         self._admit(Asked(identity, rid, msg.params, msg.priority, msg.progress, now, now + timeout_s,
-                          self._cfg.retries, msg.cancel_token), timeout_s)
+                          self._cfg.retries, msg.cancel_token), timeout_s, head=head)
 
     def _refuse(self, identity: bytes, rid: str, reason: Reason, message: str, *, awaited: bool = True) -> None:
         """Refuse a request at the door (never admitted): count it by reason, and log it."""
@@ -291,11 +300,19 @@ class FrontendActor:
     def _refuse_version(self, identity: bytes, rid: str, version: int | None) -> None:
         self._refuse(identity, rid, Reason.UNSUPPORTED, f"protocol {version}; this daemon speaks {PROTOCOL_VERSION}")
 
-    def _admit(self, asked: Asked, timeout_s: float, *, again: bool = False) -> None:
+    def _admit(self, asked: Asked, timeout_s: float, *, again: bool = False, head: zmq.Frame | None = None) -> None:
+        """Admit ``asked``; ``head``: the first frame of its Submit, which names the connection's
+        descriptor (a retry's connection waits for the request it retries, and is known)."""
         key = f"{asked.request_id}#{next(self._keys)}"
         self._clients[key] = asked
         self._in_flight[asked.request_id] = key
-        self._of_connection.setdefault(asked.identity, set()).add(key)
+        keys = self._of_connection.get(asked.identity)
+        if keys is None:
+            keys = self._of_connection[asked.identity] = set()
+            if head is not None:
+                assert self._connections is not None
+                self._connections.watch(asked.identity, head.get(SRCFD))
+        keys.add(key)
         self._tracker.post(Admit(request_id=key, params=asked.params, timeout_s=timeout_s, priority=asked.priority,
                                  progress=asked.progress, submitted_at=asked.submitted_at, avoid=asked.avoid,
                                  again=again))
@@ -342,11 +359,12 @@ class FrontendActor:
                 asked = self._clients.pop(key, None)
                 if asked is not None:
                     del self._in_flight[asked.request_id]
-                    self._ended(asked.identity, key)
                     self._just_ended.add(asked.request_id, time.monotonic())
                     if asked.cancelled and isinstance(message, Rejected) and message.reason in RETRIED:
                         message = Rejected(request_id=key, reason=Reason.CANCELLED, message=asked.cancelled)
-                    if not self._retry(asked, message, avoid):
+                    retried = self._retry(asked, message, avoid)
+                    self._ended(asked.identity, key)  # after the retry's admission: the connection stays watched
+                    if not retried:
                         # A client that cancelled its request may have closed its connection;
                         # one whose connection closed has none: neither reply counts as dropped.
                         self._send(asked.identity, self._explained(message, asked.request_id), frames,
@@ -370,11 +388,17 @@ class FrontendActor:
             keys.discard(key)
             if not keys:
                 del self._of_connection[identity]
+                assert self._connections is not None
+                self._connections.unwatch(identity)
 
     def _connection_gone(self, identity: bytes) -> None:
-        """A reply found no way to ``identity``: cancel what that connection still waits for
-        (each ends as any cancel does, its reply dropped: not counted, the daemon knows)."""
-        keys = self._of_connection.pop(identity, ())
+        """``identity``'s connection closed (its monitor said so, or a reply found no way
+        there): cancel what it still waits for (each ends as any cancel does, its reply
+        dropped: not counted, the daemon knows)."""
+        assert self._connections is not None
+        self._connections.unwatch(identity)
+        # One its client cancelled already is on its way out: its reply goes nowhere either way.
+        keys = [key for key in self._of_connection.pop(identity, ()) if not self._clients[key].cancelled]
         if keys:
             self._log.info("client.gone", cancelled=sorted(self._clients[key].request_id for key in keys))
         for key in keys:

@@ -24,6 +24,7 @@ EVENTS = int(zmq.EVENTS)
 POLLIN = int(zmq.POLLIN)
 NOBLOCK = int(zmq.NOBLOCK)
 SNDMORE = int(zmq.SNDMORE)
+SRCFD = int(zmq.SRCFD)  # a message's property: the descriptor of the connection it came by
 
 
 # pyzmq's send_multipart and recv_multipart cost 3-4 µs a message in Python around the C

@@ -7,6 +7,8 @@ are judged by the client's id.
 
 from __future__ import annotations
 
+import signal
+import sys
 import time
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -26,7 +28,7 @@ import orchestrator.async_client as client_module
 from actors import frontend
 from actors.base import ask_stats
 from actors.frontend import FrontendActor, FrontendStats
-from actors.mail import Admit, CancelRequest, Deliver, FrontendMail, LimitsChanged, SetDraining
+from actors.mail import CLIENT_GONE, Admit, CancelRequest, Deliver, FrontendMail, LimitsChanged, SetDraining
 from actors.mailbox import Mailbox, Switchboard
 from orchestrator.client import AsyncClient, Rejection
 from orchestrator.client_wire import CancelTokens
@@ -563,15 +565,49 @@ async def test_a_raw_output_past_worker_max_message_bytes_is_refused_at_the_door
                 assert isinstance(admit, Admit) and admit.params == fits
 
 
-async def test_a_reply_to_a_client_that_left_is_dropped_and_counted(ctx: zmq.asyncio.Context, tmp_path: Path) -> None:
+async def test_a_client_that_leaves_has_its_request_cancelled_at_once(ctx: zmq.asyncio.Context,
+                                                                      tmp_path: Path) -> None:
+    """The socket's monitor says the connection closed: the request is cancelled then, not
+    computed to its end for nobody. Its end, crossing the cancel, finds no client and is no
+    reply lost: the daemon knew."""
     with anyio.fail_after(5):
         async with running_frontend(ctx, tmp_path) as f:
             key = await f.admitted("gone")
             f.client.close(linger=0)
-            await anyio.sleep(0.3)  # the ROUTER hears the connection close
+            assert await f.tracker.receive() == CancelRequest(request_id=key, why=CLIENT_GONE)
             f.inbox.post(Deliver(request_id=key, message=Result(request_id=key, outputs=[], stages=[], total_ms=1.0)))
             stats = await f.stats()
-            assert (stats.replies_dropped, stats.in_flight) == (1, 0)
+            assert (stats.replies_dropped, stats.in_flight) == (0, 0)
+            assert_empty(f.tracker)
+
+
+async def test_a_client_that_answers_no_ping_for_client_silence_s_has_its_request_cancelled(
+    ctx: zmq.asyncio.Context, tmp_path: Path
+) -> None:
+    """Its process stopped (as a host gone without closing its connections): no close comes,
+    but its libzmq answers no ping, and the daemon gives up on it after the silence."""
+    body = tmp_path / "submit"
+    body.write_bytes(encode(Submit(protocol=PROTOCOL_VERSION, params=PARAMS, request_id="stopped")))
+    with anyio.fail_after(10):
+        async with running_frontend(ctx, tmp_path, client_silence_s=0.5) as f:
+            client = await anyio.open_process([sys.executable, "-c", (
+                "import sys, time, zmq\n"
+                "sock = zmq.Context().socket(zmq.DEALER)\n"
+                f"sock.connect({f.cfg.client_endpoint!r})\n"
+                f"sock.send_multipart([b'', open({str(body)!r}, 'rb').read()])\n"
+                "time.sleep(60)\n")])
+            try:
+                admit = await f.tracker.receive()
+                await anyio.sleep(1.0)  # a live client answers the pings: nothing happens
+                assert_empty(f.tracker)
+                client.send_signal(signal.SIGSTOP)
+                stopped = time.monotonic()
+                assert await f.tracker.receive() == CancelRequest(request_id=admit.request_id, why=CLIENT_GONE)
+                assert 0.4 < time.monotonic() - stopped < 2.0
+            finally:
+                client.kill()
+                client.send_signal(signal.SIGCONT)
+                await client.wait()
 
 
 async def test_the_progress_and_end_of_a_request_its_client_cancelled_are_not_counted_lost(
@@ -586,21 +622,22 @@ async def test_the_progress_and_end_of_a_request_its_client_cancelled_are_not_co
             await f.ask(Cancel(protocol=PROTOCOL_VERSION, request_id="left"))
             assert await f.tracker.receive() == CancelRequest(request_id=key)
             f.client.close(linger=0)
-            await anyio.sleep(0.3)  # the ROUTER hears the connection close
+            await anyio.sleep(0.3)  # the ROUTER hears the connection close: no second cancel
             f.inbox.post(Deliver(request_id=key, message=Progress(request_id=key, state="denoising",
                                                                   elapsed_ms=1.0, step=3, steps=20)))
             f.inbox.post(Deliver(request_id=key, message=Rejected(request_id=key, reason=Reason.CANCELLED,
                                                                   message="cancelled by the client")))
             stats = await f.stats()
             assert (stats.replies_dropped, stats.in_flight) == (0, 0)
+            assert_empty(f.tracker)
 
 
-async def test_a_progress_reply_that_finds_its_client_gone_cancels_what_that_client_asked_for(
+async def test_a_connection_that_closes_has_what_it_asked_for_cancelled_and_no_more(
     ctx: zmq.asyncio.Context, tmp_path: Path
 ) -> None:
     """Only that connection's requests: another client's goes on, and the cancelled ones
-    end as any cancel does (their replies dropped), without a second round of cancels or a
-    retry."""
+    end as any cancel does (their replies dropped, uncounted), without a second round of
+    cancels or a retry."""
     with anyio.fail_after(5):
         async with running_frontend(ctx, tmp_path) as f:
             other = ctx.socket(zmq.DEALER)
@@ -611,20 +648,18 @@ async def test_a_progress_reply_that_finds_its_client_gone_cancels_what_that_cli
                 stays = (await f.tracker.receive()).request_id
                 watched = [await f.admitted(rid) for rid in ("a", "b")]
                 f.client.close(linger=0)
-                await anyio.sleep(0.3)  # the ROUTER hears the connection close
+                cancels = {await f.tracker.receive(), await f.tracker.receive()}
+                assert cancels == {CancelRequest(request_id=key, why=CLIENT_GONE) for key in watched}
                 f.inbox.post(Deliver(request_id=watched[0], message=Progress(
                     request_id=watched[0], state="denoising", elapsed_ms=1.0, step=1, steps=20)))
-                cancels = {await f.tracker.receive(), await f.tracker.receive()}
-                assert cancels == {CancelRequest(request_id=key, why="its client's connection closed")
-                                   for key in watched}
                 # One had failed in a way that is retried, its news already on its way: not
                 # started again for a client that is gone.
                 f.inbox.post(lost(watched[0]))
                 f.inbox.post(Deliver(request_id=watched[1], message=Rejected(
                     request_id=watched[1], reason=Reason.CANCELLED, message="its client's connection closed")))
                 stats = await f.stats()
-                # The progress that found it gone; not the two ends the daemon's own cancels made.
-                assert (stats.in_flight, stats.replies_dropped) == (1, 1)
+                # Neither the progress (not sent) nor the two ends the daemon's own cancels made.
+                assert (stats.in_flight, stats.replies_dropped) == (1, 0)
                 assert_empty(f.tracker)
                 f.inbox.post(Deliver(request_id=stays, message=Result(request_id=stays, outputs=[], stages=[],
                                                                       total_ms=1.0)))
