@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import ast
 import functools
 import typing
+from pathlib import Path
 
 import msgspec
 import msgspec.inspect as mi
@@ -283,3 +285,53 @@ def test_a_duration_a_worker_reports_is_a_finite_number_of_ms(duration: float) -
                    p.Done(request_id="r", ok=False, compute_ms=duration)):
         with pytest.raises(msgspec.ValidationError, match=r"_ms"):
             p.WORKER_MESSAGE.decode(p.encode(report))
+
+
+# --------------------------------------------------------------------------- no pickle on any wire
+
+ROOT = Path(__file__).resolve().parents[2]
+PICKLING_MODULES = {"pickle", "_pickle", "cPickle", "cloudpickle", "dill", "shelve"}
+PICKLING_HELPERS = {"send_pyobj", "recv_pyobj"}  # pyzmq's: pickle.dumps/loads around a frame
+
+
+def pickle_uses(source: str) -> list[str]:
+    """Where ``source`` imports a pickling module or calls pyzmq's pickling helpers."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names = [node.module]
+        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
+            # __import__("pickle"), importlib.import_module("pickle")
+            func = node.func
+            called = func.id if isinstance(func, ast.Name) else getattr(func, "attr", None)
+            if called in {"__import__", "import_module"}:
+                names = [str(node.args[0].value)]
+        if any(name.split(".")[0] in PICKLING_MODULES for name in names):
+            found.append(f"line {node.lineno}: imports {', '.join(names)}")
+        attr = node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else None
+        if attr in PICKLING_HELPERS:
+            found.append(f"line {node.lineno}: {attr}")
+    return found
+
+
+def test_the_pickle_guard_sees_every_way_in() -> None:
+    for source in ("import pickle", "import pickle as p", "from pickle import loads", "import cloudpickle",
+                   "from _pickle import Unpickler", "__import__('pickle')", "importlib.import_module('dill')",
+                   "sock.recv_pyobj()", "await sock.send_pyobj(x)", "from zmq import Socket\nrecv = Socket.recv_pyobj"):
+        assert pickle_uses(source), source
+    assert pickle_uses("import msgspec\nsock.recv_multipart()\n# pickle.loads is not used") == []
+
+
+def test_no_daemon_worker_or_transfer_module_unpickles_anything() -> None:
+    """Reference defect 17: pickle on a socket runs whatever a peer sends. Every wire here
+    is typed msgspec; nothing under orchestrator/, actors/ or transfer/ may import pickle
+    (or a module built on it) or use pyzmq's send_pyobj/recv_pyobj."""
+    files = [path for package in ("orchestrator", "actors", "transfer")
+             for path in sorted((ROOT / package).rglob("*.py"))]
+    assert len(files) > 30  # the packages were found
+    offenders = {str(path.relative_to(ROOT)): uses for path in files
+                 if (uses := pickle_uses(path.read_text(encoding="utf-8")))}
+    assert offenders == {}

@@ -32,6 +32,7 @@ from transfer.protocol import (
     Abort,
     Alloc,
     Allocated,
+    AllocRejected,
     Done,
     GenParams,
     Push,
@@ -166,6 +167,68 @@ async def test_a_request_aborted_just_after_its_memory_was_granted_holds_none_of
         w.send(Abort(request_id="hog"), Abort(request_id="r1"))
         assert await reports(w, 0, settle_s=0.2) == []
         assert w._pool.allocated_blocks == 0
+
+
+def with_alloc_timeout(seconds: float) -> Config:
+    denoiser = msgspec.structs.replace(CFG.workers.denoiser, alloc_timeout_s=seconds)
+    return msgspec.structs.replace(CFG, workers=msgspec.structs.replace(CFG.workers, denoiser=denoiser))
+
+
+async def answer_to(w: WorkerRuntime, order: Alloc, *, within_s: float) -> tuple[list[Any], float]:
+    """What the worker reports to ``order`` within ``within_s`` (nothing, if it stays silent),
+    and how long the first report took."""
+    started = time.perf_counter()
+    w.send(order)
+    try:
+        out = await reports(w, 1, settle_s=0.0, within_s=within_s)
+    except TimeoutError:
+        out = []
+    return out, time.perf_counter() - started
+
+
+async def test_an_alloc_that_does_not_fit_in_time_is_rejected_and_frees_nothing_it_did_not_take() -> None:
+    """Reference defect 8: a receiver whose pool stays full must answer AllocRejected once
+    alloc_timeout_s has passed; silent, the daemon would wait for it until the request's
+    deadline (it has no timer of its own on an allocation). The rejection gives back only
+    what the rejected request held (nothing): the memory another request holds stays its."""
+    timeout_s = 0.05
+    async with worker(cfg=with_alloc_timeout(timeout_s)) as w:
+        w.send(Alloc(request_id="hog", nbytes=w._pool.capacity - 512))
+        assert [type(r) for r in await reports(w, 1)] == [Allocated]
+        free = w._pool.free_bytes
+        assert free == 512
+        out, took_s = await answer_to(w, Alloc(request_id="r1", nbytes=1024), within_s=timeout_s + 1.0)
+        assert [type(r) for r in out] == [AllocRejected], "a receiver without room must answer, not stay silent"
+        [rejected] = out
+        assert rejected.request_id == "r1"
+        assert f"no room for 1024 bytes within {timeout_s}s" in rejected.message
+        assert took_s >= timeout_s  # it waited for room first
+        assert w._pool.free_bytes == free and w._pool.allocated_blocks == 1 and w._pool.waiters == 0
+        assert w._memory.holds_input("hog") and not w._memory.holds_input("r1")
+        # Nothing queued behind it: an Alloc that fits is granted at once, and the hog's memory is still its own.
+        w.send(Alloc(request_id="r2", nbytes=256))
+        assert [type(r) for r in await reports(w, 1)] == [Allocated]
+        w.send(Abort(request_id="hog"), Abort(request_id="r2"))
+        await reports(w, 0)
+        assert w._pool.free_bytes == w._pool.capacity and w._pool.allocated_blocks == 0
+        w.tg.cancel_scope.cancel()
+
+
+async def test_an_alloc_larger_than_the_whole_pool_region_is_rejected_at_once() -> None:
+    """Waiting cannot help: the answer comes now, not after alloc_timeout_s (10 s here)."""
+    async with worker() as w:
+        assert w._wcfg.alloc_timeout_s >= 10
+        free = w._pool.free_bytes
+        nbytes = w._pool.capacity + 1
+        # Within 2 s, far short of the 10 s a wait for room would take.
+        out, _ = await answer_to(w, Alloc(request_id="r1", nbytes=nbytes), within_s=2.0)
+        assert [type(r) for r in out] == [AllocRejected], "a receiver that can never fit it must say so"
+        [rejected] = out
+        assert rejected.request_id == "r1"
+        assert f"{nbytes} bytes can never fit" in rejected.message
+        assert w._pool.free_bytes == free == w._pool.capacity
+        assert w._pool.allocated_blocks == 0 and w._pool.waiters == 0 and not w._memory.holds_input("r1")
+        w.tg.cancel_scope.cancel()
 
 
 def ready_for(w: WorkerRuntime, manifest: list[TensorSpec], *, slot_id: int | None = 0,
