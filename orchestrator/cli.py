@@ -97,11 +97,11 @@ def _instant_workers(args: argparse.Namespace) -> int:
 
 
 def _submit(args: argparse.Namespace) -> int:
-    from orchestrator.submit_command import submit, writable_directory
+    from orchestrator.submit_command import configured_endpoint, submit, writable_directory
 
-    cfg = load_config(args.config)
+    endpoint = args.endpoint or configured_endpoint(args.config)
     out = writable_directory(Path(args.out))  # before the request: a result it could not write would be lost
-    return submit(args, _daemon_at(args.endpoint or cfg.daemon.client_endpoint), out)
+    return submit(args, _daemon_at(endpoint), out)
 
 
 def _control_endpoint(args: argparse.Namespace) -> str:

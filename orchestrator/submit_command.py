@@ -16,11 +16,37 @@ from pathlib import Path
 from typing import NoReturn
 
 import anyio
+import msgspec
 
 from orchestrator.client import AsyncClient, Client, Generation
+from orchestrator.config import DaemonConfig
 from orchestrator.rejection import Rejection
 from orchestrator.tables import STAGES_HEADER, progress_line, stage_row
 from transfer.protocol import GenParams, Progress
+
+
+class _DaemonAddress(msgspec.Struct, frozen=True):
+    client_endpoint: str = DaemonConfig().client_endpoint
+
+
+class _ClientSide(msgspec.Struct, frozen=True):
+    """What a client reads of the cluster's config: ``daemon.client_endpoint``, the rest
+    ignored. A client host then needs neither the workers' sections nor ``daemon.token``
+    (the secret that lets whoever holds it register as a worker and read the prompts), nor
+    a copy that passes the checks the daemon makes of them."""
+
+    daemon: _DaemonAddress = _DaemonAddress()
+
+
+def configured_endpoint(config: Path) -> str:
+    """``daemon.client_endpoint`` in the config file ``config``; errors name the file, as
+    ``load_config``'s do."""
+    try:
+        return msgspec.toml.decode(config.read_bytes(), type=_ClientSide).daemon.client_endpoint
+    except OSError as exc:
+        raise OSError(f"cannot read the config file {config}: {exc.strerror or exc}") from None
+    except msgspec.DecodeError as exc:  # a ValidationError too
+        raise msgspec.DecodeError(f"{config}: {exc}") from None
 
 
 def _print_progress(progress: Progress) -> None:

@@ -99,6 +99,30 @@ def test_an_empty_endpoint_is_the_configs(tmp_path: Path, capsys: pytest.Capture
     assert f"no daemon at ipc://{tmp_path}/nobody" in capsys.readouterr().err
 
 
+def test_submit_with_an_endpoint_reads_no_config(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """As stats does: a client host given only the daemon's address needs no config file."""
+    endpoint = f"ipc://{tmp_path}/nobody"
+    assert cli.main(["submit", "--prompt", "p", "--endpoint", endpoint, "--config", "/nonexistent/triptych.toml",
+                     "--out", str(tmp_path)]) == 1
+    assert f"no daemon at {endpoint}" in capsys.readouterr().err
+
+
+def test_submit_reads_only_the_client_endpoint_of_its_config(tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """A client host's copy of the cluster's config need not hold daemon.token, the secret that
+    lets a worker register: the checks the daemon makes of the rest are not a client's."""
+    config = tmp_path / "c.toml"
+    config.write_text(f'[daemon]\nclient_endpoint = "ipc://{tmp_path}/nobody"\nworker_endpoint = "tcp://0.0.0.0:5557"\n'
+                      "[workers.denoiser]\ncapacity = 0\n")
+    assert cli.main(["submit", "--prompt", "p", "--config", str(config), "--out", str(tmp_path)]) == 1
+    assert capsys.readouterr().err.strip() == (
+        f"triptych submit: no daemon at ipc://{tmp_path}/nobody: nothing there took a connection within 3s")
+    config.write_text("[daemon]\nclient_endpoint = 5555\n")
+    assert cli.main(["submit", "--prompt", "p", "--config", str(config), "--out", str(tmp_path)]) == 1
+    assert capsys.readouterr().err.strip() == (
+        f"triptych submit: {config}: Expected `str`, got `int` - at `$.daemon.client_endpoint`")
+
+
 def test_a_configs_wildcard_endpoint_is_one_line_not_a_zmq_error(tmp_path: Path,
                                                                   capsys: pytest.CaptureFixture[str]) -> None:
     """The daemon binds tcp://*:PORT; a command reading the same file must be told to name a host."""
