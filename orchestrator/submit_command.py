@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import os
 import re
 import signal
 import sys
@@ -49,8 +50,20 @@ def configured_endpoint(config: Path) -> str:
         raise msgspec.DecodeError(f"{config}: {exc}") from None
 
 
+def _say(line: str) -> None:
+    """Print ``line`` to stderr. Once nobody reads it (`2>&1 | head -2`), print nothing more:
+    the request runs on and its outputs are written, and the exit status is its outcome's,
+    not a broken pipe's (which ``triptych``'s rule for `| head` would have made 0, the
+    request cancelled and nothing written)."""
+    try:
+        print(line, file=sys.stderr, flush=True)
+    except BrokenPipeError:
+        # To /dev/null: what is still buffered, and the lines to come, go nowhere quietly.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stderr.fileno())
+
+
 def _print_progress(progress: Progress) -> None:
-    print(progress_line(progress), file=sys.stderr)
+    _say(progress_line(progress))
 
 
 def _generate(endpoint: str, params: GenParams, args: argparse.Namespace, rid: str) -> Generation:
@@ -88,26 +101,50 @@ def submit(args: argparse.Namespace, endpoint: str, out: Path) -> int:
     try:
         generation = _generate(endpoint, params, args, rid)
     except Rejection as exc:
-        print(f"rejected ({exc.reason}): {as_flags(exc.rejected.message)}", file=sys.stderr)
+        _say(f"rejected ({exc.reason}): {as_flags(exc.rejected.message)}")
         return 2
     except _Terminated:
-        print(f"terminated: request {rid} cancelled", file=sys.stderr)
+        _say(f"terminated: request {rid} cancelled")
         return 143
     except KeyboardInterrupt:  # both clients cancel a request whose wait is interrupted
-        print(f"interrupted: request {rid} cancelled", file=sys.stderr)
+        _say(f"interrupted: request {rid} cancelled")
         return 130
-    for spec, data in zip(generation.result.outputs, generation.frames, strict=True):
-        suffix = "" if spec.name.endswith(".png") else ".bin"
-        path = out / f"{file_stem(rid)}-{spec.name}{suffix}"
-        try:
-            path.write_bytes(data)
-        except OSError as exc:
-            raise OSError(f"request {rid} completed, but {path} could not be written: {exc.strerror or exc}") from None
-        print(path if suffix == "" else f"{path}  {spec.dtype} {tuple(spec.shape)}")
+    # All written before any is printed: a reader of stdout that leaves early (`| head -1`)
+    # ends the printing, and would have ended the writing with it.
+    paths = _write_outputs(generation, out, rid)
+    for spec, path in zip(generation.result.outputs, paths, strict=True):
+        print(path if spec.name.endswith(".png") else f"{path}  {spec.dtype} {tuple(spec.shape)}")
     print(STAGES_HEADER)
     for stage in generation.result.stages:
         print(stage_row(stage))
     return 0
+
+
+def _write_outputs(generation: Generation, out: Path, rid: str) -> list[Path]:
+    """Write ``generation``'s outputs into ``out``, each a file named for ``rid`` and itself; their paths."""
+    paths = []
+    for spec, data in zip(generation.result.outputs, generation.frames, strict=True):
+        path = out / f"{file_stem(rid)}-{spec.name}{'' if spec.name.endswith('.png') else '.bin'}"
+        try:
+            _write_whole(path, data)
+        except OSError as exc:
+            raise OSError(f"request {rid} completed, but {path} could not be written: {exc.strerror or exc}") from None
+        paths.append(path)
+    return paths
+
+
+def _write_whole(path: Path, data: bytes | bytearray) -> None:
+    """Write ``data`` to ``path`` under a hidden name beside it, renamed once whole: a write
+    that fails (a full disk) leaves no short file under a name a later job looks for."""
+    part = path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}.part")
+    file = part.open("xb")  # x: a name of its own, never another file
+    try:
+        with file:
+            file.write(data)
+        part.replace(path)
+    except BaseException:  # a Ctrl-C in a long write too
+        part.unlink(missing_ok=True)
+        raise
 
 
 # The Submit fields a refusal unsent names (``- at `$.params.steps```) as the flags that set them.
