@@ -130,7 +130,8 @@ class AsyncClient:
     and closed in one task: its reader runs in an anyio task group, which belongs to the
     task that opened it (in a web app, open it in the lifespan context, not in separate
     startup and shutdown hooks), and serves that task's event loop only (one per thread
-    that runs a loop), an asyncio one (not trio). A closed client cannot be opened again.
+    that runs a loop), an asyncio one (not trio). A closed client cannot be opened again,
+    nor used (make a new one); closing it again does nothing.
     """
 
     def __init__(self, endpoint: str) -> None:
@@ -184,7 +185,9 @@ class AsyncClient:
         return sock, watch
 
     async def __aexit__(self, *exc: object) -> None:
-        assert self._tg is not None and self._ctx is not None and self._sock is not None
+        if self._sock is None:
+            return  # never opened, or closed already: nothing to close (as Client.close again)
+        assert self._tg is not None and self._ctx is not None
         self._tg.cancel_scope.cancel()
         try:
             await self._tg.__aexit__(None, None, None)
@@ -219,6 +222,8 @@ class AsyncClient:
 
     def _open(self) -> zmq.asyncio.Socket:
         if self._sock is None:
+            if self._ctx is not None:  # opened once, so closed since
+                raise RuntimeError("this AsyncClient was closed: make a new one")
             raise RuntimeError("use the client inside `async with AsyncClient(endpoint) as client:`")
         if asyncio.get_running_loop() is not self._loop:
             # Its reader runs on that loop: answers would never reach a wait on another.
@@ -442,6 +447,10 @@ class AsyncClient:
         come (no daemon took a connection within 3 s: the request is cancelled at the daemon
         should it get there; or the connection closed: a daemon that lives on ends it when
         its answer finds the connection gone)."""
+        if on_progress is not None and not callable(on_progress):
+            # Here, not as the first Progress comes: by then the request runs, for nobody.
+            raise TypeError(f"on_progress must be a function or a coroutine function, not "
+                            f"{type(on_progress).__name__}")
         # The client picks the id so it can match the answer among many in flight.
         rid = request_id or uuid.uuid4().hex
         body = submit_body(params, rid, timeout_s, priority, self._tokens, progress=on_progress is not None)

@@ -151,6 +151,9 @@ async def test_a_submit_the_daemon_would_refuse_is_refused_at_once_and_never_sen
                 await client.submit(GenParams(prompt="a\ud800b"), timeout_s=30)
             with pytest.raises(Rejection, match="not sent: request_id must be a str, not int"):
                 await client.submit(GenParams(prompt="p"), request_id=7, timeout_s=30)
+            for deaf in (5, "print"):  # refused before the request runs, not as its first Progress comes
+                with pytest.raises(TypeError, match="on_progress must be a function or a coroutine function, not"):
+                    await client.submit(GenParams(prompt="p"), timeout_s=30, on_progress=deaf)
             with pytest.raises(TypeError, match="request_id must be a str, not bytes"):
                 await client.cancel(b"r")
             for never_ending in (-1.0, math.inf, 0.0):
@@ -468,10 +471,14 @@ async def test_an_async_client_used_outside_its_context_says_so() -> None:
         await malformed.__aenter__()
     with pytest.raises(RuntimeError, match="opened before"):  # what it opened was closed on the failure
         await malformed.__aenter__()
+    await unopened.__aexit__(None, None, None)  # nothing to close: no bare AssertionError
     async with AsyncClient("ipc:///nonexistent/daemon") as closed:
         pass
-    with pytest.raises(RuntimeError, match="inside `async with"):
-        await closed.submit(PARAMS)
+    # Not "use it inside `async with`", which it was (a client audit).
+    for call in (partial(closed.submit, PARAMS), partial(closed.cancel, "r")):
+        with pytest.raises(RuntimeError, match="^this AsyncClient was closed: make a new one$"):
+            await call()
+    await closed.__aexit__(None, None, None)  # closed again: nothing more to do, as Client.close
 
 
 def test_an_async_client_outside_asyncio_says_it_needs_asyncio() -> None:
