@@ -27,6 +27,7 @@ from orchestrator.client_wire import (
     Lost,
     Reply,
     Unreadable,
+    cancel_body,
     cancel_found,
     daemon_endpoint,
     read_reply,
@@ -462,13 +463,17 @@ class AsyncClient:
 
     async def cancel(self, request_id: str, *, timeout_s: float = 10.0) -> bool:
         """Cancel ``request_id`` at the daemon, submitted by this client (or by one that set no
-        cancel token); whether it was still there to cancel. Raises ``PermissionError`` for a
-        request another client submitted, ``TimeoutError`` if the daemon does not answer
-        within ``timeout_s``, or ``ConnectionError`` if no answer can come (no daemon took a
-        connection within 3 s, or it closed) or the client is closed meanwhile."""
+        cancel token); whether it was still there to cancel. Raises ``Rejection(invalid)``,
+        unsent, for an id no request can have (not a str, empty, past 128 characters), as
+        ``submit`` does; ``ValueError`` or ``TypeError`` for a ``timeout_s`` that is no
+        positive number of seconds; ``PermissionError`` for a request another client
+        submitted, ``TimeoutError`` if the daemon does not answer within ``timeout_s``, or
+        ``ConnectionError`` if no answer can come (no daemon took a connection within 3 s,
+        or it closed) or the client is closed meanwhile."""
         # The Cancelled ack and the request's own Rejected share the id; acks go by a
         # separate DEALER so the two answers cannot be confused.
         checked_s(timeout_s)
+        body = cancel_body(request_id, self._tokens)
         self._open()
         assert self._ctx is not None
         sock = self._ctx.socket(zmq.DEALER)
@@ -479,7 +484,7 @@ class AsyncClient:
             watch = ConnectionWatch(sock)
             sock.connect(self.endpoint)
             sent_at = time.monotonic()
-            await sock.send_multipart([b"", self._tokens.cancel_frame(request_id)])
+            await sock.send_multipart([b"", body])
             parts = await self._ack(sock, watch, request_id, sent_at, timeout_s)
         except asyncio.CancelledError:
             # Closing the client closes this socket, which cancels the wait on it: that is

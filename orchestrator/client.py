@@ -21,6 +21,7 @@ from orchestrator.client_wire import (
     CancelTokens,
     Generation,
     Reply,
+    cancel_body,
     cancel_found,
     daemon_endpoint,
     read_reply,
@@ -90,16 +91,19 @@ class Client:
         """Cancel ``request_id``, submitted by this client (or by one that set no cancel
         token); whether it was still there to cancel. Safe from another thread while the
         request's ``submit`` waits (which then raises ``Rejection(cancelled)``). Raises
-        ``PermissionError`` for a request another client submitted, ``TimeoutError`` if the
-        daemon does not answer within ``timeout_s``, ``ConnectionError`` as ``submit``."""
+        ``Rejection(invalid)``, unsent, for an id no request can have (not a str, empty, past
+        128 characters), as ``submit`` does; ``ValueError`` or ``TypeError`` for a
+        ``timeout_s`` that is no positive number of seconds; ``PermissionError`` for a
+        request another client submitted, ``TimeoutError`` if the daemon does not answer
+        within ``timeout_s``, ``ConnectionError`` as ``submit``."""
         self._check_open()
         checked_s(timeout_s)
+        body = cancel_body(request_id, self._tokens)
         # A one-shot socket: the client's own may be waiting for a submit's answer, and the
         # daemon answers a Cancel on the connection it came by. Its token proves it ours.
         sock, watch = self._connect()
         try:
-            frames = exchange(sock, watch, [self._tokens.cancel_frame(request_id)], timeout_s, self.endpoint,
-                               f" to the Cancel of {request_id!r}")
+            frames = exchange(sock, watch, [body], timeout_s, self.endpoint, f" to the Cancel of {request_id!r}")
         finally:
             watch.close()
             sock.close(linger=0)

@@ -7,6 +7,7 @@ import functools
 import hashlib
 import hmac
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -116,15 +117,28 @@ def submit_body(params: GenParams, request_id: str, timeout_s: float | None, pri
     The request carries the deadline the client waits for (``DEFAULT_TIMEOUT_S`` when the
     caller names none), so the daemon never works on past the caller's patience.
     """
+    return _checked(request_id, lambda: Submit(
+        protocol=PROTOCOL_VERSION, params=params, request_id=request_id, timeout_s=_or_default(timeout_s),
+        priority=priority, progress=progress, cancel_token=tokens.of(request_id)))
+
+
+def cancel_body(request_id: str, tokens: CancelTokens) -> bytes:
+    """The encoded ``Cancel`` of ``request_id``, checked as ``submit_body`` checks a Submit: an
+    id no request can have (not a str, empty, past 128 characters) raises ``Rejection(invalid)``
+    here, unsent, as a submit's does (the daemon's own refusal would cost a round trip)."""
+    return _checked(request_id, lambda: Cancel(protocol=PROTOCOL_VERSION, request_id=request_id,
+                                               cancel_token=tokens.of(request_id)))
+
+
+def _checked(request_id: str, message: Callable[[], Submit | Cancel]) -> bytes:
+    """``message()`` encoded, once the daemon's decoder takes it; else ``Rejection(invalid)``."""
     try:
         # Encoding fails first for an int msgpack cannot carry (a seed past 2**64).
-        body = encode(Submit(protocol=PROTOCOL_VERSION, params=params, request_id=request_id,
-                             timeout_s=_or_default(timeout_s), priority=priority, progress=progress,
-                             cancel_token=tokens.of(request_id)))
+        body = encode(message())
         CLIENT_REQUEST.decode(body)
     except (msgspec.ValidationError, OverflowError, TypeError, UnicodeEncodeError) as exc:
-        # TypeError: a value msgpack has no form for (a numpy integer, say); UnicodeEncodeError:
-        # a string that is no text (a lone surrogate).
+        # TypeError: a value msgpack has no form for (a numpy integer, say), or an id that is
+        # no str; UnicodeEncodeError: a string that is no text (a lone surrogate).
         raise Rejection(Rejected(request_id=request_id, reason=Reason.INVALID, message=f"not sent: {exc}")) from None
     return body
 

@@ -7,8 +7,13 @@ import math
 
 def checked_s(timeout_s: float) -> float:
     """``timeout_s`` if it is a deadline (finite, positive), else ``ValueError``: a wait
-    of -1 or infinity would never end, and one of 0 would never wait."""
-    if not (math.isfinite(timeout_s) and timeout_s > 0):
+    of -1 or infinity would never end, and one of 0 would never wait. ``TypeError`` naming
+    it for what is no number (a "10" read from a config's text)."""
+    try:
+        finite = math.isfinite(timeout_s)
+    except TypeError:
+        raise TypeError(f"timeout_s must be a number of seconds, not {type(timeout_s).__name__}") from None
+    if not (finite and timeout_s > 0):
         raise ValueError(f"timeout_s must be a positive number of seconds, not {timeout_s!r}")
     return timeout_s
 

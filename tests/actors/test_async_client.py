@@ -45,6 +45,11 @@ PARAMS = GenParams(prompt="watched")
 
 FakeDaemon = tuple[zmq.asyncio.Socket, str]
 
+# Ids no request can have, and what refuses each, unsent.
+BAD_IDS = [(b"r", "^invalid: not sent: request_id must be a str, not bytes$"),
+           ("", r"^invalid: not sent: Expected `str` of length >= 1 - at `\$.request_id`$"),
+           ("a" * 129, r"^invalid: not sent: Expected `str` of length <= 128 - at `\$.request_id`$")]
+
 
 @pytest.fixture
 def fake_daemon(ctx: zmq.asyncio.Context, tmp_path: Path) -> Iterator[FakeDaemon]:
@@ -154,8 +159,14 @@ async def test_a_submit_the_daemon_would_refuse_is_refused_at_once_and_never_sen
             for deaf in (5, "print"):  # refused before the request runs, not as its first Progress comes
                 with pytest.raises(TypeError, match="on_progress must be a function or a coroutine function, not"):
                     await client.submit(GenParams(prompt="p"), timeout_s=30, on_progress=deaf)
-            with pytest.raises(TypeError, match="request_id must be a str, not bytes"):
-                await client.cancel(b"r")
+            # A Cancel the daemon would refuse is refused here as a Submit is, not after a round
+            # trip as a Rejection with a wire field's path, or with no daemon a ConnectionError.
+            for rid, said in BAD_IDS:
+                with pytest.raises(Rejection, match=said) as refused_cancel:
+                    await client.cancel(rid)
+                assert refused_cancel.value.reason == Reason.INVALID
+            with pytest.raises(TypeError, match="timeout_s must be a number of seconds, not str"):
+                await client.cancel("r", timeout_s="1")
             for never_ending in (-1.0, math.inf, 0.0):
                 with pytest.raises(ValueError, match="timeout_s must be a positive number of seconds"):
                     await client.cancel("r", timeout_s=never_ending)
@@ -164,6 +175,12 @@ async def test_a_submit_the_daemon_would_refuse_is_refused_at_once_and_never_sen
         for never_ending in (-1.0, math.inf, math.nan):
             with Client(endpoint) as blocking, pytest.raises(ValueError, match="positive number of seconds"):
                 blocking.cancel("r", timeout_s=never_ending)
+        with Client(endpoint) as blocking:
+            for rid, said in BAD_IDS:
+                with pytest.raises(Rejection, match=said):
+                    blocking.cancel(rid)
+            with pytest.raises(TypeError, match="timeout_s must be a number of seconds, not str"):
+                blocking.cancel("r", timeout_s="1")
             with pytest.raises(ValueError, match="positive number of seconds"):
                 Control(endpoint, timeout_s=never_ending)
     assert refused.value.reason == Reason.INVALID and "$.params.prompt" in refused.value.rejected.message
