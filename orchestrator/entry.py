@@ -18,6 +18,12 @@ def main() -> int:
     if (parent := os.environ.pop(PARENT_ENV, None)) is not None and not end_with_parent(int(parent)):
         print(f"triptych {' '.join(sys.argv[1:2])}: the process that started this one has ended", file=sys.stderr)
         return 1
-    from orchestrator.cli import main as cli_main
+    try:
+        from orchestrator.cli import main as cli_main
 
-    return cli_main()
+        return cli_main()
+    except KeyboardInterrupt:
+        # Ctrl-C before a command runs (in the CLI's imports, a fifth of a second, or as it
+        # parses), where no command's own handling catches it: the exit status it gets
+        # later, without a traceback.
+        return 130

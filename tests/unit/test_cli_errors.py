@@ -12,7 +12,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-from orchestrator import cli, metrics
+from orchestrator import cli, entry, metrics
 from orchestrator.connection_watch import NO_DAEMON_S
 from orchestrator.limits import UnsatisfiableLimits
 from orchestrator.submit_command import as_flags, file_stem
@@ -240,6 +240,19 @@ def test_console_lines_show_no_frame_locals_and_no_colour_codes_in_a_file() -> N
                           cwd=Path(__file__).resolve().parents[2])
     assert "RuntimeError: boom" in done.stderr and "s3cret-token" not in done.stderr
     assert "\x1b[" not in done.stderr  # console lines into a file (a pipe here): no colour codes
+
+
+def test_ctrl_c_before_a_command_runs_exits_130_quietly(monkeypatch: pytest.MonkeyPatch,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """Ctrl-C in the first fifth of a second (the CLI's imports, its parser) printed a
+    traceback and died by the signal (a client audit)."""
+    def interrupted() -> None:
+        raise KeyboardInterrupt  # as Ctrl-C lands in argparse's own imports
+
+    monkeypatch.setattr(cli, "_parser", interrupted)
+    monkeypatch.setattr(sys, "argv", ["triptych", "stats"])
+    assert entry.main() == 130
+    assert capsys.readouterr() == ("", "")
 
 
 def test_a_reader_that_leaves_early_is_no_error(tmp_path: Path) -> None:
