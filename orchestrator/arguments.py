@@ -31,6 +31,18 @@ def _positive(text: str, expected: str) -> float:
     return value
 
 
+def number(text: str) -> float:
+    """A number: not "nan", which ``float`` reads too (and a bound then refuses as if it were
+    out of range)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if math.isnan(value):
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}")
+    return value
+
+
 def at_least(least: int) -> Callable[[str], int]:
     """An integer of at least ``least``."""
 

@@ -3,28 +3,32 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, NoReturn, TypeVar
 
 import anyio
 import msgspec
 import zmq
 
-from orchestrator.arguments import at_least, connect_endpoint, positive_seconds, worker_name
+from orchestrator.arguments import at_least, connect_endpoint, number, positive_seconds, worker_name
 from orchestrator.config import load_config
 from orchestrator.connection_watch import NO_DAEMON_S, ConnectionWatch
 from orchestrator.endpoints import dial_problem
 from transfer.binding import EndpointUnusable
-from transfer.protocol import Reason
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from orchestrator.control_client import Control
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "local.toml"
+
+Answer = TypeVar("Answer")
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -121,10 +125,24 @@ def _daemon_at(endpoint: str) -> str:
     return _check_endpoint(endpoint, answered_within_s=NO_DAEMON_S)
 
 
+def _ask(control: Control, question: Callable[[Control], Answer]) -> Answer:
+    """``question``'s answer from ``control``. Where another of the daemon's sockets answered,
+    a ``ValueError`` saying so, as ``Control`` raises for the worker socket's answer: one
+    mistake, one exit status, whichever socket it was."""
+    from orchestrator.rejection import Rejection, from_another_socket
+
+    try:
+        return question(control)
+    except Rejection as exc:
+        if from_another_socket(exc):
+            raise ValueError(f"{control.endpoint} is not a control socket: {exc.rejected.message}") from None
+        raise
+
+
 def _stats(args: argparse.Namespace) -> int:
     from orchestrator.tables import stats_table
 
-    stats = _control(args).stats()
+    stats = _ask(_control(args), lambda control: control.stats())
     print(json.dumps(msgspec.to_builtins(stats), indent=2) if args.json else stats_table(stats))
     return 0
 
@@ -132,13 +150,13 @@ def _stats(args: argparse.Namespace) -> int:
 def _workers(args: argparse.Namespace) -> int:
     from orchestrator.tables import workers_report
 
-    workers = _control(args).workers()
+    workers = _ask(_control(args), lambda control: control.workers())
     print(json.dumps(msgspec.to_builtins(workers), indent=2) if args.json else workers_report(workers.instances))
     return 0
 
 
 def _drain(args: argparse.Namespace) -> int:
-    draining = _control(args).drain()
+    draining = _ask(_control(args), lambda control: control.drain())
     print(f"draining: new requests are refused; requests in flight: {draining.in_flight}. The daemon exits once "
           "they end, or once its drain_timeout_s passes")
     return 0
@@ -181,16 +199,12 @@ def _metrics(args: argparse.Namespace) -> int:
 
 def _not_another_socket(control: Control) -> None:
     """``ValueError`` if what answers at ``control``'s endpoint is not a control socket (the
-    daemon's client or worker socket); no answer is fine: the daemon may come later."""
+    daemon's client or worker socket); no answer is fine, or a busy one: the daemon may come
+    later, or have time then."""
     from orchestrator.rejection import Rejection
 
-    try:
-        control.stats()
-    except (TimeoutError, ConnectionError):
-        pass
-    except Rejection as exc:
-        if exc.reason == Reason.INVALID:  # the client socket's answer to a control request
-            raise ValueError(f"{control.endpoint} is not a control socket: it answered {exc}") from None
+    with contextlib.suppress(TimeoutError, ConnectionError, Rejection):
+        _ask(control, lambda control: control.stats())
 
 
 def _port(text: str) -> int:
@@ -209,7 +223,7 @@ def _parser() -> argparse.ArgumentParser:
     def command(name: str, func, help: str, epilog: str | None = None) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help, description=help[0].upper() + help[1:] + ".", epilog=epilog)
         p.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="cluster TOML (default: %(default)s)")
-        p.set_defaults(func=func)
+        p.set_defaults(func=func, usage_error=p.error)  # its own usage, not the list of commands
         return p
 
     def endpoint(p: argparse.ArgumentParser, key: str) -> None:
@@ -229,16 +243,16 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--decoders", type=at_least(1), default=1, help="(default: %(default)s)")
     p = command("submit", _submit, "generate and write the outputs",
                 epilog="Exit status: 0 written; 2 the daemon refused or failed the request, or the command "
-                       "line is wrong (either way the reason is printed); 1 another error (no daemon, a "
-                       "timeout, a bad config); 130 interrupted (SIGINT), 143 terminated (SIGTERM), the request "
-                       "cancelled either way.")
+                       "line is wrong (either way the reason is printed); 1 another error (no daemon at the "
+                       "endpoint, or another of its sockets; a timeout; a bad config); 130 interrupted (SIGINT), "
+                       "143 terminated (SIGTERM), the request cancelled either way.")
     endpoint(p, "client_endpoint")
     p.add_argument("--prompt", required=True)
     p.add_argument("--negative-prompt", default="")
     p.add_argument("--width", type=int, default=64, help="pixels (default: %(default)s)")
     p.add_argument("--height", type=int, default=64, help="pixels (default: %(default)s)")
     p.add_argument("--steps", type=int, default=20, help="denoising steps (default: %(default)s)")
-    p.add_argument("--guidance", type=float, default=5.0, help="(default: %(default)s)")
+    p.add_argument("--guidance", type=number, default=5.0, help="(default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
     p.add_argument("--num-images", type=int, default=1, help="(default: %(default)s)")
     p.add_argument("--output", choices=["png", "raw"], default="png", help="(default: %(default)s)")
@@ -280,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
         return {"demo": demo.main, "bench": bench.main, "bench-handoff": handoff_bench.main,
                 "soak": soak.main}[args.command](rest)
     if rest:
-        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        args.usage_error(f"unrecognized arguments: {' '.join(rest)}")
     return _run(args)
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TypeVar
 
-from transfer.protocol import Rejected
+from transfer.protocol import Reason, Rejected
 
 Answer = TypeVar("Answer")
 
@@ -27,6 +27,14 @@ class Rejection(Exception):
     def __reduce__(self) -> tuple[type[Rejection], tuple[Rejected]]:
         # Pickled as what it was made from (job queues and process pools pickle exceptions).
         return Rejection, (self.rejected,)
+
+
+def from_another_socket(rejection: Rejection) -> bool:
+    """Whether ``rejection`` is the answer of a socket of the daemon's that could not read the
+    message as one of its own: invalid, and naming no request. The clients and the commands
+    send nothing their own socket would refuse so (they check it first), so it says that
+    the endpoint is another of the daemon's sockets (its message says which)."""
+    return rejection.reason == Reason.INVALID and not rejection.rejected.request_id
 
 
 def answer_as(kind: type[Answer], reply: object, endpoint: str) -> Answer:

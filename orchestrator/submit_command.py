@@ -21,7 +21,7 @@ import msgspec
 
 from orchestrator.client import AsyncClient, Client, Generation
 from orchestrator.config import DaemonConfig
-from orchestrator.rejection import Rejection
+from orchestrator.rejection import Rejection, from_another_socket
 from orchestrator.tables import STAGES_HEADER, progress_line, stage_row
 from transfer.protocol import GenParams, Progress
 
@@ -101,6 +101,8 @@ def submit(args: argparse.Namespace, endpoint: str, out: Path) -> int:
     try:
         generation = _generate(endpoint, params, args, rid)
     except Rejection as exc:
+        if from_another_socket(exc):  # the daemon's control socket: as the worker socket's answer is said
+            raise ValueError(f"{endpoint} is not a Triptych client socket: {exc.rejected.message}") from None
         _say(f"rejected ({exc.reason}): {as_flags(exc.rejected.message)}")
         return 2
     except _Terminated:

@@ -14,6 +14,8 @@ WORKER_SOCKETS_REFUSAL = RegisterRefused(message="this is the daemon's worker so
                                                  "have endpoints of their own")
 CONTROL_SOCKETS_REFUSAL = Rejected(request_id="", reason=Reason.INVALID, message="this is the daemon's control socket; "
                                    "this message goes to its client socket (daemon.client_endpoint)")
+CLIENT_SOCKETS_REFUSAL = Rejected(request_id="", reason=Reason.INVALID, message="this is the daemon's client socket; "
+                                  "this message goes to its control socket (daemon.control_endpoint)")
 
 
 def router_at(ctx: zmq.Context | zmq.asyncio.Context, endpoint: str) -> zmq.Socket:

@@ -100,19 +100,20 @@ def test_submit_reports_a_rejection_and_exits_nonzero(start_cluster: StartCluste
     huge = triptych("submit", "--prompt", "x", "--seed", str(2**70), "--out", str(tmp_path), config=cluster.config_path)
     assert huge.returncode == 2 and "rejected (invalid): not sent" in huge.stderr
     # Control commands pointed at the client socket, and a submit at the control socket: the
-    # daemon's refusal says which socket it is, in one line.
+    # daemon's refusal says which socket it is, in one line, exit 1 as for the worker socket.
     lost = triptych("stats", "--endpoint", cluster.client_endpoint, config=cluster.config_path)
-    assert lost.returncode == 2 and lost.stderr == (
-        "triptych stats: rejected (invalid): this is the daemon's client socket; this message goes to its control "
-        "socket (daemon.control_endpoint)\n")
+    assert lost.returncode == 1 and lost.stderr == (
+        f"triptych stats: {cluster.client_endpoint} is not a control socket: this is the daemon's client socket; "
+        "this message goes to its control socket (daemon.control_endpoint)\n")
     # Either client, at once (the DEALER of --progress once waited out the request's deadline).
+    control_endpoint = cluster.config.daemon.control_endpoint
     for progress in ([], ["--progress"]):
         started = time.monotonic()
         astray = triptych("submit", "--prompt", "x", "--out", str(tmp_path), *progress, "--endpoint",
-                          cluster.config.daemon.control_endpoint, config=cluster.config_path)
-        assert astray.returncode == 2 and time.monotonic() - started < 15 and astray.stderr.endswith(
-            "rejected (invalid): this is the daemon's control socket; this message goes to its client socket "
-            "(daemon.client_endpoint)\n"), astray.stderr
+                          control_endpoint, config=cluster.config_path)
+        assert astray.returncode == 1 and time.monotonic() - started < 15 and astray.stderr == (
+            f"triptych submit: {control_endpoint} is not a Triptych client socket: this is the daemon's control "
+            "socket; this message goes to its client socket (daemon.client_endpoint)\n"), astray.stderr
     # ...and at the worker socket: its answer says which socket it is, at once.
     worker_endpoint = cluster.config.daemon.worker_endpoint
     started = time.monotonic()

@@ -6,17 +6,21 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import anyio
 import pytest
+import zmq
 
 from orchestrator import cli, entry, metrics
 from orchestrator.connection_watch import NO_DAEMON_S
 from orchestrator.limits import UnsatisfiableLimits
 from orchestrator.submit_command import as_flags, file_stem
+from tests.actors.fake_daemon import CLIENT_SOCKETS_REFUSAL, CONTROL_SOCKETS_REFUSAL, WORKER_SOCKETS_REFUSAL, router_at
 from transfer.binding import EndpointUnusable
+from transfer.protocol import encode
 
 
 @pytest.mark.parametrize(("argv", "says"), [
@@ -89,6 +93,63 @@ def test_an_endpoint_no_command_can_connect_to_is_a_usage_error(endpoint: str,
     with pytest.raises(SystemExit) as exited:
         cli.main(["stats", "--endpoint", endpoint])
     assert exited.value.code == 2 and f"argument --endpoint: {endpoint} is " in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("command", "answer", "said"), [
+    (["submit"], CONTROL_SOCKETS_REFUSAL, "is not a Triptych client socket: this is the daemon's control socket;"),
+    (["submit", "--progress"], CONTROL_SOCKETS_REFUSAL, "is not a Triptych client socket: this is the daemon's "
+                                                        "control socket;"),
+    (["submit"], WORKER_SOCKETS_REFUSAL, "is not a Triptych client socket: this is the daemon's worker socket;"),
+    (["stats"], CLIENT_SOCKETS_REFUSAL, "is not a control socket: this is the daemon's client socket;"),
+    (["stats"], WORKER_SOCKETS_REFUSAL, "is not a control socket: this is the daemon's worker socket;"),
+], ids=["submit-control", "submit-progress-control", "submit-worker", "stats-client", "stats-worker"])
+def test_a_command_at_another_of_the_daemons_sockets_exits_1_whichever_it_is(
+    command: list[str], answer: object, said: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The control socket's refusal was exit 2, a refused request's, the worker socket's 1:
+    one mistake, two statuses (a client audit). The submit epilog says 1."""
+    ctx = zmq.Context()
+    endpoint = f"ipc://{tmp_path}/daemon"
+    daemon = router_at(ctx, endpoint)
+
+    done = threading.Event()
+
+    def answer_everything() -> None:  # as another socket of the daemon's answers each message
+        while not done.is_set():
+            if daemon.poll(50):
+                identity, *_ = daemon.recv_multipart()
+                daemon.send_multipart([identity, b"", encode(answer)])
+
+    playing = threading.Thread(target=answer_everything)
+    playing.start()
+    sigterm = signal.getsignal(signal.SIGTERM)  # a submit takes it, to cancel its request
+    try:
+        flags = ["--prompt", "p", "--out", str(tmp_path)] if command[0] == "submit" else []
+        assert cli.main([*command, *flags, "--endpoint", endpoint]) == 1
+    finally:
+        signal.signal(signal.SIGTERM, sigterm)
+        done.set()
+        playing.join(10)
+        daemon.close(linger=0)
+        ctx.term()
+    err = capsys.readouterr().err
+    assert err.startswith(f"triptych {command[0]}: {endpoint} {said}") and err.count("\n") == 1, err
+
+
+def test_a_usage_error_shows_the_commands_own_usage(capsys: pytest.CaptureFixture[str]) -> None:
+    """Not the list of every command."""
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["stats", "--json", "--bogus"])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and err.startswith("usage: triptych stats ")
+    assert err.endswith("triptych stats: error: unrecognized arguments: --bogus\n")
+
+
+def test_a_guidance_of_nan_is_said_to_be_no_number(capsys: pytest.CaptureFixture[str]) -> None:
+    """The bound's "Expected `float` >= 0.0" read as if nan were below 0."""
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["submit", "--prompt", "p", "--guidance", "nan"])
+    assert exited.value.code == 2 and "argument --guidance: expected a number, got 'nan'" in capsys.readouterr().err
 
 
 def test_an_empty_endpoint_is_the_configs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
