@@ -21,6 +21,7 @@ from orchestrator.client_wire import (
     CancelTokens,
     Generation,
     Reply,
+    blocking_context,
     cancel_body,
     cancel_found,
     daemon_endpoint,
@@ -44,7 +45,7 @@ class Client:
 
     def __init__(self, endpoint: str, *, ctx: zmq.Context | None = None) -> None:
         self.endpoint = daemon_endpoint(endpoint)
-        self._ctx = ctx or zmq.Context.instance()
+        self._ctx = blocking_context(ctx)
         self._tokens = CancelTokens()
         # A REQ socket must alternate send and receive; a second thread's send in between
         # breaks its state machine (and a thread's reset or close would close it under the

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import msgspec
+import zmq
+import zmq.asyncio
 
 from orchestrator.endpoints import dial_problem
 from orchestrator.rejection import Rejection
@@ -102,10 +104,24 @@ class CancelTokens:
 
 def daemon_endpoint(endpoint: str) -> str:
     """``endpoint``, or ``ValueError`` if no client can connect there (malformed, or a ``*``
-    only the daemon can bind): ZMQ would say only "Invalid argument"."""
+    only the daemon can bind): ZMQ would say only "Invalid argument". ``TypeError`` for one
+    that is no str (a ``Path``, bytes, a None from a config), not one from inside the check."""
+    if not isinstance(endpoint, str):
+        raise TypeError(f"endpoint must be a str such as 'tcp://host:5555', not {type(endpoint).__name__}")
     if (problem := dial_problem(endpoint)) is not None:
         raise ValueError(f"{endpoint} is {problem}")
     return endpoint
+
+
+def blocking_context(ctx: zmq.Context | None) -> zmq.Context:
+    """``ctx`` for a blocking client's sockets (ZMQ's shared one if None); ``TypeError`` for a
+    ``zmq.asyncio`` one, whose sockets return futures where a blocking client waits for
+    frames (the type allows it: it is a ``zmq.Context`` too)."""
+    if ctx is None:
+        return zmq.Context.instance()
+    if isinstance(ctx, zmq.asyncio.Context):
+        raise TypeError("a zmq.asyncio.Context serves asyncio code: use AsyncClient there, or give a zmq.Context")
+    return ctx
 
 
 def submit_body(params: GenParams, request_id: str, timeout_s: float | None, priority: int, tokens: CancelTokens,

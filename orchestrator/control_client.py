@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import zmq
 
-from orchestrator.client_wire import daemon_endpoint, worker_socket_said
+from orchestrator.client_wire import blocking_context, daemon_endpoint, worker_socket_said
 from orchestrator.connection_watch import exchange, watched_req
 from orchestrator.deadlines import checked_s
 from orchestrator.rejection import answer_as
@@ -37,7 +37,7 @@ class Control:
         # not ZMQ's "Invalid argument" (``*``) or a wait for a daemon that cannot be there.
         self.endpoint = daemon_endpoint(endpoint)
         self._timeout_s = checked_s(timeout_s)
-        self._ctx = ctx or zmq.Context.instance()
+        self._ctx = blocking_context(ctx)
 
     def _ask(self, request: ControlRequest) -> ControlReply:
         # As the other clients: ConnectionError once no daemon took a connection within 3 s,

@@ -14,8 +14,9 @@ from typing import Any
 
 import pytest
 import zmq
+import zmq.asyncio
 
-from orchestrator.client import Client, Rejection
+from orchestrator.client import AsyncClient, Client, Rejection
 from orchestrator.control_client import Control
 from tests.actors.fake_daemon import WORKER_SOCKETS_REFUSAL, router_at
 from transfer.protocol import (
@@ -328,3 +329,26 @@ def test_the_blocking_clients_pointed_at_another_socket_say_so(blocking_daemon: 
     with pytest.raises(ValueError, match=f"^{endpoint} is not a control socket: {control_said}"):
         Control(endpoint, ctx=ctx).stats()
     thread.join(timeout=10)
+
+
+@pytest.mark.parametrize("endpoint", [None, b"tcp://127.0.0.1:5555", Path("/tmp/daemon")],
+                         ids=["none", "bytes", "path"])
+def test_an_endpoint_that_is_no_str_is_a_type_error_saying_so(endpoint: object) -> None:
+    """An endpoint from a config that lacks it, or read as bytes: AttributeError and TypeError
+    from inside the check ('NoneType' object has no attribute 'startswith'), in every client."""
+    for client in (Client, AsyncClient, Control):
+        with pytest.raises(TypeError, match=f"^endpoint must be a str such as 'tcp://host:5555', not "
+                                            f"{type(endpoint).__name__}$"):
+            client(endpoint)
+
+
+def test_a_blocking_client_on_an_asyncio_context_says_to_use_the_async_client(tmp_path: Path) -> None:
+    """Its sockets return futures: the first submit failed with "object of type
+    '_asyncio.Future' has no len()", and pyzmq's warnings."""
+    ctx = zmq.asyncio.Context()
+    try:
+        for client in (Client, Control):
+            with pytest.raises(TypeError, match="a zmq.asyncio.Context serves asyncio code: use AsyncClient"):
+                client(f"ipc://{tmp_path}/daemon", ctx=ctx)
+    finally:
+        ctx.destroy(linger=0)  # (whatever a client made on it)
