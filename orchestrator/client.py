@@ -80,7 +80,7 @@ class Client:
             # PermissionError: the id runs for another client by now, so nothing of ours is left there.
             with contextlib.suppress(TimeoutError, ConnectionError, ValueError, zmq.ZMQError, Rejection,
                                      PermissionError):
-                self.cancel(rid, timeout_s=CANCEL_SEND_S)
+                self._cancel(self._tokens.cancel_frame(rid), rid, CANCEL_SEND_S)
             raise
         generation = answer_as(Generation, reply, self.endpoint)
         if generation.result.request_id != rid:
@@ -99,7 +99,12 @@ class Client:
         within ``timeout_s``, ``ConnectionError`` as ``submit``."""
         self._check_open()
         checked_s(timeout_s)
-        body = cancel_body(request_id, self._tokens)
+        return self._cancel(cancel_body(request_id, self._tokens), request_id, timeout_s)
+
+    def _cancel(self, body: bytes, request_id: str, timeout_s: float) -> bool:
+        """Send the Cancel ``body`` of ``request_id`` and read its answer, the client open or
+        not: a submit's own Cancel comes after its wait, when another thread's ``close`` may
+        have closed it, and the request must not run on at the daemon for nobody."""
         # A one-shot socket: the client's own may be waiting for a submit's answer, and the
         # daemon answers a Cancel on the connection it came by. Its token proves it ours.
         sock, watch = self._connect()

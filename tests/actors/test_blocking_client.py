@@ -224,6 +224,31 @@ def test_a_blocking_clients_cancel_refused_after_its_wait_ran_out_leaves_the_tim
         refuser.join(5)
 
 
+def test_a_blocking_client_closed_as_its_submit_times_out_still_cancels_it(
+    blocking_daemon: BlockingDaemon, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another thread's close(), waiting for the call in flight, can land between the submit's
+    wait and its own Cancel: that Cancel raised "this Client was closed" in place of the
+    TimeoutError, and never left (a client audit)."""
+    monkeypatch.setattr("orchestrator.client_wire.GRACE_S", 0.05)
+    ctx, daemon, endpoint = blocking_daemon
+    request = Client._request
+
+    def closed_meanwhile(client: Client, *args: Any) -> Any:
+        try:
+            return request(client, *args)
+        finally:
+            client.close()  # as the waiting close() takes the lock the moment the wait lets it go
+
+    monkeypatch.setattr(Client, "_request", closed_meanwhile)
+    with Client(endpoint, ctx=ctx) as client, pytest.raises(TimeoutError):
+        client.submit(PARAMS, request_id="orphan", timeout_s=0.2)
+    heard = []
+    while daemon.poll(1000):
+        heard.append(CLIENT_REQUEST.decode(daemon.recv_multipart()[2]))
+    assert [(type(m).__name__, m.request_id) for m in heard] == [("Submit", "orphan"), ("Cancel", "orphan")]
+
+
 @pytest.mark.parametrize("when", ["waiting", "sent"])
 def test_a_blocking_clients_interrupted_wait_cancels_its_request_and_leaves_it_usable(
     blocking_daemon: BlockingDaemon, monkeypatch: pytest.MonkeyPatch, when: str
