@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Literal, TypeVar
 
 import msgspec
 
@@ -369,10 +369,17 @@ class Config(Section):
                                  f"({w.prealloc_slots} x {w.prealloc_slot_bytes} bytes, aligned: {slots})")
 
 
+T = TypeVar("T")
+
+
 def load_config(path: str | Path) -> Config:
-    """Decode a TOML file; errors name the file and the offending key (``- at `$.daemon.token```)."""
+    return read_config(path, Config)
+
+
+def read_config(path: str | Path, kind: type[T]) -> T:
+    """Decode a TOML file as ``kind``; errors name the file and the offending key (``- at `$.daemon.token```)."""
     try:
-        return msgspec.toml.decode(Path(path).read_bytes(), type=Config)
+        return msgspec.toml.decode(Path(path).read_bytes(), type=kind)
     except OSError as exc:
         raise OSError(f"cannot read the config file {path}: {exc.strerror or exc}") from None
     except msgspec.ValidationError as exc:

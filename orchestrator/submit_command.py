@@ -20,7 +20,7 @@ import anyio
 import msgspec
 
 from orchestrator.client import AsyncClient, Client, Generation
-from orchestrator.config import DaemonConfig
+from orchestrator.config import DaemonConfig, read_config
 from orchestrator.rejection import Rejection, from_another_socket
 from orchestrator.tables import STAGES_HEADER, progress_line, stage_row
 from transfer.protocol import GenParams, Progress
@@ -40,14 +40,8 @@ class _ClientSide(msgspec.Struct, frozen=True):
 
 
 def configured_endpoint(config: Path) -> str:
-    """``daemon.client_endpoint`` in the config file ``config``; errors name the file, as
-    ``load_config``'s do."""
-    try:
-        return msgspec.toml.decode(config.read_bytes(), type=_ClientSide).daemon.client_endpoint
-    except OSError as exc:
-        raise OSError(f"cannot read the config file {config}: {exc.strerror or exc}") from None
-    except msgspec.DecodeError as exc:  # a ValidationError too
-        raise msgspec.DecodeError(f"{config}: {exc}") from None
+    """``daemon.client_endpoint`` in the config file ``config``; errors name the file."""
+    return read_config(config, _ClientSide).daemon.client_endpoint
 
 
 def _say(line: str) -> None:
