@@ -12,7 +12,12 @@ from __future__ import annotations
 import signal
 from types import FrameType
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+# SIGHUP (its terminal closed, an SSH session dropped) stops the process as SIGTERM does,
+# cleanly, where it killed it mid-request without a word (a crash, to the daemon's workers:
+# they waited out push_quarantine_s); unless it was started ignoring SIGHUP (nohup), as
+# whoever started it asked.
+_HANGUP = () if signal.getsignal(signal.SIGHUP) == signal.SIG_IGN else (signal.SIGHUP,)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, *_HANGUP)
 
 _heard: list[signal.Signals] | None = None
 

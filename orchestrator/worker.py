@@ -196,9 +196,10 @@ class WorkerRuntime:
         leaving = registered is not None and self._may_say_leaving()
         if leaving and link.outputs is not None:
             assert registered is not None
-            if (why := await link.hand_over(self._outputs.take_now(), heartbeat_s=registered.heartbeat_s,
-                                            within_s=self._wcfg.stop_flush_s)) is not None:
-                self._log.warning("worker.outputs_not_handed_over", why=why)
+            outputs = self._outputs.take_now()
+            why = await link.hand_over(outputs, heartbeat_s=registered.heartbeat_s, within_s=self._wcfg.stop_flush_s)
+            if why is not None and outputs:  # unanswered with nothing to hand over: nothing lost
+                self._log.warning("worker.outputs_not_handed_over", why=why, outputs=len(outputs))
             link.close(0)
         else:
             link.close(LEAVING_LINGER_MS if leaving and link.send_now([], [], leaving=True) else 0)

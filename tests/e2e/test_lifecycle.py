@@ -367,15 +367,24 @@ def test_a_second_signal_while_the_daemon_sends_its_last_answers_is_not_its_deat
         ctx.term()
 
 
-def test_a_burst_of_stop_signals_ends_the_daemon_with_exit_0(start_cluster: StartCluster) -> None:
-    """The first drains (nothing in flight: at once); the rest land while the daemon stops,
-    after it stopped watching for them: before, one then killed it (status -15)."""
+def test_a_hangup_stops_cleanly_and_a_burst_of_stop_signals_ends_the_daemon_with_exit_0(
+    start_cluster: StartCluster
+) -> None:
+    """SIGHUP (a terminal closed) stops a worker and the daemon as SIGTERM does: before, it
+    killed them (status -1) without a word, a crash to the rest of the cluster. The daemon's
+    first signal drains (nothing in flight: at once); the rest land while it stops, after it
+    stopped watching for them: before, one then killed it (status -15)."""
     cluster = start_cluster(layout={"encoder": 1, "denoiser": 1, "decoder": 1})
     assert cluster.daemon is not None
+    decoder = cluster.workers["decoder0"]
+    decoder.send_signal(signal.SIGHUP)
+    assert decoder.wait(timeout=20) == 0
+    cluster.daemon.send_signal(signal.SIGHUP)
     for _ in range(40):
         cluster.daemon.send_signal(signal.SIGTERM)
         time.sleep(0.005)
     assert cluster.daemon.wait(timeout=10) == 0
+    assert '"signal":"SIGHUP"' in cluster.log_of("daemon")
 
 
 def _wait_catching(pid: int, signum: signal.Signals, timeout_s: float = 30.0) -> None:
