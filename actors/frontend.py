@@ -61,6 +61,7 @@ from transfer.protocol import (
     Progress,
     Reason,
     Rejected,
+    Role,
     Submit,
     encode,
     other_version,
@@ -142,6 +143,7 @@ class FrontendActor:
         self._just_ended = RecentIds(CANCEL_OVERTAKES_S, FORESEEN_CANCELS)  # ids whose request just ended
         self._of_connection: dict[bytes, set[str]] = {}  # client connection -> its internal keys
         self._door = DoorLimits()
+        self._started = time.monotonic()
         self._draining = False
         self._retried = 0
         self._refused: dict[str, int] = {}  # by reason: submits refused at the door
@@ -416,8 +418,19 @@ class FrontendActor:
         refuses, so that a restarting worker costs no request)."""
         if isinstance(message, Rejected) and message.reason == Reason.TIMED_OUT and (missing := self._door.unserved()):
             return msgspec.structs.replace(message, request_id=rid, message=(
-                f"{message.message}; no {' or '.join(missing)} worker is registered"))
+                f"{message.message}; no {' or '.join(missing)} worker is registered{self._rejoin_hint(missing)}"))
         return msgspec.structs.replace(message, request_id=rid)
+
+    def _rejoin_hint(self, missing: list[Role]) -> str:
+        """Why receivers may be missing from a daemon that started less than
+        push_quarantine_s ago: those of a daemon that stopped without its farewell (a crash)
+        sit out the quarantine before they register (encoders, which nothing writes into,
+        rejoin at once)."""
+        age_s, quarantine_s = time.monotonic() - self._started, self._cfg.push_quarantine_s
+        if age_s >= quarantine_s or missing == ["encoder"]:
+            return ""
+        return (f" (this daemon started {age_s:.0f}s ago: the denoisers and decoders of one that stopped without "
+                f"its farewell, a crash, rejoin after daemon.push_quarantine_s, {quarantine_s:g}s)")
 
     def _send(self, identity: bytes, message: ClientReply, frames: tuple | list = (), *, awaited: bool = True) -> None:
         """Queue a reply: replies leave together once the daemon is quiet. Not ``awaited``: the

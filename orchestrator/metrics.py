@@ -97,11 +97,14 @@ def _daemon_metrics(stats: Stats) -> Iterator[Metric]:
                               "Replies not sent: the client had left or was not reading its replies",
                               value=stats.replies_dropped)
     # Every state, 0 when empty: a series that vanishes when idle breaks sums and alerts.
-    yield _labelled(GaugeMetricFamily, "triptych_requests_in_flight", "Requests in flight, by state", "state",
+    yield _labelled(GaugeMetricFamily, "triptych_requests_in_flight",
+                    "Requests in flight, by state: a stage's from the hand-off into it to the hand-off out of it, "
+                    "a wait for the next stage's slot included", "state",
                     {state: 0 for state in ACTIVE_BY_ROLE.values()} | stats.requests_by_state)
     yield _labelled(GaugeMetricFamily, "triptych_queue_depth", "Jobs waiting for a free slot, by role", "role",
                     stats.queue_depths)
-    yield _gauge("triptych_handoffs_in_flight", "Hand-offs between stages in progress", stats.handoffs_in_flight)
+    yield _gauge("triptych_handoffs_in_flight", "Outputs staged and not yet handed to the next stage: waiting for "
+                 "its slot, or being written", stats.handoffs_in_flight)
     yield _gauge("triptych_handoffs_held", "Hand-offs of ended requests whose receiver memory waits for the push "
                  "to report (or push_quarantine_s)", stats.handoffs_held)
     handoffs = CounterMetricFamily("triptych_handoffs", "Hand-offs made, by hop and path (fast: a preallocated slot)",

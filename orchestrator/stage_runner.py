@@ -53,7 +53,7 @@ class StageRunner:
     def registered(self, log: Any, max_message_bytes: int) -> None:
         """Take on a registration's log and the daemon's frame limit (its socket cuts off a
         larger frame)."""
-        self._log = log
+        self._log = self._watchdog.log = log
         self._max_message_bytes = max_message_bytes
 
     async def load(self, build: Callable[[], Stage]) -> None:

@@ -32,7 +32,7 @@ def _duration(ms: float) -> str:
 def stats_table(stats: Stats) -> str:
     lines = [
         f"uptime {stats.uptime_s:.1f}s  draining={stats.draining}  completed={stats.completed}  "
-        f"failed={sum(stats.failed_by_reason.values())} {stats.failed_by_reason or ''} retried={stats.retried}"
+        f"failed attempts={sum(stats.failed_by_reason.values())} {stats.failed_by_reason or ''} retried={stats.retried}"
         + (f"  replies dropped={stats.replies_dropped}" if stats.replies_dropped else "")
         + (f"  refused at the door={sum(stats.refused.values())} {stats.refused}" if stats.refused else ""),
         f"in flight: {stats.requests_by_state or 'none'}  hand-offs in flight: {stats.handoffs_in_flight}"

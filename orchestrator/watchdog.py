@@ -35,7 +35,7 @@ class StageWatchdog:
                  on_hung: Callable[[str], object]) -> None:
         self.limit_s = limit_s
         self._setting = setting  # the key that sets limit_s, for the operator reading the log
-        self._log = log
+        self.log = log  # the worker's; once it registers, bound to its registration (its instance)
         self._on_hung = on_hung  # called on the watchdog's thread with the run's request id; exits
         self._lock = threading.Lock()  # the runs change on the event loop, are read here
         self._runs: dict[RunControl, str] = {}
@@ -61,7 +61,7 @@ class StageWatchdog:
         for control, request_id in runs:
             started = control.started_at
             if started is not None and now - started > self.limit_s:
-                self._log.error("worker.stage_hung", request_id=request_id, ran_s=round(now - started, 1),
+                self.log.error("worker.stage_hung", request_id=request_id, ran_s=round(now - started, 1),
                                 limit_s=self.limit_s, setting=self._setting, exit_status=EXIT_STAGE_HUNG)
                 self._on_hung(request_id)
                 return True

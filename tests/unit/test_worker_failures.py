@@ -15,6 +15,7 @@ import pytest
 import torch
 import zmq
 import zmq.asyncio
+from structlog.testing import capture_logs
 
 from orchestrator.daemon_link import DaemonLink
 from orchestrator.stages import RunControl, StageError, StageStopped
@@ -273,3 +274,18 @@ async def test_a_decoder_stopping_after_its_daemon_died_warns_only_of_outputs_it
             link.close(0)
     warned = [line for line in logs if line["event"] == "worker.outputs_not_handed_over"]
     assert [line["outputs"] for line in warned] == [1] * held
+
+
+async def test_a_hung_run_is_logged_under_the_workers_registration() -> None:
+    """Its line names the instance, as the worker's other lines do (an operator audit: it
+    carried none, the watchdog keeping the log it was made with, before registration)."""
+    async with worker("decoder") as w:
+        w._adopt(Registered(instance="decoder-7", key=b"k" * 16, heartbeat_s=1.0, push_quarantine_s=1.0))
+        dog, hung = w._runner._watchdog, []
+        dog._on_hung = hung.append  # not the worker's exit
+        control = RunControl()
+        control.started_at = 100.0
+        with dog.watching(control, "r1"), capture_logs() as logs:
+            assert dog.check(100.0 + dog.limit_s + 1)
+    assert hung == ["r1"] and [(line["event"], line["instance"]) for line in logs] == [("worker.stage_hung",
+                                                                                         "decoder-7")]
