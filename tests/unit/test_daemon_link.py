@@ -108,9 +108,9 @@ async def test_a_hand_over_ends_when_the_daemon_answers_the_leaving(tmp_path: Pa
             assert answered.is_set()
 
 
-async def test_a_hand_over_to_a_daemon_that_is_gone_ends_once_no_answer_can_come(tmp_path: Path) -> None:
-    """A dead daemon's decoder waited its whole stop_flush_s (10 s) to stop, though ZMQ
-    drops what was queued on a connection with it, and no answer could come."""
+@contextmanager
+def outputs_to_a_dead_daemon(tmp_path: Path) -> Iterator[DaemonLink]:
+    """A link whose output connection (under ``KEY``) was up when its daemon died."""
     endpoint = f"ipc://{tmp_path}/workers"
     with zmq.Context() as ctx:
         daemon = ctx.socket(zmq.ROUTER)
@@ -122,12 +122,19 @@ async def test_a_hand_over_to_a_daemon_that_is_gone_ends_once_no_answer_can_come
             assert link.send_now([], [[encode(Heartbeat())]], leaving=False)
             assert daemon.poll(5000) and daemon.recv_multipart()[0] == KEY  # the output connection is up
             daemon.close(linger=0)
-            started = time.monotonic()
-            with anyio.fail_after(5):
-                why = await link.hand_over([], heartbeat_s=0.05, within_s=30.0)
-            assert why is not None and "closed" in why and time.monotonic() - started < 2
+            yield link
         finally:
             link.close(0)
+
+
+async def test_a_hand_over_to_a_daemon_that_is_gone_ends_once_no_answer_can_come(tmp_path: Path) -> None:
+    """A dead daemon's decoder waited its whole stop_flush_s (10 s) to stop, though ZMQ
+    drops what was queued on a connection with it, and no answer could come."""
+    with outputs_to_a_dead_daemon(tmp_path) as link:
+        started = time.monotonic()
+        with anyio.fail_after(5):
+            why = await link.hand_over([], heartbeat_s=0.05, within_s=30.0)
+        assert why is not None and "closed" in why and time.monotonic() - started < 2
 
 
 async def test_a_hand_over_where_no_daemon_ever_listened_ends_after_the_wait_for_one(tmp_path: Path) -> None:

@@ -21,6 +21,7 @@ from orchestrator.daemon_link import DaemonLink
 from orchestrator.stages import RunControl, StageError, StageStopped
 from orchestrator.stages.base import released
 from orchestrator.watchdog import EXIT_DEVICE_BROKEN
+from tests.unit.test_daemon_link import KEY, outputs_to_a_dead_daemon
 from tests.unit.test_worker_orders import CFG, PARAMS, reports, worker
 from transfer.protocol import (
     MAX_ERROR_TEXT,
@@ -251,27 +252,14 @@ async def test_a_decoder_stopping_after_its_daemon_died_warns_only_of_outputs_it
     """Its Leaving can get no answer. With nothing to hand over nothing was lost: a warning
     that outputs were sent operators looking for work that never existed (an operator
     audit: every decoder stopped after a daemon crash said so)."""
-    endpoint = f"ipc://{tmp_path}/workers"
-    key = b"k" * 16
-    with zmq.Context() as ctx:
-        daemon = ctx.socket(zmq.ROUTER)
-        daemon.bind(endpoint)
-        link = DaemonLink(endpoint)
-        try:
-            link.connect()
-            link.open_outputs(key)
-            assert link.send_now([], [[encode(Heartbeat())]], leaving=False)
-            assert daemon.poll(5000) and daemon.recv_multipart()[0] == key  # the output connection is up
-            daemon.close(linger=0)  # the daemon dies
-            async with worker("decoder") as w:
-                registered = Registered(instance="decoder-1", key=key, heartbeat_s=0.05, push_quarantine_s=1.0)
-                w._adopt(registered)
-                for _ in range(held):
-                    w._outputs.put(encode(Heartbeat()))
-                with anyio.fail_after(5):
-                    await w._leave(link, registered)
-        finally:
-            link.close(0)
+    with outputs_to_a_dead_daemon(tmp_path) as link:
+        async with worker("decoder") as w:
+            registered = Registered(instance="decoder-1", key=KEY, heartbeat_s=0.05, push_quarantine_s=1.0)
+            w._adopt(registered)
+            for _ in range(held):
+                w._outputs.put(encode(Heartbeat()))
+            with anyio.fail_after(5):
+                await w._leave(link, registered)
     warned = [line for line in logs if line["event"] == "worker.outputs_not_handed_over"]
     assert [line["outputs"] for line in warned] == [1] * held
 
