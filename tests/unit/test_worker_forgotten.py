@@ -6,6 +6,7 @@ import time
 
 import anyio
 import pytest
+import structlog
 
 from orchestrator.config import LOCAL_MOONCAKE_ENV, Config, DaemonConfig, TransferConfig
 from orchestrator.worker import WorkerRuntime
@@ -58,3 +59,6 @@ async def test_a_receiver_waits_its_daemons_quarantine_not_its_own_copys() -> No
     with anyio.fail_after(5):
         await worker._forget_everything(RegisterRefused(message="not registered", rejoin=True))
     assert QUARANTINE_S <= time.monotonic() - started < 5
+    # Its lines while it waits for a daemon name no instance: that one is gone (an operator
+    # audit: a rejoining worker's first line named the old daemon's).
+    assert "instance" not in structlog.get_context(worker._log)
