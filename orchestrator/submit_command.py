@@ -53,7 +53,9 @@ def _say(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
     except BrokenPipeError:
         # To /dev/null: what is still buffered, and the lines to come, go nowhere quietly.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stderr.fileno())
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stderr.fileno())
+        os.close(devnull)
 
 
 def _print_progress(progress: Progress) -> None:
