@@ -299,8 +299,8 @@ class WorkerRuntime:
         """Free what the registration ``forgotten`` ended held, then wait until rejoining is
         safe. A daemon's farewell is a planned end (a restart, a drain): said, not warned of."""
         assert self._pool is not None and self._memory is not None
-        say = self._log.info if forgotten.message == DAEMON_STOPPING else self._log.warning
-        say("worker.forgotten", why=forgotten.message)
+        log = self._log.info if forgotten.message == DAEMON_STOPPING else self._log.warning
+        log("worker.forgotten", why=forgotten.message)
         self._memory.free_everything()
         # Orders of the registration's last loop turn left these behind: their tasks were
         # cancelled before they ran, and with them the code that would have cleared them.
@@ -312,8 +312,8 @@ class WorkerRuntime:
         # A sender told to push here before the daemon forgot us may still be writing: the
         # daemon must not hand this memory out again before such a write is over.
         wait_s = 0.0 if self.role == "encoder" or forgotten.settled else self._memory.push_quarantine_s
-        say("worker.rejoining", wait_s=wait_s, blocks_held=self._pool.allocated_blocks)
-        self._log = log.bind(role=self.role, worker=self.name)  # no instance until the next registration names one
+        log("worker.rejoining", wait_s=wait_s, blocks_held=self._pool.allocated_blocks)
+        self._log = self._log.new(role=self.role, worker=self.name)  # no instance until the next registration names one
         await anyio.sleep(wait_s)
 
     async def _register(self, dealer: zmq.asyncio.Socket, work_address: str, *, patient: bool) -> Registered:
