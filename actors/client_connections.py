@@ -7,13 +7,15 @@ carries the descriptor it came by (ZMQ_SRCFD). So the frontend files each connec
 waits for a request under its descriptor, and a close of that descriptor names the
 connections to give up on.
 
-The kernel hands a closed descriptor's number to the next connection. libzmq queues the
-DISCONNECTED event before it closes the descriptor, so an earlier connection's close is
-already in the monitor's queue when a message from a later one on the same number is read:
-``watch`` reads that queue first, and never files a new connection under an old one's close.
-A message read after its own connection's close (still queued in the ROUTER) is filed under
-a descriptor that is closed or another's: the next close there gives it up, which is right,
-or its reply finds no way there (the client outbox says so too).
+The kernel hands a closed descriptor's number to the next connection. libzmq queues
+ACCEPTED before a connection can carry a message, and DISCONNECTED before it closes the
+descriptor, so when a message is read every event of its descriptor up to the message's
+connection is in the monitor's queue: ``watch`` reads the queue first. It then never files
+a new connection under an old one's close, and it tells a message whose own connection has
+closed since (a client that sent and left at once: most are read after their close) by its
+descriptor's last event. Only a message read after its connection's descriptor was reused
+by another is filed under that one: the next close there gives it up, or its reply finds
+no way there (the client outbox says so too).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from transfer.sockets import EVENTS, POLLIN, recv_frames
 
 # A monitor event's first frame: the event (uint16) and its value (uint32), here the descriptor.
 _EVENT = struct.Struct("=HI")
+_ACCEPTED = int(zmq.EVENT_ACCEPTED)
 _DISCONNECTED = int(zmq.EVENT_DISCONNECTED)
 _addresses = itertools.count()
 
@@ -45,7 +48,7 @@ class ClientConnections:
             self.monitor.setsockopt(zmq.LINGER, 0)
             self.monitor.setsockopt(zmq.RCVHWM, 0)
             self.monitor.connect(address)  # before the monitor exists: no event waits for a reader
-            router.monitor(address, zmq.EVENT_DISCONNECTED)
+            router.monitor(address, zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
         except BaseException:
             self.monitor.close()
             raise
@@ -53,6 +56,9 @@ class ClientConnections:
         self._on_closed = on_closed  # a watched connection closed (its identity)
         self._by_fd: dict[int, set[bytes]] = {}
         self._fd_of: dict[bytes, int] = {}
+        # Descriptors whose last event was a close (none accepted on the number since): at
+        # most one entry a descriptor number the process ever had.
+        self._closed: set[int] = set()
 
     def __enter__(self) -> ClientConnections:
         return self
@@ -61,13 +67,20 @@ class ClientConnections:
         self._router.disable_monitor()
         self.monitor.close()
 
-    def watch(self, identity: bytes, fd: int) -> None:
-        """File ``identity``'s connection under ``fd``, the descriptor its message came by."""
-        if fd < 0:
-            return  # a transport without one: its close is learned when a reply finds no way
-        self.read()  # every close already queued: one of them may be an earlier holder of ``fd``
+    def watch(self, identity: bytes, fd: int) -> bool:
+        """File ``identity``'s connection under ``fd``, the descriptor its latest message came
+        by; False if that connection has closed already, and nothing is filed."""
+        if fd < 0 or self._fd_of.get(identity) == fd:
+            return True  # filed already (a close not yet read will find it); or a transport without one
+        self.read()  # every event already queued about ``fd``: its last says whether it is open
+        if fd in self._closed:
+            return False
+        # Filed under another descriptor: a client that reconnected under a fixed routing id,
+        # whose old connection's close must not end what it now asks.
+        self.unwatch(identity)
         self._fd_of[identity] = fd
         self._by_fd.setdefault(fd, set()).add(identity)
+        return True
 
     def unwatch(self, identity: bytes) -> None:
         """``identity`` waits for nothing any more (or was given up on)."""
@@ -86,8 +99,10 @@ class ClientConnections:
     def heard(self, frames: list[bytes]) -> None:
         """One monitor event: a close gives up on every connection filed under its descriptor."""
         event, fd = _EVENT.unpack_from(frames[0])
-        if event != _DISCONNECTED:
+        if event == _ACCEPTED:
+            self._closed.discard(fd)
             return
+        self._closed.add(fd)
         for identity in self._by_fd.pop(fd, ()):
             del self._fd_of[identity]
             self._on_closed(identity)

@@ -84,7 +84,6 @@ CLIENT_FRAMES_READ = 8
 # nobody; unless the id's request had just ended (then the Cancel came late, not early).
 CANCEL_OVERTAKES_S = 1.0
 FORESEEN_CANCELS = 4096  # ids remembered so, at the most (the oldest forgotten first); as many ended ones
-PINGS_PER_SILENCE = 6  # client connections are pinged this often within daemon.client_silence_s
 
 
 class FrontendStats(msgspec.Struct, frozen=True):
@@ -157,9 +156,7 @@ class FrontendActor:
         # Replies already handed to ZMQ get a bounded moment to leave on shutdown.
         with bound_router(self._ctx, self._cfg.client_endpoint, send_hwm=self._cfg.client_send_hwm,
                           max_message_bytes=self._cfg.client_max_message_bytes,
-                          close_linger_ms=FLUSH_ON_CLOSE_MS, plain=True, mandatory=True,
-                          ping=(round(self._cfg.client_silence_s * 1000 / PINGS_PER_SILENCE),
-                                round(self._cfg.client_silence_s * 1000))) as (sock, bound), \
+                          close_linger_ms=FLUSH_ON_CLOSE_MS, plain=True, mandatory=True) as (sock, bound), \
                 ClientConnections(self._ctx, sock, self._connection_gone) as self._connections:
             self._pump = PlainPump(sock, self._on_frames, copy=False, hold=self._inbox.board.hold,
                                    most_frames=CLIENT_FRAMES_READ)
@@ -283,6 +280,8 @@ class FrontendActor:
         elif violation := (self._door.violation(msg.params)
                            or raw_output_violation(msg.params, self._cfg.worker_max_message_bytes)):
             problem = Reason.INVALID, violation
+        elif not self._watch(identity, head):  # last: what passes it is admitted
+            problem = Reason.CANCELLED, f"{CLIENT_GONE} before its request was read"
         if problem is not None:
             self._refuse(identity, rid, *problem, awaited=problem[0] != Reason.CANCELLED)
             # Ended here: a Cancel of it that finds nothing now came late, not before its Submit.
@@ -291,7 +290,13 @@ class FrontendActor:
         timeout_s = min(msg.timeout_s or self._cfg.request_timeout_s, self._cfg.max_request_timeout_s)
         now = time.monotonic()
         self._admit(Asked(identity, rid, msg.params, msg.priority, msg.progress, now, now + timeout_s,
-                          self._cfg.retries, msg.cancel_token), timeout_s, head=head)
+                          self._cfg.retries, msg.cancel_token), timeout_s)
+
+    def _watch(self, identity: bytes, head: zmq.Frame) -> bool:
+        """File the connection a Submit came by (``head``, its first frame, names the
+        descriptor), so that its close cancels what it waits for; False if it closed already."""
+        assert self._connections is not None
+        return self._connections.watch(identity, head.get(SRCFD))
 
     def _refuse(self, identity: bytes, rid: str, reason: Reason, message: str, *, awaited: bool = True) -> None:
         """Refuse a request at the door (never admitted): count it by reason, and log it."""
@@ -302,19 +307,11 @@ class FrontendActor:
     def _refuse_version(self, identity: bytes, rid: str, version: int | None) -> None:
         self._refuse(identity, rid, Reason.UNSUPPORTED, f"protocol {version}; this daemon speaks {PROTOCOL_VERSION}")
 
-    def _admit(self, asked: Asked, timeout_s: float, *, again: bool = False, head: zmq.Frame | None = None) -> None:
-        """Admit ``asked``; ``head``: the first frame of its Submit, which names the connection's
-        descriptor (a retry's connection waits for the request it retries, and is known)."""
+    def _admit(self, asked: Asked, timeout_s: float, *, again: bool = False) -> None:
         key = f"{asked.request_id}#{next(self._keys)}"
         self._clients[key] = asked
         self._in_flight[asked.request_id] = key
-        keys = self._of_connection.get(asked.identity)
-        if keys is None:
-            keys = self._of_connection[asked.identity] = set()
-            if head is not None:
-                assert self._connections is not None
-                self._connections.watch(asked.identity, head.get(SRCFD))
-        keys.add(key)
+        self._of_connection.setdefault(asked.identity, set()).add(key)
         self._tracker.post(Admit(request_id=key, params=asked.params, timeout_s=timeout_s, priority=asked.priority,
                                  progress=asked.progress, submitted_at=asked.submitted_at, avoid=asked.avoid,
                                  again=again))

@@ -103,12 +103,6 @@ class DaemonConfig(Section):
     # any reply that would wait is dropped, so many connections that never read cannot pin memory without
     # bound (clients are trusted, but a buggy one may open connections in a loop).
     client_held_total_bytes: PositiveInt = 1024 * MiB
-    # A client connection that answers no ping for this long is closed, and what it waits
-    # for cancelled: a client host gone without closing its connections (power lost, a cable
-    # cut), or a client process stopped that long. Pinged six times within it (ZMTP
-    # heartbeats, answered by the client's libzmq however busy its program is). In ZMQ's
-    # milliseconds: at least 60 (a ping each 10), at most a day.
-    client_silence_s: Annotated[float, msgspec.Meta(ge=0.06, le=86_400.0)] = 30.0
     # A peer sending a larger frame is disconnected unread (ZMQ_MAXMSGSIZE). At least what
     # the largest valid Submit takes (MAX_SUBMIT_BYTES: two prompts of 16,384 characters):
     # below it a valid request is cut off and its client learns only that the connection

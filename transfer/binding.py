@@ -69,8 +69,8 @@ def unix_listener_at(path: str) -> bool:
 
 @contextmanager
 def bound_router(ctx: zmq.Context, endpoint: str, *, send_hwm: int, max_message_bytes: int,
-                 close_linger_ms: int = 0, plain: bool = False, mandatory: bool = False,
-                 ping: tuple[int, int] | None = None) -> Iterator[tuple[zmq.Socket, str]]:
+                 close_linger_ms: int = 0, plain: bool = False, mandatory: bool = False
+                 ) -> Iterator[tuple[zmq.Socket, str]]:
     """A ROUTER bound exclusively to ``endpoint``, closed on exit; yields it and its address.
 
     A peer that sends a frame over ``max_message_bytes`` is disconnected by ZMQ before the
@@ -79,8 +79,12 @@ def bound_router(ctx: zmq.Context, endpoint: str, *, send_hwm: int, max_message_
     many frames can still make this process hold them all (docs/operations.md, Security).
     ``plain`` makes a plain socket even under an asyncio context, for a ``PlainPump``;
     ``mandatory`` makes a send that ZMQ would silently drop (peer gone, or past its
-    high-water mark) raise instead. ``ping``: (every, within) ms, ZMTP heartbeats: a
-    connection whose peer answers none within that is closed, as if its host said so.
+    high-water mark) raise instead.
+
+    No ZMTP heartbeats (ZMQ_HEARTBEAT_IVL): libzmq 4.3.5 aborts the whole process when a
+    heartbeat falls due on a connection whose input it stopped (its queue full: a peer
+    flooding a loop that reads slower) and whose peer has closed (stream_engine_base.cpp:310,
+    `!_io_error`; reproduced here).
     """
     sock = zmq.Socket(ctx, zmq.ROUTER) if plain else ctx.socket(zmq.ROUTER)
     try:
@@ -91,9 +95,6 @@ def bound_router(ctx: zmq.Context, endpoint: str, *, send_hwm: int, max_message_
         sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
         if mandatory:
             sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        if ping is not None:
-            sock.setsockopt(zmq.HEARTBEAT_IVL, ping[0])
-            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, ping[1])
         bound = bind_exclusive(sock, endpoint)
     except BaseException:
         sock.close(linger=0)  # and the endpoint's file, if any, is another process's: left
