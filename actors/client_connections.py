@@ -75,8 +75,8 @@ class ClientConnections:
         self.read()  # every event already queued about ``fd``: its last says whether it is open
         if fd in self._closed:
             return False
-        # Filed under another descriptor: a client that reconnected under a fixed routing id,
-        # whose old connection's close must not end what it now asks.
+        # Filed under another descriptor, if at all: a client that reconnected under a fixed
+        # routing id, whose old connection's close must not end what it now asks.
         self.unwatch(identity)
         self._fd_of[identity] = fd
         self._by_fd.setdefault(fd, set()).add(identity)
@@ -97,7 +97,8 @@ class ClientConnections:
             self.heard(recv_frames(self.monitor, copy=True))
 
     def heard(self, frames: list[bytes]) -> None:
-        """One monitor event: a close gives up on every connection filed under its descriptor."""
+        """One monitor event: an accept marks its descriptor open; a close gives up on every
+        connection filed under its descriptor."""
         event, fd = _EVENT.unpack_from(frames[0])
         if event == _ACCEPTED:
             self._closed.discard(fd)
