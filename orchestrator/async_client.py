@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import itertools
 import math
 import sys
 import threading
@@ -48,6 +49,11 @@ OnProgress = Callable[[Progress], None | Awaitable[None]]
 # Progress messages waiting for a slow ``on_progress``; past it, the newest ones are dropped
 # (progress is advisory). The answer never waits behind them (``_Pending.answer``).
 PROGRESS_BACKLOG = 16
+# pyzmq hands over a message already queued without suspending the reader: it lets the
+# loop run at least once every this many replies, or a steady stream of them (many requests
+# in flight, their progress) would hold the loop, and the waiting submits and every other
+# task on it would not run until the stream paused.
+REPLIES_PER_TURN = 16
 # How often an AsyncClient with no daemon connected looks for requests that waited NO_DAEMON_S.
 WATCH_S = 0.25
 
@@ -232,7 +238,9 @@ class AsyncClient:
         return self._sock
 
     async def _read(self) -> None:
-        while True:
+        for read in itertools.count(1):
+            if read % REPLIES_PER_TURN == 0:
+                await anyio.lowlevel.checkpoint()
             sock, generation = self._sock, self._generation
             assert sock is not None
             try:

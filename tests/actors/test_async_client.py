@@ -4,6 +4,7 @@ stops listening (its on_progress raised) cancels the request at the daemon."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import math
 import pickle
 import subprocess
@@ -25,6 +26,7 @@ from orchestrator.client import AsyncClient, Client, Generation, Rejection
 from orchestrator.client_wire import CANCEL_SEND_S, DEFAULT_TIMEOUT_S, CancelTokens
 from orchestrator.control_client import Control
 from tests.actors.fake_daemon import CONTROL_SOCKETS_REFUSAL, WORKER_SOCKETS_REFUSAL, router_at
+from tests.actors.progress_flood import FLOODING_AFTER, ProgressFlood
 from tests.conftest import outcome_of
 from transfer.protocol import (
     CLIENT_REQUEST,
@@ -744,6 +746,29 @@ async def test_an_id_is_in_use_until_its_submit_returns_even_once_answered(fake_
             with pytest.raises(ValueError, match="in use"):
                 await client.submit(PARAMS, request_id="same")
         assert got == [1.0]
+
+
+async def test_a_steady_stream_of_replies_never_holds_the_loop(tmp_path: Path) -> None:
+    """pyzmq hands over a message already queued without suspending: a reader that took each
+    as it came held the event loop for as long as the replies kept coming, and every other
+    task on it (the submits waiting on them, the caller's own) stood still that long."""
+    endpoint = f"ipc://{tmp_path}/daemon"
+    ticks: list[float] = []
+
+    async def tick() -> None:
+        while True:
+            ticks.append(time.monotonic())
+            await anyio.sleep(0.005)
+
+    with anyio.fail_after(20), ProgressFlood(endpoint, for_s=2.0) as flood:
+        async with AsyncClient(endpoint) as client, anyio.create_task_group() as tg:
+            tg.start_soon(tick)
+            tg.start_soon(partial(client.submit, PARAMS, request_id="r", on_progress=lambda _: None))
+            while not flood.ended.is_set():
+                await anyio.sleep(0.05)
+            tg.cancel_scope.cancel()
+    assert flood.sent > FLOODING_AFTER  # a stream with no pause, two seconds long
+    assert max(later - earlier for earlier, later in itertools.pairwise(ticks)) < 0.5
 
 
 async def test_progress_for_a_request_given_up_on_while_its_cancel_waits_harms_nobody(
