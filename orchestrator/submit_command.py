@@ -6,6 +6,7 @@ Imported by cli.py only when a submit runs: the other commands do not load the c
 from __future__ import annotations
 
 import argparse
+import asyncio
 import hashlib
 import os
 import re
@@ -70,8 +71,19 @@ def _generate(endpoint: str, params: GenParams, args: argparse.Namespace, rid: s
             return client.submit(params, **options)
 
     async def watched() -> Generation:
-        async with AsyncClient(endpoint) as client:
-            return await client.submit(params, on_progress=_print_progress, **options)
+        # On the loop, SIGTERM cancels the wait as asyncio's runner cancels it on Ctrl-C. Raised
+        # from the handler, _Terminated would land in whichever task runs, the client's reader
+        # mid-receive most often under a stream of progress: that ends the reader, and the
+        # client's close then reports it as a crash, traceback and all.
+        loop = asyncio.get_running_loop()
+        with anyio.CancelScope() as wait:
+            signal.signal(signal.SIGTERM, lambda _signum, _frame: loop.call_soon_threadsafe(wait.cancel))
+            try:
+                async with AsyncClient(endpoint) as client:
+                    return await client.submit(params, on_progress=_print_progress, **options)
+            finally:
+                signal.signal(signal.SIGTERM, _terminate)
+        raise _Terminated
 
     return anyio.run(watched)
 
