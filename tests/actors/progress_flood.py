@@ -16,6 +16,7 @@ from pathlib import Path
 
 import zmq
 
+from tests.actors.fake_daemon import router_at
 from transfer.protocol import CLIENT_REQUEST, Progress, Submit, encode
 
 # Progress messages sent before it says it floods: past ZMQ's queues on both sides of the
@@ -67,9 +68,7 @@ class ProgressFlood:
 
 def _flood(endpoint: str, for_s: float) -> None:
     ctx = zmq.Context()
-    daemon = ctx.socket(zmq.ROUTER)
-    daemon.setsockopt(zmq.LINGER, 0)
-    daemon.bind(endpoint)
+    daemon = router_at(ctx, endpoint)
     poller = zmq.Poller()
     poller.register(daemon, zmq.POLLIN)
     poller.register(sys.stdin, zmq.POLLIN)  # readable once the owner closes it
